@@ -1,0 +1,38 @@
+# Every target works on a fresh clone with Python 3.11 and access to PyPI only.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup test test-fast demo related bench clean
+
+setup: $(STAMP)
+
+# torch is installed first and pinned: torch==2.13.0 is the CPU build; other versions pull CUDA builds.
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev,demo]"
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
+
+demo: setup
+	$(VENV)/bin/hf-partial-attention demo --out runs/demo
+
+related: setup
+	$(PY) -m hf_partial_attention.research all --out results/related
+
+bench: setup
+	$(PY) benchmarks/run.py --out benchmarks/results
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info src/*.egg-info .pytest_cache

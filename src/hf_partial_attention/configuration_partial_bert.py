@@ -1,0 +1,116 @@
+"""Configuration of PartialBert: a BERT whose self-attention computes only k scores per query.
+
+This file is copied next to a saved checkpoint (``save_pretrained``) so that the model loads with
+``trust_remote_code=True`` where the plugin is not installed: it may import only from ``transformers``,
+``torch`` and sibling files of this package with ``from .x import y``.
+"""
+
+from __future__ import annotations
+
+from huggingface_hub.dataclasses import strict
+from transformers import BertConfig
+
+RECONSTRUCTION_MODES = ("fixed", "common", "per_layer")
+PARTIAL_IMPLEMENTATIONS = ("auto", "gather", "dense")
+
+
+@strict
+class PartialBertConfig(BertConfig):
+    r"""
+    Configuration of [`PartialBertModel`] and its heads: every field of [`BertConfig`] plus the partial
+    attention of Bhojanapalli et al. (2021), "Eigen Analysis of Self-Attention and its Reconstruction from
+    Partial Computation".
+
+    In each layer listed in `partial_layers`, query i computes exact scores only with the `partial_k` keys
+    P_i (a fixed index set) and reconstructs the other `partial_seq_len - partial_k` scores linearly,
+    `a_{P̄_i} = R_i a_{P_i} (+ b_i)`, before mask, softmax and the product with V.
+
+    Args:
+        partial_seq_len (`int`, defaults to 128):
+            n, the sequence length P and R are defined for (absolute positions 0..n-1). Shorter inputs work;
+            longer inputs raise a `ValueError`.
+        partial_k (`int`, defaults to 32):
+            k, the number of exactly computed scores per query (1 <= k <= n).
+        reconstruction (`str`, defaults to `"common"`):
+            How R is held: `"fixed"` (a buffer, never trained), `"common"` (one trainable tensor shared by
+            all partial layers) or `"per_layer"` (one trainable tensor per partial layer).
+        partial_layers (`list[int]`, *optional*):
+            Layers that use partial attention. Defaults to every layer but the last (the paper's setting).
+        partial_use_bias (`bool`, defaults to `False`):
+            Add a per-query bias b_i (n x (n-k)) to the reconstructed scores (centred fit of R).
+        partial_default_correlation (`float`, defaults to 0.9):
+            For a model built from a config alone (no pattern given), P_i is the k keys nearest to query i
+            and R the optimal reconstruction under the prior covariance `rho**|j - j'|` with this rho.
+        partial_implementation (`str`, defaults to `"auto"`):
+            Kernel computing the exact scores: `"gather"` (only the k scores per query), `"dense"` (QK^T
+            then select P; same numbers and gradients, faster on CPU at small n) or `"auto"`.
+
+    Examples:
+
+    ```python
+    >>> from hf_partial_attention import PartialBertConfig, PartialBertModel
+    >>> config = PartialBertConfig(partial_seq_len=128, partial_k=32, reconstruction="per_layer")
+    >>> model = PartialBertModel(config)
+    ```"""
+
+    model_type = "partial_bert"
+
+    partial_seq_len: int = 128
+    partial_k: int = 32
+    reconstruction: str = "common"
+    partial_layers: list[int] | None = None
+    partial_use_bias: bool = False
+    partial_default_correlation: float = 0.9
+    partial_implementation: str = "auto"
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        if self.partial_layers is None:
+            # The paper keeps the last layer exact; a 1-layer model has no "all but last", so keep it exact.
+            self.partial_layers = list(range(max(self.num_hidden_layers - 1, 0)))
+        else:
+            self.partial_layers = sorted({int(layer) for layer in self.partial_layers})
+        self._check_partial_fields()
+
+    def _check_partial_fields(self) -> None:
+        n, k = self.partial_seq_len, self.partial_k
+        if n < 1:
+            raise ValueError(f"partial_seq_len must be >= 1, got {n}; set it to the sequence length of P and R.")
+        if n > self.max_position_embeddings:
+            raise ValueError(
+                f"partial_seq_len={n} exceeds max_position_embeddings={self.max_position_embeddings}; "
+                "use a pattern for at most max_position_embeddings positions."
+            )
+        if not 1 <= k <= n:
+            raise ValueError(f"partial_k must be in [1, partial_seq_len={n}], got {k}.")
+        if self.reconstruction not in RECONSTRUCTION_MODES:
+            raise ValueError(
+                f"reconstruction must be one of {RECONSTRUCTION_MODES}, got {self.reconstruction!r}."
+            )
+        if self.partial_implementation not in PARTIAL_IMPLEMENTATIONS:
+            raise ValueError(
+                f"partial_implementation must be one of {PARTIAL_IMPLEMENTATIONS}, "
+                f"got {self.partial_implementation!r}."
+            )
+        bad = [layer for layer in self.partial_layers if not 0 <= layer < self.num_hidden_layers]
+        if bad:
+            raise ValueError(
+                f"partial_layers {bad} are out of range for num_hidden_layers={self.num_hidden_layers}; "
+                f"use indices in [0, {self.num_hidden_layers - 1}]."
+            )
+        if not 0.0 <= self.partial_default_correlation < 1.0:
+            raise ValueError(
+                f"partial_default_correlation must be in [0, 1), got {self.partial_default_correlation}."
+            )
+        if self.is_decoder or self.add_cross_attention:
+            raise ValueError(
+                "PartialBert is an encoder: is_decoder and add_cross_attention must be False "
+                f"(got is_decoder={self.is_decoder}, add_cross_attention={self.add_cross_attention})."
+            )
+
+    def validate_partial_attention(self):
+        """Re-checked by `save_pretrained` (strict dataclass validators)."""
+        self._check_partial_fields()
+
+
+__all__ = ["PartialBertConfig", "RECONSTRUCTION_MODES", "PARTIAL_IMPLEMENTATIONS"]

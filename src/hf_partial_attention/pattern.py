@@ -1,0 +1,191 @@
+"""`AttentionPattern`: the index set P and the reconstruction R, stored as one safetensors file.
+
+This file is part of the remote-code bundle (imports: torch, safetensors and siblings only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .reconstruction import complement_indices, local_prior
+
+__all__ = ["AttentionPattern", "PATTERN_FORMAT_VERSION"]
+
+PATTERN_FORMAT_VERSION = "1"
+SCOPES = ("per_query", "whole")
+_META_KEY = "hf_partial_attention"
+
+
+class AttentionPattern:
+    """Which scores are computed exactly (P) and how the rest are reconstructed (R).
+
+    Two scopes, as in the paper:
+
+    - ``"per_query"`` (what the model runs): ``indices`` is ``(n, k)``: row i holds the k keys whose scores
+      query i computes exactly, sorted and unique; ``reconstruction`` is ``(n, n−k, k)``: row i maps those k
+      scores to the other n−k scores of row i, in increasing key order (``complement``); ``bias`` optional
+      ``(n, n−k)``.
+    - ``"whole"`` (analysis only): one set over the n² (query, key) pairs: ``indices`` ``(k,)`` of
+      flattened positions ``i·n + j``, ``reconstruction`` ``(n²−k, k)``, ``bias`` ``(n²−k,)``.
+
+    Args:
+        indices: int64 tensor as above.
+        reconstruction: float tensor as above (stored as float32).
+        bias: optional float tensor as above.
+        scope: ``"per_query"`` or ``"whole"``.
+        seq_len: n; required for ``"whole"``, inferred for ``"per_query"``.
+        metadata: JSON-serialisable facts about the pattern. Well-known keys: ``source_model``,
+            ``num_sequences``, ``normalized_error`` (error predicted from the covariance divided by its
+            trace), ``covariance`` (``"centered"`` or ``"second_moment"``), ``method``.
+
+    Raises:
+        ValueError: on wrong shapes, out-of-range or duplicate indices, unsorted rows, NaN/Inf values.
+        TypeError: on tensors of the wrong dtype or non-tensor inputs.
+    """
+
+    def __init__(
+        self,
+        indices: torch.Tensor,
+        reconstruction: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        scope: str = "per_query",
+        seq_len: int | None = None,
+        metadata: dict[str, Any] | None = None,
+    ):
+        if scope not in SCOPES:
+            raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}.")
+        for name, value in (("indices", indices), ("reconstruction", reconstruction)):
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}.")
+        if bias is not None and not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}.")
+        if indices.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+            raise TypeError(f"indices must be an integer tensor, got dtype {indices.dtype}.")
+        if not reconstruction.is_floating_point():
+            raise TypeError(f"reconstruction must be a float tensor, got dtype {reconstruction.dtype}.")
+        self.scope = scope
+        self.indices = indices.detach().to("cpu", torch.int64).contiguous()
+        self.reconstruction = reconstruction.detach().to("cpu", torch.float32).contiguous()
+        self.bias = None if bias is None else bias.detach().to("cpu", torch.float32).contiguous()
+        if scope == "per_query":
+            if self.indices.dim() != 2:
+                raise ValueError(f"per_query indices must be (n, k), got shape {tuple(self.indices.shape)}.")
+            n = self.indices.shape[0]
+            if seq_len is not None and seq_len != n:
+                raise ValueError(f"seq_len={seq_len} does not match indices with {n} rows.")
+            self.seq_len = n
+        else:
+            if seq_len is None:
+                raise ValueError("seq_len is required for scope='whole' (indices index the n² flattened pairs).")
+            if self.indices.dim() != 1:
+                raise ValueError(f"whole-matrix indices must be (k,), got shape {tuple(self.indices.shape)}.")
+            self.seq_len = int(seq_len)
+        self.metadata: dict[str, Any] = dict(metadata or {})
+        self._validate()
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def k(self) -> int:
+        """Number of exact scores per query (per_query) or in total (whole)."""
+        return int(self.indices.shape[-1])
+
+    @property
+    def size(self) -> int:
+        """Length of one score vector: n (per_query) or n² (whole)."""
+        return self.seq_len if self.scope == "per_query" else self.seq_len * self.seq_len
+
+    @property
+    def complement(self) -> torch.Tensor:
+        """Indices not in P, sorted: the row order of ``reconstruction``."""
+        return complement_indices(self.indices, self.size)
+
+    @property
+    def normalized_error(self) -> float | None:
+        value = self.metadata.get("normalized_error")
+        return None if value is None else float(value)
+
+    def _validate(self) -> None:
+        l, k = self.size, self.k
+        if k < 1 or k > l:
+            raise ValueError(f"k={k} exact scores per vector must be in [1, {l}].")
+        idx = self.indices
+        if idx.numel() and (idx.min() < 0 or idx.max() >= l):
+            raise ValueError(
+                f"indices must lie in [0, {l}), found values in [{int(idx.min())}, {int(idx.max())}]."
+            )
+        if k > 1:
+            sorted_idx = torch.sort(idx, dim=-1).values
+            dup = (sorted_idx[..., 1:] == sorted_idx[..., :-1]).reshape(-1, k - 1).any(-1)  # (rows,)
+            if bool(dup.any()):
+                row = int(torch.nonzero(dup)[0])
+                raise ValueError(f"indices contain duplicates (first in row {row}); each entry of P must be unique.")
+            if not torch.equal(sorted_idx, idx):
+                raise ValueError("indices rows must be sorted in increasing order; use torch.sort(indices, dim=-1).")
+        want = (*idx.shape[:-1], l - k, k)
+        if tuple(self.reconstruction.shape) != want:
+            raise ValueError(f"reconstruction must have shape {want} for indices {tuple(idx.shape)}, got {tuple(self.reconstruction.shape)}.")
+        if not bool(torch.isfinite(self.reconstruction).all()):
+            raise ValueError("reconstruction contains NaN or Inf values.")
+        if self.bias is not None:
+            if tuple(self.bias.shape) != want[:-1]:
+                raise ValueError(f"bias must have shape {want[:-1]}, got {tuple(self.bias.shape)}.")
+            if not bool(torch.isfinite(self.bias).all()):
+                raise ValueError("bias contains NaN or Inf values.")
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def exact(cls, n: int) -> "AttentionPattern":
+        """k = n: every score is computed exactly and nothing is reconstructed (dense attention)."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}.")
+        indices = torch.arange(n).expand(n, n).clone()  # (n, n)
+        return cls(indices, torch.zeros(n, 0, n), metadata={"method": "exact"})
+
+    @classmethod
+    def local(cls, n: int, k: int, correlation: float = 0.9) -> "AttentionPattern":
+        """The deterministic default used for a model built from a config alone.
+
+        P_i: the k keys nearest to query i (ties to the lower position). R_i: optimal for the prior
+        covariance ``correlation**|j − j'|`` between a row's scores (see `reconstruction.local_prior`).
+        """
+        if not 1 <= k <= n:
+            raise ValueError(f"k must be in [1, n={n}], got {k}.")
+        indices, recon = local_prior(n, k, correlation)
+        return cls(indices, recon, metadata={"method": "local_prior", "correlation": correlation})
+
+    # ------------------------------------------------------------------ io
+    def save(self, path: str | os.PathLike) -> None:
+        """Write one safetensors file; the scope, n and metadata go in its header."""
+        tensors = {"indices": self.indices, "reconstruction": self.reconstruction}
+        if self.bias is not None:
+            tensors["bias"] = self.bias
+        header = {"format_version": PATTERN_FORMAT_VERSION, "scope": self.scope, "seq_len": self.seq_len,
+                  "k": self.k, "metadata": self.metadata}
+        save_file(tensors, os.fspath(path), metadata={_META_KEY: json.dumps(header)})
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "AttentionPattern":
+        """Read a file written by `save` (validated again on load)."""
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"No pattern file at {path!r}.")
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata() or {}
+            if _META_KEY not in meta:
+                raise ValueError(f"{path!r} is a safetensors file but not an AttentionPattern (no {_META_KEY!r} header).")
+            header = json.loads(meta[_META_KEY])
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+        return cls(tensors["indices"], tensors["reconstruction"], tensors.get("bias"), scope=header["scope"],
+                   seq_len=header["seq_len"], metadata=header.get("metadata", {}))
+
+    def __repr__(self) -> str:
+        err = self.normalized_error
+        err_s = "" if err is None else f", normalized_error={err:.4g}"
+        return (f"AttentionPattern(scope={self.scope!r}, seq_len={self.seq_len}, k={self.k}, "
+                f"bias={self.bias is not None}{err_s})")
