@@ -1,0 +1,87 @@
+"""Registration with the Auto classes, and loading with trust_remote_code where the plugin is absent."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification
+
+import hf_partial_attention
+from hf_partial_attention import PartialBertConfig, PartialBertForMaskedLM, PartialBertModel
+from hf_partial_attention.modeling_partial_bert import AUTO_CLASSES
+
+TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37,
+            partial_seq_len=16, partial_k=4)
+
+
+def test_import_registers_config_and_heads():
+    cfg = AutoConfig.for_model("partial_bert", **TINY)
+    assert isinstance(cfg, PartialBertConfig)
+    assert type(AutoModel.from_config(cfg)) is PartialBertModel
+    assert type(AutoModelForMaskedLM.from_config(cfg)) is PartialBertForMaskedLM
+    hf_partial_attention.register()  # idempotent
+
+
+def test_save_pretrained_writes_auto_map_and_code(tmp_path):
+    PartialBertModel(PartialBertConfig(**TINY)).save_pretrained(tmp_path)
+    auto_map = json.loads((tmp_path / "config.json").read_text())["auto_map"]
+    assert set(auto_map) == {"AutoConfig", *AUTO_CLASSES}
+    for name in ("modeling_partial_bert.py", "configuration_partial_bert.py", "pattern.py", "reconstruction.py",
+                 "partial_attention.py"):
+        assert (tmp_path / name).is_file(), name
+
+
+REMOTE = textwrap.dedent(
+    """
+    import sys
+    sys.modules["hf_partial_attention"] = None  # the plugin cannot be imported in this process
+    import torch
+    from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification
+    classes = {"AutoModel": AutoModel, "AutoModelForMaskedLM": AutoModelForMaskedLM,
+               "AutoModelForSequenceClassification": AutoModelForSequenceClassification}
+    for folder, auto in [line.split() for line in sys.argv[1:]]:
+        try:
+            classes[auto].from_pretrained(folder)
+            raise SystemExit("loaded custom code without trust_remote_code")
+        except ValueError as err:
+            assert "custom code" in str(err)
+        model = classes[auto].from_pretrained(folder, trust_remote_code=True).eval()
+        ref = torch.load(folder + "/reference.pt")
+        with torch.no_grad():
+            out = model(input_ids=ref["ids"], attention_mask=ref["mask"])[0]
+        state = model.state_dict()
+        same_r = all(torch.equal(state[k], v) for k, v in ref["partial"].items())
+        print("RESULT", folder, type(model).__module__.split(".")[0], float((out - ref["out"]).abs().max()), same_r)
+    """
+)
+
+
+def test_trust_remote_code_without_the_plugin(tmp_path):
+    jobs = []
+    cases = [("fixed", PartialBertModel, "AutoModel"), ("common", PartialBertForMaskedLM, "AutoModelForMaskedLM"),
+             ("per_layer", hf_partial_attention.PartialBertForSequenceClassification,
+              "AutoModelForSequenceClassification")]
+    ids = torch.randint(1, 99, (2, 10), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    for mode, cls, auto in cases:
+        torch.manual_seed(0)
+        model = cls(PartialBertConfig(**TINY, reconstruction=mode)).eval()
+        folder = tmp_path / mode
+        model.save_pretrained(folder)
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=mask)[0]
+        partial = {k: v for k, v in model.state_dict().items() if "partial_pattern" in k or "reconstruction" in k}
+        torch.save({"ids": ids, "mask": mask, "out": out, "partial": partial}, folder / "reference.pt")
+        jobs.append(f"{folder} {auto}")
+    env = dict(os.environ, HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-c", REMOTE, *jobs], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 3
+    for line in lines:
+        _, _, module, diff, same_r = line.split()
+        assert module == "transformers_modules" and float(diff) == 0.0 and same_r == "True", line

@@ -1,0 +1,127 @@
+"""The partial attention function against dense attention, in float64."""
+
+import pytest
+import torch
+from torch import nn
+
+from hf_partial_attention.partial_attention import IMPLEMENTATIONS, partial_attention_forward
+from hf_partial_attention.reconstruction import inverse_permutation, solve_reconstruction
+
+DT = torch.float64
+
+
+class Dummy(nn.Module):
+    pass
+
+
+def dense(q, k, v, mask, scaling):
+    s = q @ k.transpose(-1, -2) * scaling
+    if mask is not None:
+        s = s + mask
+    p = s.softmax(-1)
+    return (p @ v).transpose(1, 2), p
+
+
+def random_pattern(n, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.sort(torch.randperm(n, generator=g)[:k]).values for _ in range(n)])
+    return idx
+
+
+def run(q, k, v, mask, idx, r, bias=None, impl="gather"):
+    module = Dummy().eval()
+    return partial_attention_forward(module, q, k, v, mask, indices=idx, inverse_permutation=inverse_permutation(idx, idx.shape[0]),
+                                     reconstruction=r, bias=bias, scaling=0.3, implementation=impl)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_reconstructible_scores_give_dense_attention(impl):
+    # Keys of rank k: every key is a linear combination of any k independent keys, so for each query i the
+    # scores outside its own random P_i are exactly R_i times those in P_i, and the output must be dense.
+    b, h, n, d, k = 2, 3, 12, 8, 4
+    g = torch.Generator().manual_seed(0)
+    basis = torch.randn(b, h, k, d, generator=g, dtype=DT)
+    coeff = torch.randn(n, k, generator=g, dtype=DT)
+    key = coeff @ basis  # (B, H, n, D) of rank k, identical combination in every batch/head
+    q, v = torch.randn(b, h, n, d, generator=g, dtype=DT), torch.randn(b, h, n, d, generator=g, dtype=DT)
+    idx = random_pattern(n, k, seed=1)
+    gram = (coeff @ coeff.T).expand(n, n, n)  # any covariance whose column space is spanned by the coefficients
+    r, _, err = solve_reconstruction(gram.clone(), idx, ridge=0.0)
+    assert float(err.abs().max()) < 1e-8
+    out, probs = run(q, key, v, None, idx, r, impl=impl)
+    ref_out, ref_probs = dense(q, key, v, None, 0.3)
+    torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(probs, ref_probs, atol=1e-10, rtol=1e-10)
+
+
+def test_implementations_agree_in_values_and_gradients():
+    b, h, n, d, k = 2, 2, 10, 4, 3
+    g = torch.Generator().manual_seed(2)
+    tensors = [torch.randn(b, h, n, d, generator=g, dtype=DT, requires_grad=True) for _ in range(3)]
+    idx = random_pattern(n, k, seed=3)
+    r = torch.randn(n, n - k, k, generator=g, dtype=DT, requires_grad=True)
+    grads = []
+    for impl in IMPLEMENTATIONS:
+        out, _ = run(*tensors, None, idx, r, impl=impl)
+        grads.append((out, *torch.autograd.grad(out.pow(2).sum(), [*tensors, r])))
+    for a, c in zip(*grads):
+        torch.testing.assert_close(a, c)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_gradcheck_q_k_v_r_bias(impl):
+    b, h, n, d, k = 1, 2, 5, 3, 2
+    g = torch.Generator().manual_seed(4)
+    q, key, v = (torch.randn(b, h, n, d, generator=g, dtype=DT, requires_grad=True) for _ in range(3))
+    idx = random_pattern(n, k, seed=5)
+    r = torch.randn(n, n - k, k, generator=g, dtype=DT, requires_grad=True)
+    bias = torch.randn(n, n - k, generator=g, dtype=DT, requires_grad=True)
+    mask = torch.zeros(b, 1, n, n, dtype=DT)
+    mask[..., -1] = torch.finfo(DT).min
+    assert torch.autograd.gradcheck(lambda *t: run(*t[:3], mask, idx, t[3], t[4], impl=impl)[0],
+                                    (q, key, v, r, bias))
+
+
+def test_key_gradient_flows_only_through_p():
+    # With P = {0, 1} for every query, keys 2.. never enter a score: their gradient is exactly zero.
+    b, h, n, d, k = 1, 1, 6, 4, 2
+    q, key, v = (torch.randn(b, h, n, d, dtype=DT, requires_grad=True) for _ in range(3))
+    idx = torch.tensor([[0, 1]] * n)
+    r = torch.randn(n, n - k, k, dtype=DT, requires_grad=True)
+    out, _ = run(q, key, v, None, idx, r)
+    out.sum().backward()
+    assert key.grad[..., :2, :].abs().sum() > 0 and torch.all(key.grad[..., 2:, :] == 0)
+    assert r.grad.abs().sum() > 0 and q.grad.abs().sum() > 0
+
+
+def test_output_does_not_depend_on_padding_or_length():
+    # A sequence of length 5 alone, in a batch padded to 7 (additive and bool masks), and padded to n = 8.
+    n, d, k = 8, 4, 3
+    g = torch.Generator().manual_seed(6)
+    idx = random_pattern(n, k, seed=7)
+    r = torch.randn(n, n - k, k, generator=g, dtype=DT)
+    q, key, v = (torch.randn(1, 2, 5, d, generator=g, dtype=DT) for _ in range(3))
+    alone, _ = run(q, key, v, None, idx, r)
+    for total in (7, 8):
+        pad = lambda t: torch.cat([t, torch.randn(1, 2, total - 5, d, dtype=DT)], 2)  # noqa: E731
+        keep = torch.arange(total) < 5
+        bool_mask = keep.expand(1, 1, total, total)
+        add_mask = torch.zeros(1, 1, total, total, dtype=DT).masked_fill(~bool_mask, torch.finfo(DT).min)
+        for mask in (bool_mask, add_mask):
+            out, probs = run(pad(q), pad(key), pad(v), mask, idx, r)
+            torch.testing.assert_close(out[:, :5], alone)
+            assert torch.all(probs[..., 5:] == 0)
+
+
+def test_longer_input_is_rejected_with_n_named():
+    idx = torch.tensor([[0], [1]])
+    t = torch.zeros(1, 1, 3, 2)
+    with pytest.raises(ValueError, match="n=2"):
+        run(t, t, t, None, idx, torch.zeros(2, 1, 1))
+
+
+def test_unknown_implementation():
+    idx = torch.tensor([[0], [1]])
+    t = torch.zeros(1, 1, 2, 2)
+    with pytest.raises(ValueError, match="implementation"):
+        run(t, t, t, None, idx, torch.zeros(2, 1, 1), impl="triton")

@@ -1,0 +1,91 @@
+"""AttentionPattern: construction, validation, save/load."""
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from hf_partial_attention import AttentionPattern
+
+
+def make(n=6, k=2, bias=False):
+    idx = torch.stack([torch.tensor(sorted({i, (i + 1) % n})) for i in range(n)])
+    r = torch.randn(n, n - k, k)
+    return AttentionPattern(idx, r, torch.randn(n, n - k) if bias else None, metadata={"source_model": "x"})
+
+
+def test_exact_pattern_has_nothing_to_reconstruct():
+    p = AttentionPattern.exact(5)
+    assert p.k == 5 and p.seq_len == 5 and p.reconstruction.shape == (5, 0, 5)
+    assert p.complement.shape == (5, 0)
+
+
+def test_local_pattern_is_deterministic():
+    a, b = AttentionPattern.local(16, 4), AttentionPattern.local(16, 4)
+    assert torch.equal(a.indices, b.indices) and torch.equal(a.reconstruction, b.reconstruction)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_save_load_round_trip(tmp_path, bias):
+    p = make(bias=bias)
+    p.metadata["normalized_error"] = 0.125
+    p.save(tmp_path / "p.safetensors")
+    q = AttentionPattern.load(tmp_path / "p.safetensors")
+    assert torch.equal(p.indices, q.indices) and torch.equal(p.reconstruction, q.reconstruction)
+    assert (q.bias is None) == (not bias) and (not bias or torch.equal(p.bias, q.bias))
+    assert q.metadata == p.metadata and q.normalized_error == 0.125 and q.scope == "per_query"
+
+
+def test_whole_scope_round_trip(tmp_path):
+    p = AttentionPattern(torch.tensor([0, 5, 15]), torch.zeros(13, 3), scope="whole", seq_len=4)
+    p.save(tmp_path / "w.safetensors")
+    q = AttentionPattern.load(tmp_path / "w.safetensors")
+    assert q.scope == "whole" and q.seq_len == 4 and q.size == 16
+
+
+def test_indices_are_stored_as_int64():
+    p = AttentionPattern(torch.tensor([[0], [1]], dtype=torch.int32), torch.zeros(2, 1, 1))
+    assert p.indices.dtype == torch.int64
+
+
+@pytest.mark.parametrize(
+    "indices, recon, bias, error, match",
+    [
+        ([[0, 0], [0, 1], [1, 2]], (3, 1, 2), None, ValueError, "duplicates"),
+        ([[0, 3], [0, 1], [1, 2]], (3, 1, 2), None, ValueError, r"\[0, 3\)"),
+        ([[-1, 0], [0, 1], [1, 2]], (3, 1, 2), None, ValueError, r"\[0, 3\)"),
+        ([[1, 0], [0, 1], [1, 2]], (3, 1, 2), None, ValueError, "sorted"),
+        ([[0, 1], [0, 1], [1, 2]], (3, 2, 2), None, ValueError, "reconstruction must have shape"),
+        ([[0, 1], [0, 1], [1, 2]], (3, 1, 2), (3, 2), ValueError, "bias must have shape"),
+        ([0, 1, 2], (3, 1, 2), None, ValueError, r"\(n, k\)"),
+    ],
+)
+def test_invalid_patterns(indices, recon, bias, error, match):
+    with pytest.raises(error, match=match):
+        AttentionPattern(torch.tensor(indices), torch.zeros(recon), None if bias is None else torch.zeros(bias))
+
+
+def test_nan_and_inf_are_rejected():
+    idx = torch.tensor([[0], [1]])
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        AttentionPattern(idx, torch.tensor([[[float("nan")]], [[0.0]]]))
+    with pytest.raises(ValueError, match="bias contains NaN or Inf"):
+        AttentionPattern(idx, torch.zeros(2, 1, 1), torch.tensor([[float("inf")], [0.0]]))
+
+
+def test_type_errors():
+    with pytest.raises(TypeError, match="indices must be an integer tensor"):
+        AttentionPattern(torch.zeros(2, 1), torch.zeros(2, 1, 1))
+    with pytest.raises(TypeError, match="reconstruction must be a torch.Tensor"):
+        AttentionPattern(torch.zeros(2, 1, dtype=torch.long), [[0.0]])
+    with pytest.raises(ValueError, match="scope"):
+        AttentionPattern(torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 1, 1), scope="global")
+    with pytest.raises(ValueError, match="seq_len is required"):
+        AttentionPattern(torch.tensor([0]), torch.zeros(3, 1), scope="whole")
+
+
+def test_load_rejects_foreign_files(tmp_path):
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "f.safetensors"))
+    with pytest.raises(ValueError, match="not an AttentionPattern"):
+        AttentionPattern.load(tmp_path / "f.safetensors")
+    with pytest.raises(FileNotFoundError):
+        AttentionPattern.load(tmp_path / "missing.safetensors")
