@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from hf_partial_attention.partial_attention import IMPLEMENTATIONS, partial_attention_forward
-from hf_partial_attention.reconstruction import inverse_permutation, solve_reconstruction
+from hf_partial_attention.partial_attention import IMPLEMENTATIONS, PatternLayout, block_rows, partial_attention_forward
+from hf_partial_attention.reconstruction import solve_reconstruction
 
 DT = torch.float64
 
@@ -30,7 +30,7 @@ def random_pattern(n, k, seed):
 
 def run(q, k, v, mask, idx, r, bias=None, impl="gather"):
     module = Dummy().eval()
-    return partial_attention_forward(module, q, k, v, mask, indices=idx, inverse_permutation=inverse_permutation(idx, idx.shape[0]),
+    return partial_attention_forward(module, q, k, v, mask, layout=PatternLayout.from_indices(idx),
                                      reconstruction=r, bias=bias, scaling=0.3, implementation=impl)
 
 
@@ -64,8 +64,9 @@ def test_implementations_agree_in_values_and_gradients():
     for impl in IMPLEMENTATIONS:
         out, _ = run(*tensors, None, idx, r, impl=impl)
         grads.append((out, *torch.autograd.grad(out.pow(2).sum(), [*tensors, r])))
-    for a, c in zip(*grads):
-        torch.testing.assert_close(a, c)
+    for other in grads[1:]:
+        for a, c in zip(grads[0], other):
+            torch.testing.assert_close(a, c)
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
@@ -125,3 +126,42 @@ def test_unknown_implementation():
     t = torch.zeros(1, 1, 2, 2)
     with pytest.raises(ValueError, match="implementation"):
         run(t, t, t, None, idx, torch.zeros(2, 1, 1), impl="triton")
+
+
+def structured_patterns(n=8, k=2):
+    cols = torch.tensor([1, 6]).expand(n, k).clone()  # one key set for every query
+    blocks = torch.arange(n).view(n // k, k).repeat_interleave(k, 0)  # block-local windows of k
+    return {"columns": (cols, n), "blocks": (blocks, k), "per_query": (random_pattern(n, k, seed=8), None)}
+
+
+@pytest.mark.parametrize("family", ["columns", "blocks", "per_query"])
+def test_block_rows_detects_structure(family):
+    idx, rows = structured_patterns()[family]
+    assert block_rows(idx) == rows
+
+
+@pytest.mark.parametrize("family", ["columns", "blocks"])
+@pytest.mark.parametrize("t", [8, 5])
+def test_fused_structured_path_matches_reference(family, t):
+    idx, _ = structured_patterns()[family]
+    n, k = idx.shape
+    g = torch.Generator().manual_seed(9)
+    q, key, v = (torch.randn(2, 2, t, 3, generator=g, dtype=DT, requires_grad=True) for _ in range(3))
+    r = torch.randn(n, n - k, k, generator=g, dtype=DT, requires_grad=True)
+    bias = torch.randn(n, n - k, generator=g, dtype=DT, requires_grad=True)
+    mask = torch.ones(2, 1, t, t, dtype=torch.bool)
+    mask[1, ..., t - 2:] = False
+    results = []
+    for impl in ("gather", "fused"):
+        out, probs = run(q, key, v, mask, idx, r, bias, impl=impl)
+        results.append((out, probs, *torch.autograd.grad(out.pow(2).sum(), [q, key, v, r, bias])))
+    for a, c in zip(*results):
+        torch.testing.assert_close(a, c)
+
+
+def test_gradcheck_fused_blocks():
+    idx, _ = structured_patterns(n=6, k=2)["blocks"]
+    g = torch.Generator().manual_seed(10)
+    q, key, v = (torch.randn(1, 2, 6, 3, generator=g, dtype=DT, requires_grad=True) for _ in range(3))
+    r = torch.randn(6, 4, 2, generator=g, dtype=DT, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *t: run(*t[:3], None, idx, t[3], impl="fused")[0], (q, key, v, r))

@@ -11,7 +11,7 @@ from huggingface_hub.dataclasses import strict
 from transformers import BertConfig
 
 RECONSTRUCTION_MODES = ("fixed", "common", "per_layer")
-PARTIAL_IMPLEMENTATIONS = ("auto", "gather", "dense")
+PARTIAL_IMPLEMENTATIONS = ("auto", "gather", "dense", "fused")
 
 
 @strict
@@ -42,8 +42,10 @@ class PartialBertConfig(BertConfig):
             For a model built from a config alone (no pattern given), P_i is the k keys nearest to query i
             and R the optimal reconstruction under the prior covariance `rho**|j - j'|` with this rho.
         partial_implementation (`str`, defaults to `"auto"`):
-            Kernel computing the exact scores: `"gather"` (only the k scores per query), `"dense"` (QK^T
-            then select P; same numbers and gradients, faster on CPU at small n) or `"auto"`.
+            Kernel: `"gather"` (only the k scores per query, assembled by scatter; the reference), `"dense"`
+            (QK^T then select P), `"fused"` (one GEMM per block of rows sharing keys when the pattern has that
+            structure, then full rows by one batched matmul with [I | R]; no scatter) or `"auto"` (`"fused"`).
+            All give the same numbers and gradients.
 
     Examples:
 

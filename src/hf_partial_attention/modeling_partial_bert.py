@@ -34,9 +34,8 @@ from transformers.models.bert.modeling_bert import (
 )
 
 from .configuration_partial_bert import PartialBertConfig
-from .partial_attention import partial_attention_forward
+from .partial_attention import PatternLayout, partial_attention_forward
 from .pattern import AttentionPattern
-from .reconstruction import inverse_permutation
 
 __all__ = [
     "PartialBertPreTrainedModel",
@@ -82,15 +81,15 @@ class PartialBertPattern(nn.Module):
             self.register_buffer("reconstruction", _r_tensor(config, False, False), persistent=True)
             bias = _r_tensor(config, False, True) if config.partial_use_bias else None
             self.register_buffer("reconstruction_bias", bias, persistent=True)
-        self._inverse_cache: tuple | None = None
+        self._layout_cache: tuple | None = None
 
-    def inverse_permutation(self) -> torch.Tensor:
-        """``(n, n)`` slot of each key in ``cat(P_i, P̄_i)``; recomputed whenever P changes."""
+    def layout(self) -> PatternLayout:
+        """Complement, inverse permutation and block structure of P; recomputed whenever P changes."""
         idx = self.indices
         stamp = (idx.data_ptr(), idx._version, idx.device)
-        if self._inverse_cache is None or self._inverse_cache[0] != stamp:
-            self._inverse_cache = (stamp, inverse_permutation(idx, idx.shape[0]))
-        return self._inverse_cache[1]
+        if self._layout_cache is None or self._layout_cache[0] != stamp:
+            self._layout_cache = (stamp, PatternLayout.from_indices(idx))
+        return self._layout_cache[1]
 
 
 class PartialBertSelfAttention(BertSelfAttention):
@@ -121,11 +120,10 @@ class PartialBertSelfAttention(BertSelfAttention):
         recon, bias = self._r_and_bias()
         impl = self.implementation
         if impl == "auto":
-            # Measured on CPU (benchmarks/): QKᵀ-then-select beats gathering k keys per query at BERT shapes.
-            impl = "dense"
+            # Fastest on CPU in benchmarks/ at BERT shapes, for per-query and structured patterns alike.
+            impl = "fused"
         out, probs = partial_attention_forward(
-            self, query, key, value, attention_mask,
-            indices=self._pattern.indices, inverse_permutation=self._pattern.inverse_permutation(),
+            self, query, key, value, attention_mask, layout=self._pattern.layout(),
             reconstruction=recon, bias=bias, scaling=self.scaling,
             dropout=self.dropout.p if self.training else 0.0, implementation=impl,
         )
@@ -208,11 +206,25 @@ class PartialBertPreTrainedModel(BertPreTrainedModel):
             if pattern.bias is not None:
                 owner.reconstruction_bias.copy_(pattern.bias)
 
-    def save_pretrained(self, save_directory, *args, **kwargs):
+    def save_pretrained(self, save_directory, *args, write_model_card: bool | None = None, **kwargs):
+        """`PreTrainedModel.save_pretrained`, plus a model card (``README.md``, see `model_card.py`).
+
+        Args:
+            write_model_card: ``None`` (default) writes a card only if the folder has no ``README.md`` yet;
+                ``True`` replaces an existing one; ``False`` writes none. Only the main process writes it.
+        """
+        from .model_card import write_model_card as _write_model_card  # also bundles model_card.py for remote code
+
         # Only the saved class and its config get an auto_map entry by default; list every head so that
         # any AutoModel* class loads the folder with trust_remote_code=True.
         self.config.auto_map = dict(_AUTO_MAP)
-        return super().save_pretrained(save_directory, *args, **kwargs)
+        readme = os.path.join(os.fspath(save_directory), "README.md")
+        had_readme = os.path.exists(readme)  # checked first: push_to_hub=True writes a README of its own
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        is_main_process = kwargs.get("is_main_process", args[0] if args else True)
+        if is_main_process and (write_model_card or (write_model_card is None and not had_readme)):
+            _write_model_card(self, save_directory, overwrite=True)
+        return result
 
     # ------------------------------------------------------------------ conversion
     @classmethod

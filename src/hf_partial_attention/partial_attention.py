@@ -11,12 +11,68 @@ keys). Masked keys then receive no probability, as in dense attention.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
-__all__ = ["partial_attention_forward", "exact_partial_scores", "reconstruct_scores", "IMPLEMENTATIONS"]
+from .reconstruction import complement_indices, inverse_permutation
 
-IMPLEMENTATIONS = ("gather", "dense")
+__all__ = [
+    "PatternLayout",
+    "partial_attention_forward",
+    "exact_partial_scores",
+    "reconstruct_scores",
+    "reconstruction_matrix",
+    "block_rows",
+    "IMPLEMENTATIONS",
+]
+
+# gather: only the k scores per query, assembled by scatter (the reference).
+# dense: QKᵀ then select P, assembled by scatter.
+# fused: exact part as one GEMM per block of rows sharing their keys (pattern families) or QKᵀ-then-select,
+#        then the full rows in key order by one batched matmul with W_i = [I at P_i | R_iᵀ at P̄_i], no scatter.
+IMPLEMENTATIONS = ("gather", "dense", "fused")
+_EXACT_IMPLEMENTATIONS = ("gather", "dense", "blocks")
+
+
+def block_rows(indices: torch.Tensor) -> int | None:
+    """Rows per block if consecutive rows share their key set in equal blocks of >= 2 rows dividing n, else None.
+
+    ``n`` means one key set for every query (shared columns); smaller values are block-local patterns.
+    """
+    n = indices.shape[0]
+    if n == 1:
+        return None
+    change = torch.nonzero((indices[1:] != indices[:-1]).any(-1)).flatten() + 1  # first row of each new block
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), change, torch.tensor([n])])
+    sizes = starts[1:] - starts[:-1]
+    size = int(sizes[0])
+    return size if size > 1 and bool((sizes == size).all()) and n % size == 0 else None
+
+
+class PatternLayout(NamedTuple):
+    """Index tensors derived from P once (the model caches them): build with `PatternLayout.from_indices`."""
+
+    indices: torch.Tensor  # (n, k) P
+    complement: torch.Tensor  # (n, n-k) P̄, sorted
+    inverse_permutation: torch.Tensor  # (n, n) slot of each key in cat(P_i, P̄_i)
+    block_rows: int | None  # rows per block sharing one key set, or None
+
+    @classmethod
+    def from_indices(cls, indices: torch.Tensor) -> "PatternLayout":
+        n = indices.shape[0]
+        return cls(indices, complement_indices(indices, n), inverse_permutation(indices, n), block_rows(indices))
+
+
+def reconstruction_matrix(indices: torch.Tensor, reconstruction: torch.Tensor, complement: torch.Tensor) -> torch.Tensor:
+    """W ``(n, k, n)`` with ``W[i, m, P_i[m]] = 1`` and ``W[i, :, P̄_i[j]] = R_i[j, :]``: row i of the scores is
+    ``exact_i @ W_i``, in key order. Differentiable in R."""
+    n, k = indices.shape
+    w = torch.zeros(n, k, n, dtype=reconstruction.dtype, device=reconstruction.device)
+    w = w.scatter(-1, complement.unsqueeze(1).expand(n, k, n - k), reconstruction.transpose(1, 2))  # (n, k, n)
+    eye = torch.eye(k, dtype=w.dtype, device=w.device).expand(n, k, k)
+    return w.scatter(-1, indices.unsqueeze(1).expand(n, k, k), eye)
 
 
 def _masked_keys(attention_mask: torch.Tensor | None, t: int, dtype: torch.dtype):
@@ -32,12 +88,18 @@ def _masked_keys(attention_mask: torch.Tensor | None, t: int, dtype: torch.dtype
 
 
 def exact_partial_scores(
-    query: torch.Tensor, key: torch.Tensor, indices: torch.Tensor, scaling: float, implementation: str = "gather"
+    query: torch.Tensor,
+    key: torch.Tensor,
+    indices: torch.Tensor,
+    scaling: float,
+    implementation: str = "gather",
+    rows: int | None = None,
 ) -> torch.Tensor:
     """Scores of each query with its k keys in P: ``(B, H, T, D), (B, H, T, D), (n, k) -> (B, H, T, k)``.
 
     Keys at positions >= T (the input is shorter than n) score zero. ``"gather"`` computes only these
-    B·H·T·k dot products; ``"dense"`` computes QKᵀ and selects (same values and gradients).
+    B·H·T·k dot products; ``"dense"`` computes QKᵀ and selects (same values and gradients); ``"blocks"``
+    needs ``rows`` (`block_rows`): one GEMM per block of rows that share their keys.
     """
     b, h, t, d = query.shape
     n, k = indices.shape
@@ -50,7 +112,26 @@ def exact_partial_scores(
     if implementation == "dense":
         full = torch.matmul(query, key.transpose(-1, -2)) * scaling  # (B, H, T, n)
         return full.gather(-1, idx.expand(b, h, t, k))
-    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}.")
+    if implementation == "blocks":
+        if rows is None:
+            raise ValueError("implementation='blocks' needs a pattern whose rows share key sets in equal blocks.")
+        nb = n // rows
+        if t < n:
+            query = nn.functional.pad(query, (0, 0, 0, n - t))  # (B, H, n, D)
+        cols = key[:, :, indices[::rows]]  # (B, H, nb, k, D): each block's shared keys
+        exact = torch.matmul(query.view(b, h, nb, rows, d), cols.transpose(-1, -2)) * scaling  # (B, H, nb, rows, k)
+        return exact.view(b, h, n, k)[:, :, :t]
+    raise ValueError(f"implementation must be one of {_EXACT_IMPLEMENTATIONS}, got {implementation!r}.")
+
+
+def _fused_scores(exact, w, bias_full, t):
+    """``(B, H, T, k) -> (T, B·H, T)`` full scores, rows first so the per-row matmul is one bmm."""
+    b, h, _, k = exact.shape
+    rows_first = exact.permute(2, 0, 1, 3).reshape(t, b * h, k)  # (T, B·H, k)
+    scores = torch.bmm(rows_first, w[:t, :, :t])  # (T, B·H, T)
+    if bias_full is not None:
+        scores = scores + bias_full[:t, None, :t]
+    return scores
 
 
 def reconstruct_scores(
@@ -80,8 +161,7 @@ def partial_attention_forward(
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
     *,
-    indices: torch.Tensor,
-    inverse_permutation: torch.Tensor,
+    layout: PatternLayout,
     reconstruction: torch.Tensor,
     bias: torch.Tensor | None = None,
     scaling: float,
@@ -93,27 +173,35 @@ def partial_attention_forward(
     Args:
         query, key, value: ``(B, H, T, D)`` with T <= n.
         attention_mask: ``None``, bool ``(B|1, 1|H, T, T)`` (True = attend) or additive float of that shape.
-        indices: P, ``(n, k)`` int64. inverse_permutation: ``(n, n)`` from `reconstruction.inverse_permutation`.
+        layout: P and the index tensors derived from it (`PatternLayout.from_indices`).
         reconstruction: R, ``(n, n−k, k)``. bias: ``(n, n−k)`` or None.
 
     Returns:
         ``(output (B, T, H, D), probabilities (B, H, T, T))`` like ``eager_attention_forward``.
     """
     b, h, t, d = query.shape
+    indices = layout.indices
     n = indices.shape[0]
     if t > n:
         raise ValueError(
             f"Input length {t} exceeds the partial attention length n={n} (config.partial_seq_len); "
             f"truncate inputs to {n} tokens or use a pattern derived for a longer n."
         )
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}.")
     additive, masked = _masked_keys(attention_mask, t, query.dtype)
-    exact = exact_partial_scores(query, key, indices, scaling, implementation)  # (B, H, T, k)
+    exact_impl = implementation
+    if implementation == "fused":
+        exact_impl = "blocks" if layout.block_rows is not None else "dense"
+    exact = exact_partial_scores(query, key, indices, scaling, exact_impl, layout.block_rows)  # (B, H, T, k)
     if masked is not None:
         masked = nn.functional.pad(masked, (0, n - t), value=True)  # (B|1, 1|H, T, n)
         masked_sel = masked.gather(-1, indices[:t].expand(*masked.shape[:2], t, indices.shape[1]))
         exact = exact.masked_fill(masked_sel, 0.0)  # masked keys enter R with score zero
+    if implementation == "fused":
+        return _fused_tail(module, exact, value, additive, layout, reconstruction, bias, dropout)
     scores = reconstruct_scores(exact, reconstruction.to(exact.dtype),
-                                None if bias is None else bias.to(exact.dtype), inverse_permutation)
+                                None if bias is None else bias.to(exact.dtype), layout.inverse_permutation)
     scores = scores[..., :t]  # (B, H, T, T): reconstructed scores of keys beyond the input are dropped
     if additive is not None:
         scores = scores + additive
@@ -121,3 +209,21 @@ def partial_attention_forward(
     probs = nn.functional.dropout(probs, p=dropout, training=module.training)
     out = torch.matmul(probs, value)  # (B, H, T, D)
     return out.transpose(1, 2).contiguous(), probs  # (B, T, H, D)
+
+
+def _fused_tail(module, exact, value, additive, layout, reconstruction, bias, dropout):
+    b, h, t, k = exact.shape
+    n = layout.indices.shape[0]
+    complement = layout.complement
+    w = reconstruction_matrix(layout.indices, reconstruction.to(exact.dtype), complement)  # (n, k, n)
+    bias_full = None
+    if bias is not None:
+        bias_full = torch.zeros(n, n, dtype=exact.dtype, device=exact.device).scatter(-1, complement, bias.to(exact.dtype))
+    scores = _fused_scores(exact, w, bias_full, t).view(t, b, h, t)  # (T, B, H, T)
+    if additive is not None:
+        scores = scores + additive.permute(2, 0, 1, 3)  # (T, B|1, 1|H, T)
+    probs = nn.functional.softmax(scores, dim=-1)
+    probs = nn.functional.dropout(probs, p=dropout, training=module.training)
+    probs = probs.permute(1, 2, 0, 3)  # (B, H, T, T) view
+    out = torch.matmul(probs, value)  # (B, H, T, D)
+    return out.transpose(1, 2).contiguous(), probs
