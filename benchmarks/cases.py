@@ -1,0 +1,111 @@
+"""The benchmarked computations: dense attention, every partial implementation, peers, whole models."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import BertConfig, BertForMaskedLM, BigBirdConfig, NystromformerConfig
+from transformers.models.big_bird.modeling_big_bird import BigBirdBlockSparseAttention, BigBirdModel
+from transformers.models.bert.modeling_bert import BertSelfAttention
+from transformers.models.nystromformer.modeling_nystromformer import NystromformerSelfAttention
+
+from hf_partial_attention import AttentionPattern, PartialBertConfig, PartialBertForMaskedLM
+from hf_partial_attention.modeling_partial_bert import PartialBertSelfAttention
+from hf_partial_attention.partial_attention import PatternLayout, partial_attention_forward
+from hf_partial_attention.pattern_families import window_indices
+
+PATTERNS = ("per_query", "columns", "windows")
+
+
+def pattern_indices(family: str, n: int, k: int) -> torch.Tensor:
+    """P for timing. Speed depends on the structure only, not on which keys: per_query uses each query's k
+    nearest keys (every row its own set, like the greedy per-query pattern); columns one shared set;
+    windows block-local windows (k rows per block)."""
+    if family == "per_query":
+        return AttentionPattern.local(n, k).indices
+    if family == "columns":
+        return torch.linspace(0, n - 1, k).round().long().unique().expand(n, k).clone()
+    if family == "windows":
+        return window_indices(n, k)
+    raise ValueError(f"unknown pattern family {family!r}")
+
+
+def mac_ratio(n: int, d: int, k: int, fused: bool = False) -> float:
+    """Multiply-adds of partial / dense attention forward per query: (k·d + (n−k)·k + n·d) / (2·n·d).
+
+    ``fused`` counts what the fused kernel multiplies: n·k for the [I | R] product instead of (n−k)·k.
+    """
+    recon = n * k if fused else (n - k) * k
+    return (k * d + recon + n * d) / (2 * n * d)
+
+
+class AttentionInputs:
+    """q, k, v (B, H, n, d) and R for one shape."""
+
+    def __init__(self, b: int, h: int, n: int, d: int, k: int, requires_grad: bool, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.q, self.k, self.v = (torch.randn(b, h, n, d, generator=g).requires_grad_(requires_grad) for _ in range(3))
+        self.r = (0.1 * torch.randn(n, n - k, k, generator=g)).requires_grad_(requires_grad)
+        self.scaling = d**-0.5
+        self.module = nn.Module().train(requires_grad)  # dropout 0 either way
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.q, self.k, self.v, self.r]
+
+    def dense_eager(self):
+        s = torch.matmul(self.q, self.k.transpose(-1, -2)) * self.scaling
+        return torch.matmul(s.softmax(-1), self.v).transpose(1, 2).contiguous()
+
+    def sdpa(self):
+        out = nn.functional.scaled_dot_product_attention(self.q, self.k, self.v, scale=self.scaling)
+        return out.transpose(1, 2).contiguous()
+
+    def partial(self, implementation: str, indices: torch.Tensor):
+        layout = PatternLayout.from_indices(indices)
+        return lambda: partial_attention_forward(
+            self.module, self.q, self.k, self.v, None, layout=layout, reconstruction=self.r,
+            scaling=self.scaling, implementation=implementation)[0]
+
+
+def peer_modules(b: int, n: int, hidden: int, heads: int, k: int, seed: int = 0) -> dict[str, callable]:
+    """Self-attention modules with their q/k/v projections (hidden states in, context out), same shapes."""
+    torch.manual_seed(seed)
+    x = torch.randn(b, n, hidden)
+    bert_cfg = BertConfig(hidden_size=hidden, num_attention_heads=heads, attention_probs_dropout_prob=0.0,
+                          max_position_embeddings=max(512, n))
+    bert_cfg._attn_implementation = "eager"
+    dense = BertSelfAttention(bert_cfg).eval()
+    pcfg = PartialBertConfig(hidden_size=hidden, num_attention_heads=heads, attention_probs_dropout_prob=0.0,
+                             partial_seq_len=n, partial_k=k, max_position_embeddings=max(512, n),
+                             partial_implementation="fused")
+    pattern_holder = nn.Module()
+    pattern_holder.indices = pattern_indices("columns", n, k)
+    pattern_holder.reconstruction = 0.1 * torch.randn(n, n - k, k)
+    pattern_holder.layout = lambda: PatternLayout.from_indices(pattern_holder.indices)
+    partial = PartialBertSelfAttention(pcfg, pattern_holder).eval()
+    landmarks = min(64, n // 2)  # HF's default 64 landmarks; fewer for tiny test shapes
+    nys_cfg = NystromformerConfig(hidden_size=hidden, num_attention_heads=heads, segment_means_seq_len=n,
+                                  num_landmarks=landmarks, attention_probs_dropout_prob=0.0)
+    nys = NystromformerSelfAttention(nys_cfg).eval()
+    # Block-sparse attention needs n >= (5 + 2·random blocks)·block; below that HF falls back to dense.
+    block, rand = (32, 2) if n > 256 else (8, 2) if n >= 128 else (2, 1)
+    bb_cfg = BigBirdConfig(hidden_size=hidden, num_attention_heads=heads, block_size=block, num_random_blocks=rand,
+                           attention_type="block_sparse", max_position_embeddings=max(4096, n))
+    bigbird = BigBirdBlockSparseAttention(bb_cfg, seed=0).eval()
+    blocked, band, from_mask, to_mask = BigBirdModel.create_masks_for_block_sparse_attn(torch.ones(b, n), block)
+    return {
+        "bert_eager": lambda: dense(x)[0],
+        "partial_fused_columns": lambda: partial(x)[0],
+        f"nystromformer_{landmarks}_landmarks": lambda: nys(x)[0],
+        f"bigbird_block{block}_rand{rand}": lambda: bigbird(x, band, from_mask, to_mask, blocked, blocked)[0],
+    }
+
+
+def mlm_models(layers: int, hidden: int, heads: int, n: int, k: int, seed: int = 0):
+    """BertForMaskedLM and a PartialBertForMaskedLM (per-query pattern, common R) with identical weights."""
+    torch.manual_seed(seed)
+    cfg = dict(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads, intermediate_size=4 * hidden,
+               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    bert = BertForMaskedLM(BertConfig(**cfg, attn_implementation="eager"))
+    partial = PartialBertForMaskedLM.from_bert(bert, AttentionPattern.local(n, k), attn_implementation="eager")
+    return bert, partial

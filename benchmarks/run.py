@@ -1,0 +1,159 @@
+"""Partial vs dense attention, wall-clock, on this machine: `make bench` (or `python benchmarks/run.py`).
+
+Every ratio is measured side by side in one process (cases interleaved, median of repeats) against dense
+eager attention at the same shapes. Writes results.json and results.md under --out and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cases import PATTERNS, AttentionInputs, mac_ratio, mlm_models, pattern_indices, peer_modules  # noqa: E402
+from timing import forward_and_backward, interleaved_medians, no_grad, saved_bytes  # noqa: E402
+
+from hf_partial_attention.partial_attention import IMPLEMENTATIONS  # noqa: E402
+
+logger = logging.getLogger("bench")
+
+FULL = {"shapes": [dict(b=32, h=12, n=128, d=64, ks=[16, 24, 32, 48, 64]), dict(b=8, h=12, n=512, d=64, ks=[32, 64, 128])],
+        "model": dict(layers=12, hidden=768, heads=12, b=32, n=128, k=32), "repeats": 9, "model_repeats": 3}
+QUICK = {"shapes": [dict(b=2, h=2, n=16, d=8, ks=[4, 8])], "model": dict(layers=2, hidden=32, heads=4, b=2, n=16, k=4),
+         "repeats": 2, "model_repeats": 1}
+
+
+def machine() -> dict:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "python": platform.python_version(), "platform": platform.platform()}
+
+
+def attention_rows(shape: dict, repeats: int, skip_gather_over: int) -> list[dict]:
+    rows = []
+    b, h, n, d = shape["b"], shape["h"], shape["n"], shape["d"]
+    for k in tqdm(shape["ks"], desc=f"attention n={n}", leave=False):
+        for mode in ("forward", "forward+backward"):
+            grad = mode != "forward"
+            inp = AttentionInputs(b, h, n, d, k, requires_grad=grad)
+            fns = {"dense_eager": inp.dense_eager, "sdpa": inp.sdpa}
+            for family in PATTERNS:
+                idx = pattern_indices(family, n, k)
+                for impl in IMPLEMENTATIONS:
+                    if impl == "gather" and b * h * n * k * d > skip_gather_over:
+                        continue  # the reference gather kernel: O(B·H·n·k·d) memory, minutes per call at scale
+                    fns[f"{impl}/{family}"] = inp.partial(impl, idx)
+            mem = {name: saved_bytes(fn) for name, fn in fns.items()} if grad else {}
+            run = {name: (forward_and_backward(fn, inp.tensors()) if grad else no_grad(fn)) for name, fn in fns.items()}
+            med = interleaved_medians(run, repeats)
+            for name, seconds in med.items():
+                impl, _, family = name.partition("/")
+                rows.append({"n": n, "b": b, "k": k, "mode": mode, "case": name, "implementation": impl,
+                             "pattern": family or "-", "ms": 1e3 * seconds, "ratio": seconds / med["dense_eager"],
+                             "saved_MiB": mem.get(name, 0) / 2**20,
+                             "mac_ratio": mac_ratio(n, d, k, impl == "fused") if family else 1.0})
+    return rows
+
+
+def breakdown(shape: dict, k: int, repeats: int) -> dict:
+    """Forward time of each step, in units of one dense QKᵀ (the part the method replaces)."""
+    b, h, n, d = shape["b"], shape["h"], shape["n"], shape["d"]
+    inp = AttentionInputs(b, h, n, d, k, requires_grad=False)
+    scores = inp.q @ inp.k.transpose(-1, -2)
+    probs = scores.softmax(-1)
+    cols = pattern_indices("columns", n, k)[0]
+    exact = inp.q @ inp.k[:, :, cols].transpose(-1, -2)
+    rows_first = exact.permute(2, 0, 1, 3).reshape(n, b * h, k)
+    w = torch.randn(n, k, n)
+    steps = {"dense QK^T": lambda: inp.q @ inp.k.transpose(-1, -2), "softmax": lambda: scores.softmax(-1),
+             "P·V": lambda: probs @ inp.v, "exact part (shared columns GEMM)": lambda: inp.q @ inp.k[:, :, cols].transpose(-1, -2),
+             "reconstruction ([I|R] batched matmul)": lambda: torch.bmm(rows_first, w),
+             "dense eager total": inp.dense_eager}
+    med = interleaved_medians({name: no_grad(fn) for name, fn in steps.items()}, repeats)
+    unit = med["dense QK^T"]
+    return {name: seconds / unit for name, seconds in med.items()}
+
+
+def peer_rows(shape: dict, k: int, repeats: int) -> list[dict]:
+    fns = peer_modules(shape["b"], shape["n"], shape["h"] * shape["d"], shape["h"], k)
+    med = interleaved_medians({name: no_grad(fn) for name, fn in fns.items()}, repeats)
+    return [{"n": shape["n"], "b": shape["b"], "k": k, "case": name, "ms": 1e3 * s, "ratio": s / med["bert_eager"]}
+            for name, s in med.items()]
+
+
+def model_rows(spec: dict, repeats: int) -> list[dict]:
+    bert, partial = mlm_models(spec["layers"], spec["hidden"], spec["heads"], spec["n"], spec["k"])
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1000, 30000, (spec["b"], spec["n"]), generator=g)
+    labels = ids.clone()
+    opts = {m: torch.optim.AdamW(m.parameters(), lr=1e-5) for m in (bert, partial)}
+
+    def step(model):
+        def run():
+            model.train()
+            opts[model].zero_grad(set_to_none=True)
+            model(input_ids=ids, labels=labels).loss.backward()
+            opts[model].step()
+        return run
+
+    def infer(model):
+        def run():
+            model.eval()
+            with torch.no_grad():
+                model(input_ids=ids)
+        return run
+
+    rows = []
+    for mode, make in (("inference forward", infer), ("training step", step)):
+        med = interleaved_medians({"BertForMaskedLM": make(bert), "PartialBertForMaskedLM": make(partial)}, repeats)
+        rows.append({"mode": mode, "bert_s": med["BertForMaskedLM"], "partial_s": med["PartialBertForMaskedLM"],
+                     "ratio": med["PartialBertForMaskedLM"] / med["BertForMaskedLM"], **spec})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, for tests")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    spec = QUICK if args.quick else FULL
+    repeats = args.repeats or spec["repeats"]
+    result = {"command": "python benchmarks/run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "machine": machine(), "attention": [], "breakdown": {}, "peers": [], "model": []}
+    for shape in spec["shapes"]:
+        result["attention"] += attention_rows(shape, repeats, skip_gather_over=2**27)
+        k_mid = shape["ks"][len(shape["ks"]) // 2]
+        result["breakdown"][f"n={shape['n']},k={k_mid}"] = breakdown(shape, k_mid, repeats)
+        result["peers"] += peer_rows(shape, k_mid, repeats)
+    result["model"] = model_rows(spec["model"], spec["model_repeats"])
+    from report import markdown  # noqa: E402  (sibling module)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    text = markdown(result)
+    (out / "results.md").write_text(text)
+    sys.stdout.write(text)
+    return result
+
+
+if __name__ == "__main__":
+    main()

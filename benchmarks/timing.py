@@ -1,0 +1,63 @@
+"""Side-by-side timing helpers: every case is timed interleaved with its baseline, medians of many repeats."""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+
+def saved_bytes(fn: Callable[[], torch.Tensor]) -> int:
+    """Bytes of the tensors autograd saves for backward in one forward of ``fn`` (training activation memory)."""
+    total = 0
+    seen: set[int] = set()
+
+    def pack(t):
+        nonlocal total
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    del out
+    return total
+
+
+def interleaved_medians(cases: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, float]:
+    """Median seconds per case, running the cases round-robin so machine noise hits all of them alike."""
+    for _ in range(warmup):
+        for fn in cases.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(repeats):
+        gc.collect()  # once per round: a full collection costs ~0.3 s with transformers imported
+        for name, fn in cases.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def forward_and_backward(fn: Callable[[], torch.Tensor], inputs: list[torch.Tensor]) -> Callable[[], None]:
+    """A closure running forward + backward of ``fn().sum()``; gradients are cleared each time."""
+
+    def run():
+        for t in inputs:
+            t.grad = None
+        fn().float().sum().backward()
+
+    return run
+
+
+def no_grad(fn: Callable[[], object]) -> Callable[[], object]:
+    def run():
+        with torch.no_grad():
+            return fn()
+
+    return run
