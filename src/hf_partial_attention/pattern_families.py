@@ -4,7 +4,8 @@ The paper's per-query greedy gives every query its own key set P_i; computing th
 gather (or the full QKᵀ). Constraining the choice trades a little reconstruction error for speed:
 
 - ``"columns"``: one key set shared by every query (the exact part is one GEMM, Q·K_Cᵀ);
-- ``"blocks"``: consecutive rows in blocks of ``block_rows`` share one key set (one small GEMM per block);
+- ``"blocks"``: consecutive rows in blocks of ``block_rows`` (default gcd(n, 32)) share one key set (one small
+  GEMM per block);
   block-local windows are the special case where each block picks its own diagonal block;
 - ``"bands"``: diagonal offsets shared by every query, P_i = {(i + o) mod n : o ∈ O} [ours: circular at the
   edges so every row keeps exactly k distinct keys];
@@ -15,6 +16,8 @@ over the group's rows (the per-query greedy's criterion, pooled), then updates e
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -93,7 +96,7 @@ def family_indices(cov: torch.Tensor, k: int, family: str = "per_query", block_r
     if family == "columns":
         return grouped_greedy(cov, k, torch.zeros(n, dtype=torch.long), ident)
     if family == "blocks":
-        rows = block_rows or k
+        rows = block_rows or math.gcd(n, 32)  # [ours] default: blocks of 32 rows (when 32 divides n)
         if rows < 1 or n % rows:
             raise ValueError(f"block_rows must divide n={n}, got {rows}.")
         return grouped_greedy(cov, k, torch.arange(n) // rows, ident)
@@ -120,6 +123,6 @@ def family_pattern(
     total = torch.diagonal(cov, dim1=-2, dim2=-1).sum()
     meta = {"method": f"greedy_{family}", "family": family, "normalized_error": float(error.sum() / total)}
     if family == "blocks":
-        meta["block_rows"] = block_rows or k
+        meta["block_rows"] = block_rows or math.gcd(cov.shape[0], 32)
     meta.update(metadata or {})
     return AttentionPattern(indices, recon, bias, metadata=meta)
