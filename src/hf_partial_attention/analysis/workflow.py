@@ -1,0 +1,263 @@
+"""The analyze → derive → convert steps behind the CLI; each writes into one output folder.
+
+Layout of a folder: ``covariance.safetensors`` (accumulators), ``heldout_windows.safetensors`` (held-out
+token windows), ``patterns/*.safetensors``, ``figures/*.png``, ``results.json`` (every number of the report)
+and ``report.md`` (rendered from ``results.json`` after each step).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..pattern import AttentionPattern
+from . import plots, spectra
+from .baselines import build_methods
+from .collect import collect_covariance, load_model_and_tokenizer, run_windows
+from .corpus import load_texts, make_windows, split_heldout
+from .covariance import ScoreCovariance
+from .distributed import process_info
+from .evaluation import ErrorMeter, LinearReconstructor
+from .patterns import cost_dense, cost_per_query, cost_whole, error_curve, fit_pattern, pattern_mask
+from .report import write_report
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["analyze", "derive", "convert", "spectra_summary", "load_results", "update_results",
+           "COVARIANCE_FILE", "HELDOUT_FILE"]
+
+COVARIANCE_FILE = "covariance.safetensors"
+HELDOUT_FILE = "heldout_windows.safetensors"
+RESULTS_FILE = "results.json"
+ENERGY_KS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def load_results(out: str) -> dict:
+    path = os.path.join(out, RESULTS_FILE)
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def update_results(out: str, section: str, data: dict) -> dict:
+    """Store ``data`` under ``section`` in ``results.json`` and re-render ``report.md``."""
+    os.makedirs(out, exist_ok=True)
+    results = load_results(out)
+    results[section] = data
+    with open(os.path.join(out, RESULTS_FILE), "w") as f:
+        json.dump(results, f, indent=1)
+    write_report(results, os.path.join(out, "report.md"))
+    return results
+
+
+def spectra_summary(cov: ScoreCovariance, fig_dir: str, max_k: int = 512, prefix: str = "") -> dict:
+    """Per-query spectra (Fig. 6–7) and, when collected, whole-matrix ones (Fig. 3, 5, 6): figures and numbers."""
+    n = cov.seq_len
+    total = cov.total_variance()
+    fig = lambda name: os.path.join(fig_dir, f"{prefix}{name}.png")  # noqa: E731
+    out: dict[str, Any] = {"seq_len": n, "total_variance": total, "figures": {}}
+    if "per_query" in cov.scopes:
+        vals, vecs = spectra.per_query_spectra(cov.per_query())  # (n, n), (n, n, n)
+        share = spectra.top_eigenvalue_share(vals)
+        rows = sorted({0, 1, n // 2, n - 2, n - 1})
+        out["top_eigenvalue_share"] = {str(i): float(share[i]) for i in rows}
+        out["top_eigenvalue_share_inner_mean"] = float(share[1:-1].mean()) if n > 2 else float(share.mean())
+        out["per_query_energy"] = {str(k): 1 - float(vals[:, k:].sum()) / total for k in ENERGY_KS if k <= n}
+        out["figures"]["per_query_spectra"] = plots.plot_per_query_spectra(vals, share, fig("per_query_spectra"))
+        images = spectra.per_query_top_eigenvectors(vecs, 5)
+        out["figures"]["per_query_eigenvectors"] = plots.plot_images(
+            images, fig("per_query_eigenvectors"), [f"eigenvector {r + 1}" for r in range(5)],
+            "Top-5 per-query eigenvectors (row i: eigenvector of Q^i)", cols=5)
+    if "whole" in cov.scopes:
+        glob = cov.whole()
+        g_vals, g_vecs = spectra.top_eigh(glob, min(max_k, n * n))
+        del glob
+        g_curve = spectra.cumulative_energy(g_vals, total)
+        out["global_energy"] = {str(k): float(g_curve[k - 1]) for k in ENERGY_KS if k <= len(g_curve)}
+        out["figures"]["global_eigenvectors"] = plots.plot_images(
+            spectra.eigenvector_images(g_vecs, n, 8), fig("global_eigenvectors"),
+            [f"eigenvector {r + 1}" for r in range(8)], f"Top global eigenvectors of C_a (n={n})")
+        curves = {"global C_a": g_curve}
+        if "per_query" in cov.scopes:
+            pooled = spectra.pooled_per_query_energy(vals, total)[: len(g_curve)]
+            curves["per-query eigenvalues pooled"] = pooled
+            out["pooled_per_query_energy"] = {str(k): float(pooled[k - 1]) for k in ENERGY_KS if k <= len(pooled)}
+        out["figures"]["energy_global_vs_per_query"] = plots.plot_energy_comparison(
+            curves, fig("energy_global_vs_per_query"), f"Cumulative energy (n={n})")
+        if cov.layers:
+            g_curve_l, layers = spectra.layer_projections(cov, min(max_k, n * n))
+            ks = [k for k in (8, 32, 128, 512) if k <= len(g_curve_l)]
+            out["layer_projection"] = [{"layer": lp.layer, **{f"own@{k}": float(lp.own[k - 1]) for k in ks},
+                                        **{f"global@{k}": float(lp.on_global[k - 1]) for k in ks}} for lp in layers]
+            out["figures"]["layer_projection"] = plots.plot_layer_projection(
+                g_curve_l, layers, fig("layer_projection"), f"Per-layer covariance on the global eigenspace (n={n})")
+    return out
+
+
+def analyze(model: Any, texts: Any = None, out: str = "runs/analysis", *, tokenizer: Any = None, seq_len: int = 128,
+            max_sequences: int | None = None, heldout_every: int = 5, heldout_sequences: int = 64,
+            scopes=("per_query",), granularity: str = "pooled", centered: bool = True, batch_size: int = 8,
+            resume: bool = True, max_k: int = 512, progress: bool = True, section: str = "analyze") -> dict:
+    """Collect the covariance of ``model``'s scores on ``texts``, save it and the held-out windows, draw the spectra.
+
+    Texts are split by document: every ``heldout_every``-th text is held out (0 disables), and up to
+    ``heldout_sequences`` windows of them are kept for measuring reconstruction error later (`derive`).
+    """
+    start = time.perf_counter()
+    os.makedirs(out, exist_ok=True)
+    model_obj, tok = load_model_and_tokenizer(model, tokenizer)
+    all_texts = load_texts(texts) if not isinstance(texts, torch.Tensor) else texts
+    if heldout_every and not isinstance(all_texts, torch.Tensor):
+        fit_texts, held_texts = split_heldout(all_texts, heldout_every)
+    else:
+        fit_texts, held_texts = all_texts, []
+    cov_path = os.path.join(out, COVARIANCE_FILE)
+    cov = collect_covariance(model_obj, fit_texts, tok, seq_len, max_sequences, scopes, granularity, centered,
+                             batch_size, resume_from=cov_path if resume else None, checkpoint_path=cov_path,
+                             progress=progress)
+    if process_info()[0] != 0:  # under accelerate launch the main process writes the outputs
+        return {}
+    if isinstance(model, (str, os.PathLike)):
+        cov.metadata["model"] = os.fspath(model)
+        cov.save(cov_path)
+    held = 0
+    if held_texts:
+        try:
+            windows = make_windows(tok, held_texts, seq_len, heldout_sequences)
+            save_file({"input_ids": windows}, os.path.join(out, HELDOUT_FILE),
+                      metadata={"model": cov.metadata["model"]})
+            held = windows.shape[0]
+        except ValueError as err:
+            logger.warning("No held-out windows: %s", err)
+    summary = spectra_summary(cov, os.path.join(out, "figures"), max_k=max_k)
+    summary.update(model=cov.metadata.get("model", ""), num_sequences=cov.num_sequences, count=cov.count,
+                   heldout_sequences=held, scopes=list(cov.scopes), granularity=cov.granularity,
+                   head_dim=cov.metadata.get("head_dim"), num_layers=cov.metadata.get("num_layers"),
+                   num_heads=cov.metadata.get("num_heads"), centered=cov.centered,
+                   seconds=round(time.perf_counter() - start, 1))
+    update_results(out, section, summary)
+    return summary
+
+
+def _curve_ks(scope: str, n: int, ks) -> list[int]:
+    if scope == "per_query":
+        base = [1, 2, 4, 8, 16, 32, 64]
+        return sorted({k for k in [*base, *ks] if k <= n})
+    # each whole-matrix greedy step costs O(n⁴): beyond n² = 4096 the curve stops at k̄ = 256
+    cap = min(n * n, 2048 if n * n <= 4096 else 256)
+    return sorted({k for k in [n // 4, n // 2, n, 2 * n, 4 * n, 8 * n, *ks] if 1 <= k <= cap})
+
+
+def derive(out: str, ks, scope: str = "per_query", *, evaluate: bool = True, baselines: bool = True,
+           centered: bool | None = None, batch_size: int = 8, progress: bool = True, seed: int = 0,
+           section: str | None = None) -> dict:
+    """Greedy patterns for each k from ``out/covariance.safetensors`` (Fig. 8–9), saved as `AttentionPattern`
+    files, and, with held-out windows present, their measured error beside the equal-cost baselines."""
+    start = time.perf_counter()
+    cov = ScoreCovariance.load(os.path.join(out, COVARIANCE_FILE))
+    if scope not in cov.scopes:
+        raise ValueError(f"scope={scope!r} was not collected in {out!r} (scopes {cov.scopes}); "
+                         f"rerun analyze with --scopes {scope}.")
+    n, d_head = cov.seq_len, cov.metadata.get("head_dim")
+    ks = sorted({int(k) for k in ks})
+    os.makedirs(os.path.join(out, "patterns"), exist_ok=True)
+    chosen: dict[int, torch.Tensor] = {}
+    curves = [error_curve(cov, _curve_ks(s, n, ks if s == scope else []), s, d_head=d_head, centered=centered,
+                          indices_out=chosen if s == scope else None) for s in cov.scopes]
+    curve = next(c for c in curves if c["scope"] == scope)
+    patterns, rows = {}, []
+    for k in ks:
+        greedy_error = curve["greedy"][curve["k"].index(k)]
+        pattern = fit_pattern(cov, chosen[k], scope, centered=centered,
+                              metadata={"method": "greedy", "k": k, "greedy_normalized_error": greedy_error})
+        path = os.path.join(out, "patterns", f"{scope}_k{k}.safetensors")
+        pattern.save(path)
+        patterns[k] = pattern
+        rows.append({"k": k, "k_bar": pattern.indices.numel(), "path": path,
+                     "predicted": pattern.normalized_error, "greedy": pattern.metadata["greedy_normalized_error"]})
+    fig_dir = os.path.join(out, "figures")
+    result: dict[str, Any] = {"scope": scope, "seq_len": n, "head_dim": d_head, "patterns": rows, "curves": curves,
+                              "figures": {}}
+    result["figures"]["patterns"] = plots.plot_patterns(
+        [(f"{scope}, k={k}" if scope == "per_query" else f"whole, k̄={k}", pattern_mask(p))
+         for k, p in patterns.items()],
+        os.path.join(fig_dir, f"patterns_{scope}.png"))
+    result["figures"]["error_curves"] = plots.plot_error_curves(
+        curves, os.path.join(fig_dir, f"error_curves_{scope}.png"))
+    held_path = os.path.join(out, HELDOUT_FILE)
+    if evaluate and os.path.isfile(held_path):
+        result["heldout"] = _evaluate(cov, patterns, scope, held_path, baselines and scope == "per_query" and d_head,
+                                      batch_size, progress, seed, centered)
+        series: dict[str, list] = {}
+        for entry in result["heldout"]["methods"]:
+            series.setdefault(entry["method"], []).append((entry["relative_cost"], entry["heldout"]))
+        result["figures"]["baselines"] = plots.plot_baselines(
+            series, os.path.join(fig_dir, f"baselines_{scope}.png"), f"Held-out error at equal cost (n={n})")
+    result["seconds"] = round(time.perf_counter() - start, 1)
+    update_results(out, section or f"derive_{scope}", result)
+    return result
+
+
+def _evaluate(cov, patterns: dict, scope: str, held_path: str, with_baselines, batch_size, progress, seed,
+              centered) -> dict:
+    windows = load_file(held_path)["input_ids"]
+    model, _ = load_model_and_tokenizer(cov.metadata["model"], load_tokenizer=False)
+    n, d_head = cov.seq_len, cov.metadata.get("head_dim")
+    methods, info = {}, {}
+    for k, pattern in patterns.items():
+        if with_baselines:
+            for name, m in build_methods(cov, k, d_head, seed=seed, centered=centered, greedy=pattern).items():
+                methods[(name, k)] = m["reconstructor"]
+                info[(name, k)] = m
+        else:
+            methods[("greedy P + R", k)] = LinearReconstructor(pattern)
+            cost = (cost_per_query if scope == "per_query" else cost_whole)(n, k, d_head) / cost_dense(n, d_head) \
+                if d_head else None
+            info[("greedy P + R", k)] = {"predicted": pattern.normalized_error,
+                                         "param": f"k={k}" if scope == "per_query" else f"k̄={k}",
+                                         "relative_cost": cost}
+    meter = ErrorMeter(methods)
+    run_windows(model, windows, meter.sink, batch_size=batch_size, progress=progress, desc="held-out")
+    measured = meter.results()
+    rows = [{"method": name, "k": k, "param": info[(name, k)]["param"],
+             "relative_cost": info[(name, k)]["relative_cost"], "predicted": info[(name, k)]["predicted"],
+             "heldout": measured[(name, k)]["normalized_error"],
+             "heldout_shift": measured[(name, k)]["normalized_error_shift"]} for name, k in methods]
+    return {"windows": int(windows.shape[0]), "scope": scope, "score_matrices": meter.count,
+            "total_variance": meter.total_variance,
+            "train_total_variance": cov.total_variance(centered=True), "methods": rows}
+
+
+def convert(pattern_path: str, out_dir: str, model: Any = None, *, reconstruction: str = "common",
+            verify: bool = True) -> dict:
+    """Write a PartialBert checkpoint (weights of ``model``, P and R of the pattern) and check it reloads
+    with ``AutoModel``. ``model`` defaults to the pattern's ``source_model``."""
+    from transformers import AutoModel, AutoTokenizer
+
+    from ..modeling_partial_bert import PartialBertModel
+
+    pattern = AttentionPattern.load(pattern_path)
+    source = model if model is not None else pattern.metadata.get("source_model")
+    if not source:
+        raise ValueError(f"{pattern_path!r} names no source_model; pass model=<path or Hub id of a BERT model>.")
+    partial = PartialBertModel.from_bert(source, pattern, reconstruction=reconstruction)
+    partial.save_pretrained(out_dir)
+    if isinstance(source, (str, os.PathLike)):
+        AutoTokenizer.from_pretrained(os.fspath(source)).save_pretrained(out_dir)
+    result = {"checkpoint": out_dir, "pattern": pattern_path, "source_model": str(source), "k": pattern.k,
+              "seq_len": pattern.seq_len, "partial_layers": list(partial.config.partial_layers)}
+    if verify:
+        reloaded = AutoModel.from_pretrained(out_dir).eval()
+        ids = torch.randint(0, partial.config.vocab_size, (1, pattern.seq_len))
+        with torch.no_grad():
+            diff = (reloaded(input_ids=ids).last_hidden_state
+                    - partial.eval()(input_ids=ids).last_hidden_state).abs().max()
+        result.update(reloaded_class=type(reloaded).__name__, reload_max_abs_diff=float(diff))
+    return result

