@@ -5,8 +5,9 @@ import os
 
 import pytest
 
-from hf_partial_attention import cli
+from hf_partial_attention import AttentionPattern, cli
 from hf_partial_attention.analysis.corpus import default_texts
+from hf_partial_attention.partial_attention import block_rows
 
 
 def test_registry_lists_commands_and_refuses_duplicates():
@@ -32,6 +33,12 @@ def test_analyze_derive_convert(tiny_bert_dir, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     assert cli.main(["convert", os.path.join(out, "patterns", "per_query_k5.safetensors"), "--out", ckpt]) == 0
     assert os.path.isfile(os.path.join(ckpt, "config.json"))
+    # a constrained family: one key set shared by all queries (the exact part is one GEMM)
+    assert cli.main(["derive", out, "--k", "4", "--family", "columns", "--no-progress"]) == 0
+    shared = AttentionPattern.load(os.path.join(out, "patterns", "per_query_columns_k4.safetensors"))
+    assert shared.metadata["family"] == "columns" and block_rows(shared.indices) == 16
+    results = json.load(open(os.path.join(out, "results.json")))
+    assert "derive_per_query_columns" in results and "derive_per_query" in results
 
 
 @pytest.mark.slow

@@ -97,6 +97,9 @@ def _derive_args(p):
     p.add_argument("dir", help="folder written by `analyze`")
     p.add_argument("--k", type=int, nargs="+", default=[16, 24, 32, 48])
     p.add_argument("--scope", default="per_query", choices=["per_query", "whole"])
+    p.add_argument("--family", default="per_query", choices=["per_query", "columns", "blocks", "windows", "bands"],
+                   help="constrain per-query P to a family whose exact part is one dense GEMM (columns, blocks, "
+                        "windows) or shared diagonals (bands); see hf_partial_attention.pattern_families")
     p.add_argument("--no-evaluate", action="store_true", help="skip the held-out measurement")
     p.add_argument("--no-baselines", action="store_true", help="skip the equal-cost baselines")
     p.add_argument("--batch-size", type=int, default=8)
@@ -107,7 +110,7 @@ def _run_derive(args) -> int:
     from .analysis.workflow import derive
 
     derive(args.dir, args.k, args.scope, evaluate=not args.no_evaluate, baselines=not args.no_baselines,
-           batch_size=args.batch_size, progress=not args.no_progress)
+           batch_size=args.batch_size, progress=not args.no_progress, family=args.family)
     return 0
 
 

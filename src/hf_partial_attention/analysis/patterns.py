@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..pattern import AttentionPattern
+from ..pattern_families import family_indices
 from ..reconstruction import greedy_select, solve_reconstruction
 from ._threads import single_thread
 from .covariance import ScoreCovariance
@@ -110,13 +111,16 @@ def fit_pattern(cov, indices: torch.Tensor, scope: str = "per_query", *, centere
 
 def greedy_pattern(cov, k: int, scope: str = "per_query", *, centered: bool | None = None, bias: bool | None = None,
                    mean: torch.Tensor | None = None, ridge: float = 1e-6, layer: int | None = None,
-                   head: int | None = None, metadata: dict[str, Any] | None = None) -> AttentionPattern:
+                   head: int | None = None, metadata: dict[str, Any] | None = None, family: str = "per_query",
+                   block_rows: int | None = None) -> AttentionPattern:
     """Greedy P (method.md §2) and optimal R, as an `AttentionPattern`.
 
     Args:
         cov: `ScoreCovariance` (or a covariance tensor, see `fit_pattern`).
         k: exact scores per query (per_query) or in total (whole, k̄ = k).
         scope: ``"per_query"`` (each row i its own P_i from Q^i; k̄ = n·k) or ``"whole"`` (one P over n² pairs).
+        family: with scope per_query, a constrained greedy whose exact part is a fast dense computation:
+            ``"columns"``, ``"blocks"`` (``block_rows``), ``"windows"``, ``"bands"`` (see `pattern_families`).
 
     Returns:
         The pattern; ``metadata["normalized_error"]`` is the predicted error Σε / Tr(C_a) of its R, and
@@ -129,6 +133,15 @@ def greedy_pattern(cov, k: int, scope: str = "per_query", *, centered: bool | No
         raise ValueError(f"k must be in [1, {l}] for scope={scope!r} at this seq_len, got k={k}.")
     if scope == "whole" and l > 4096 and k > 512:
         logger.warning("Whole-matrix greedy over %d pairs with k=%d: each step costs O(l²); this may take long", l, k)
+    if family != "per_query":
+        if scope != "per_query":
+            raise ValueError(f"family={family!r} constrains per-query patterns; use scope='per_query'.")
+        with single_thread(True):
+            indices = family_indices(c, k, family, block_rows)
+        meta = {"method": f"greedy_{family}", "family": family, "k": k}
+        meta.update(metadata or {})
+        return fit_pattern(cov, indices, scope, centered=prepared[2], bias=bias, mean=mean, ridge=ridge,
+                           layer=layer, head=head, metadata=meta, _prepared=prepared)
     with single_thread(scope == "per_query" or l <= 2048):  # small problems: see _threads
         indices, residual = greedy_select(c, k)
     meta = {"method": "greedy", "greedy_normalized_error": float(residual.sum()) / _trace(c, scope), "k": k}

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..pattern import AttentionPattern
+from ..pattern_families import family_indices
 from . import plots, spectra
 from .baselines import build_methods
 from .collect import collect_covariance, load_model_and_tokenizer, run_windows
@@ -157,9 +158,15 @@ def _curve_ks(scope: str, n: int, ks) -> list[int]:
 
 def derive(out: str, ks, scope: str = "per_query", *, evaluate: bool = True, baselines: bool = True,
            centered: bool | None = None, batch_size: int = 8, progress: bool = True, seed: int = 0,
-           section: str | None = None) -> dict:
+           section: str | None = None, family: str = "per_query") -> dict:
     """Greedy patterns for each k from ``out/covariance.safetensors`` (Fig. 8–9), saved as `AttentionPattern`
-    files, and, with held-out windows present, their measured error beside the equal-cost baselines."""
+    files, and, with held-out windows present, their measured error beside the equal-cost baselines.
+
+    ``family`` (per_query scope): a constrained greedy whose exact part is a fast dense computation
+    (``"columns"``, ``"blocks"``, ``"windows"``, ``"bands"``; see `pattern_families`); files are then named
+    ``per_query_<family>_k<k>.safetensors`` and the unconstrained greedy's curve stays as the reference."""
+    if family != "per_query" and scope != "per_query":
+        raise ValueError(f"family={family!r} constrains per-query patterns; use scope='per_query'.")
     start = time.perf_counter()
     cov = ScoreCovariance.load(os.path.join(out, COVARIANCE_FILE))
     if scope not in cov.scopes:
@@ -173,11 +180,16 @@ def derive(out: str, ks, scope: str = "per_query", *, evaluate: bool = True, bas
                           indices_out=chosen if s == scope else None) for s in cov.scopes]
     curve = next(c for c in curves if c["scope"] == scope)
     patterns, rows = {}, []
+    tag = scope if family == "per_query" else f"{scope}_{family}"
     for k in ks:
         greedy_error = curve["greedy"][curve["k"].index(k)]
-        pattern = fit_pattern(cov, chosen[k], scope, centered=centered,
-                              metadata={"method": "greedy", "k": k, "greedy_normalized_error": greedy_error})
-        path = os.path.join(out, "patterns", f"{scope}_k{k}.safetensors")
+        meta = {"method": "greedy", "k": k, "greedy_normalized_error": greedy_error}
+        if family != "per_query":
+            chosen[k] = family_indices(cov.per_query(centered=centered), k, family)
+            meta = {"method": f"greedy_{family}", "family": family, "k": k,
+                    "greedy_normalized_error": greedy_error}  # the unconstrained greedy's error, for reference
+        pattern = fit_pattern(cov, chosen[k], scope, centered=centered, metadata=meta)
+        path = os.path.join(out, "patterns", f"{tag}_k{k}.safetensors")
         pattern.save(path)
         patterns[k] = pattern
         rows.append({"k": k, "k_bar": pattern.indices.numel(), "path": path,
@@ -201,7 +213,7 @@ def derive(out: str, ks, scope: str = "per_query", *, evaluate: bool = True, bas
         result["figures"]["baselines"] = plots.plot_baselines(
             series, os.path.join(fig_dir, f"baselines_{scope}.png"), f"Held-out error at equal cost (n={n})")
     result["seconds"] = round(time.perf_counter() - start, 1)
-    update_results(out, section or f"derive_{scope}", result)
+    update_results(out, section or f"derive_{tag}", result)
     return result
 
 
