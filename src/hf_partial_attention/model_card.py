@@ -29,7 +29,7 @@ _PIPELINES = {"MaskedLM": "fill-mask", "SequenceClassification": "text-classific
               "TokenClassification": "token-classification", "QuestionAnswering": "question-answering"}
 _AUTO = {"fill-mask": "AutoModelForMaskedLM", "text-classification": "AutoModelForSequenceClassification",
          "token-classification": "AutoModelForTokenClassification",
-         "question-answering": "AutoModelForQuestionAnswering"}
+         "question-answering": "AutoModelForQuestionAnswering", "feature-extraction": "AutoModel"}
 _REQUIRED = ("library_name", "tags", "pipeline_tag")
 
 
@@ -45,9 +45,9 @@ def attention_cost(n: int, k: int, d_head: int) -> dict[str, float]:
     return {"exact": exact, "reconstruction": recon, "dense": dense, "saving": 1.0 - (exact + recon) / dense}
 
 
-def _pipeline(model) -> str | None:
+def _pipeline(model) -> str:
     name = type(model).__name__
-    return next((tag for suffix, tag in _PIPELINES.items() if name.endswith(f"For{suffix}")), None)
+    return next((tag for suffix, tag in _PIPELINES.items() if name.endswith(f"For{suffix}")), "feature-extraction")
 
 
 def _eval_results(results: list[Any] | None) -> list[EvalResult]:
@@ -64,21 +64,22 @@ def _results_table(results: list[EvalResult]) -> str:
     for r in results:
         name = r.dataset_name + (f" ({r.dataset_config})" if r.dataset_config else "")
         value = f"{r.metric_value:.4f}" if isinstance(r.metric_value, float) else str(r.metric_value)
-        rows.append(f"| {r.task_type} | {name} | {r.dataset_split or ''} | {r.metric_name or r.metric_type} | {value} |")
+        metric = r.metric_name or r.metric_type
+        rows.append(f"| {r.task_type} | {name} | {r.dataset_split or ''} | {metric} | {value} |")
     return "\n".join(rows)
 
 
-def _partial_section(config) -> str:
+def _partial_section(config, prefix: str) -> str:
     n, k = config.partial_seq_len, config.partial_k
     layers, total = list(config.partial_layers), config.num_hidden_layers
     d_head = config.hidden_size // config.num_attention_heads
     cost = attention_cost(n, k, d_head)
     model_saving = cost["saving"] * len(layers) / total
     mode = {
-        "fixed": "fixed: a buffer `bert.encoder.partial_pattern.reconstruction`, never trained",
-        "common": "common: one trainable tensor `bert.encoder.partial_pattern.reconstruction` shared by all "
+        "fixed": f"fixed: a buffer `{prefix}encoder.partial_pattern.reconstruction`, never trained",
+        "common": f"common: one trainable tensor `{prefix}encoder.partial_pattern.reconstruction` shared by all "
                   "partial layers",
-        "per_layer": "per layer: a trainable tensor `bert.encoder.layer.{l}.attention.self.reconstruction` "
+        "per_layer": f"per layer: a trainable tensor `{prefix}encoder.layer.{{l}}.attention.self.reconstruction` "
                      "for each partial layer l",
     }[config.reconstruction]
     bias = " plus a per-query bias b_i" if config.partial_use_bias else ""
@@ -89,7 +90,7 @@ pre-softmax scores `a_ij = q_i·k_j / sqrt(d_h)` only for the **k = {k}** keys j
 positions) and reconstructs the other n − k = {n - k} scores linearly, `a_(P̄_i) = R_i a_(P_i)`{bias}, before the
 padding mask and the softmax.
 
-- **P**: `bert.encoder.partial_pattern.indices`, an int64 buffer of shape (n, k) = ({n}, {k}), shared by all
+- **P**: `{prefix}encoder.partial_pattern.indices`, an int64 buffer of shape (n, k) = ({n}, {k}), shared by all
   partial layers and heads; it never changes during training.
 - **R**: shape (n, n − k, k) = ({n}, {n - k}, {k}); {mode}.
 - Inputs must have at most n = {n} tokens; shorter inputs behave as if padded with zero scores.
@@ -146,22 +147,22 @@ def build_model_card(
     pipeline = _pipeline(model)
     results = _eval_results(eval_results)
     partial = getattr(config, "model_type", None) == "partial_bert"
-    extra_tags = [] if pipeline is None else [pipeline]
     card_tags = list(dict.fromkeys([*(CARD_TAGS if partial else ["bert", "partial-attention-baseline"]),
-                                    *extra_tags, *(tags or [])]))
+                                    pipeline, *(tags or [])]))
     data = ModelCardData(
         library_name="transformers", tags=card_tags, pipeline_tag=pipeline, base_model=base_model,
         datasets=datasets, metrics=sorted({r.metric_type for r in results}) or None, license=license,
         language=language, model_name=name, eval_results=results or None,
     )
     if partial:
-        method = _partial_section(config)
+        prefix = f"{model.base_model_prefix}." if model.base_model_prefix in model._modules else ""
+        method = _partial_section(config, prefix)
         source = pattern_source or "not recorded"
     else:
         method = ("## Exact attention\n\nThis is an exact-attention BERT, the baseline of a partial-attention "
                   "comparison: every score is computed (k = n, no saving).\n")
         source = pattern_source or "none (exact attention)"
-    auto = _AUTO.get(pipeline, "AutoModel")
+    auto = _AUTO[pipeline]
     where = repo_id or "path/to/this/folder"
     body = f"""
 # {name}

@@ -1,0 +1,94 @@
+"""A real-text sentence-pair classification task that needs no download: sentence order (3 classes).
+
+MNLI cannot be downloaded on an offline machine, so the CPU Table-1 study fine-tunes on a task built from
+English prose that ships with Python: the prose paragraphs of ``pydoc_data.topics`` (the language reference)
+and of the standard library's docstrings. From two consecutive sentences (A, B) of one paragraph:
+
+- label 0 ``next``: (A, B), B follows A;
+- label 1 ``previous``: (B, A), the order swapped;
+- label 2 ``unrelated``: (A, C), C a sentence of another document of the same split.
+
+Like MNLI it has three labels and sentence pairs as input; telling ``next`` from ``previous`` needs word order
+and discourse cues, ``unrelated`` mostly topic cues. Documents (topics, source files) are split into train and
+held-out, so no evaluation sentence is seen in pretraining or fine-tuning.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import random
+import re
+import sysconfig
+
+__all__ = ["PAIR_LABELS", "stdlib_docstring_documents", "split_sentences", "sentence_order_examples"]
+
+PAIR_LABELS = ("next", "previous", "unrelated")
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z(\"'])")
+_SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "ensurepip", "turtledemo",
+              "__pycache__", "tkinter"}
+
+
+def stdlib_docstring_documents(min_words: int = 8) -> list[list[str]]:
+    """Prose paragraphs of the docstrings of Python's standard library, one list per source file (sorted).
+
+    Paragraphs with indented lines or ``>>>`` sessions (code), and fragments under `min_words` words, are dropped.
+    The text depends on the Python version (the study records it).
+    """
+    root = sysconfig.get_paths()["stdlib"]
+    documents = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("test"))
+        for name in sorted(filenames):
+            if not name.endswith(".py") or name.startswith("test"):
+                continue
+            try:
+                with open(os.path.join(dirpath, name), encoding="utf-8") as handle:
+                    tree = ast.parse(handle.read())
+            except (SyntaxError, UnicodeDecodeError, ValueError):
+                continue
+            paragraphs = []
+            for node in ast.walk(tree):
+                if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                for block in re.split(r"\n\s*\n", ast.get_docstring(node) or ""):
+                    lines = [line for line in block.splitlines() if line.strip()]
+                    if not lines or any(line.startswith((" ", "\t", ">>>")) for line in lines):
+                        continue
+                    text = " ".join(line.strip() for line in lines)
+                    if len(text.split()) >= min_words and text[0].isupper():
+                        paragraphs.append(text)
+            if paragraphs:
+                documents.append(paragraphs)
+    return documents
+
+
+def split_sentences(paragraph: str, min_words: int = 3) -> list[str]:
+    """Sentences of a paragraph (split after ``.!?`` before a capital); fragments under `min_words` dropped."""
+    return [s for s in _SENTENCE_END.split(paragraph) if len(s.split()) >= min_words]
+
+
+def sentence_order_examples(documents: list[list[str]], seed: int = 0, all_variants: bool = False) -> list[dict]:
+    """Examples ``{"premise", "hypothesis", "label"}`` from every consecutive sentence pair of every paragraph.
+
+    Args:
+        documents: paragraphs grouped by document (``unrelated`` sentences come from other documents).
+        seed: the draws of labels and unrelated sentences.
+        all_variants: emit all three labels per pair (training: more signal from little text) instead of
+            one label drawn per pair (evaluation: independent examples, balanced in expectation).
+    """
+    if len(documents) < 2:
+        raise ValueError(f"Need at least 2 documents for 'unrelated' pairs, got {len(documents)}.")
+    rng = random.Random(seed)
+    sentences = [[s for p in doc for s in split_sentences(p)] for doc in documents]
+    examples = []
+    for d, doc in enumerate(documents):
+        for paragraph in doc:
+            sents = split_sentences(paragraph)
+            for a, b in zip(sents, sents[1:]):
+                other = rng.choice([i for i in range(len(sentences)) if i != d and sentences[i]])
+                c = rng.choice(sentences[other])
+                variants = [(a, b, 0), (b, a, 1), (a, c, 2)]
+                for premise, hypothesis, label in (variants if all_variants else [rng.choice(variants)]):
+                    examples.append({"premise": premise, "hypothesis": hypothesis, "label": label})
+    return examples

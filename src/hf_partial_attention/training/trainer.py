@@ -1,0 +1,214 @@
+"""`PartialAttentionTrainer`: `transformers.Trainer` for models with partial attention (method.md, section 3).
+
+What it adds to `Trainer`:
+
+- R's parameters in their own optimizer group (`reconstruction_learning_rate`, `reconstruction_weight_decay`).
+- R statistics in the training logs: ``reconstruction_drift/<name>`` = ‖R − R₀‖_F / ‖R₀‖_F against R at the
+  start of the run (R₀ travels with each checkpoint in ``reconstruction_initial.safetensors``), and R's learning rate.
+- A loss that is the same number in one process and in N: each process returns its summed loss divided by the
+  number of labelled items in the whole (all processes, all accumulation steps) batch. BERT's heads return a
+  mean and ignore ``num_items_in_batch``; the stock Trainer then multiplies their loss by the world size
+  (transformers5 notes, section 3). Here the mean is turned back into a sum first, so the scaling is right.
+- Deterministic MLM masks across resumes: sets `MlmCollator.epoch` each epoch, and `None` while evaluating.
+
+P is a persistent buffer and R a buffer or parameters, so both are in every checkpoint's ``model.safetensors``
+and R's AdamW moments in ``optimizer.pt``; ``resume_from_checkpoint`` restores them like any weight.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PartialAttentionTrainer", "RECONSTRUCTION_INITIAL_NAME", "is_reconstruction_parameter"]
+
+RECONSTRUCTION_INITIAL_NAME = "reconstruction_initial.safetensors"
+_R_NAMES = ("reconstruction", "reconstruction_bias")
+
+
+def is_reconstruction_parameter(name: str) -> bool:
+    """True for R and its bias (``...partial_pattern.reconstruction``, ``...self.reconstruction_bias``, ...)."""
+    return name.rsplit(".", 1)[-1] in _R_NAMES
+
+
+class _CollatorEpoch(TrainerCallback):
+    """Tells a collator with an ``epoch`` attribute (`MlmCollator`) which epoch starts."""
+
+    def __init__(self, trainer: "PartialAttentionTrainer"):
+        self.trainer = trainer
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        collator = self.trainer.data_collator
+        if hasattr(collator, "epoch"):
+            collator.epoch = int(math.floor((state.epoch or 0.0) + 1e-6))
+
+
+class PartialAttentionTrainer(Trainer):
+    """`Trainer` for PartialBert models (works for any model; the R features switch off without R).
+
+    Use it with `PartialAttentionTrainingArguments`; plain `TrainingArguments` also work (R then shares the
+    main learning rate, with no weight decay, and statistics are logged).
+
+    Example:
+
+    ```python
+    >>> args = PartialAttentionTrainingArguments("out", reconstruction_learning_rate=1e-3, use_cpu=True)
+    >>> trainer = PartialAttentionTrainer(model=model, args=args, train_dataset=train, data_collator=collator)
+    >>> trainer.train()
+    ```
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # compute_loss normalises by the global item count itself (see the module docstring), so the Trainer
+        # must count items and must not divide by the accumulation steps again.
+        self.model_accepts_loss_kwargs = True
+        self.add_callback(_CollatorEpoch(self))
+        self._r_initial: dict[str, torch.Tensor] | None = None
+
+    # ------------------------------------------------------------------ R access
+    def _r_params(self, model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(n, p) for n, p in model.named_parameters() if p.requires_grad and is_reconstruction_parameter(n)]
+
+    def _reconstruction_tensors(self) -> dict[str, torch.Tensor]:
+        model = self.accelerator.unwrap_model(self.model)
+        if not hasattr(model, "reconstruction_tensors"):
+            return {}
+        tensors = {}
+        for name, tensor in model.reconstruction_tensors().items():
+            if hasattr(tensor, "full_tensor"):  # a DTensor under FSDP2: gather (log runs on every rank)
+                tensor = tensor.full_tensor()
+            tensors[name] = tensor.detach()
+        return tensors
+
+    # ------------------------------------------------------------------ optimizer
+    def create_optimizer(self, model=None):
+        """AdamW (or ``--optim``) with three groups: decayed weights, undecayed weights, and R."""
+        if self.optimizer is not None:
+            return self.optimizer
+        opt_model = self.model if model is None else model
+        r_params = self._r_params(opt_model)
+        cls, kwargs = (self.optimizer_cls_and_kwargs if self.optimizer_cls_and_kwargs is not None
+                       else self.get_optimizer_cls_and_kwargs(self.args, opt_model))
+        if not r_params or {"params", "model", "optimizer_dict"} & set(kwargs):
+            if r_params:
+                logger.warning("--optim %s builds its own parameter groups: R uses the main learning rate.",
+                               self.args.optim)
+            return super().create_optimizer(model)
+        decay = set(self.get_decay_parameter_names(opt_model))
+        r_ids = {id(p) for _, p in r_params}
+        rest = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad and id(p) not in r_ids]
+        r_group = {"params": [p for _, p in r_params],
+                   "weight_decay": getattr(self.args, "reconstruction_weight_decay", 0.0)}
+        r_lr = getattr(self.args, "reconstruction_learning_rate", None)
+        if r_lr is not None:
+            r_group["lr"] = r_lr  # the scheduler scales each group's own initial lr
+        groups = [
+            {"params": [p for n, p in rest if n in decay], "weight_decay": self.args.weight_decay},
+            {"params": [p for n, p in rest if n not in decay], "weight_decay": 0.0},
+            r_group,
+        ]
+        self.optimizer = cls([g for g in groups if g["params"]], **kwargs)
+        return self.optimizer
+
+    # ------------------------------------------------------------------ loss
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The model's loss, normalised by the labelled items of the whole global batch while training.
+
+        With ``num_items_in_batch`` (training, labels present) the per-process mean ``L`` over its own ``m``
+        labelled items becomes ``L·m / num_items_in_batch`` (times the world size when Trainer averages
+        gradients over processes): the sum of all processes' terms is the global mean, whatever the split.
+        """
+        if self.label_smoother is not None or self.compute_loss_func is not None:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        outputs = model(**inputs)
+        if isinstance(outputs, dict) and "loss" not in outputs:
+            raise ValueError(f"The model returned no loss (keys {list(outputs.keys())}); pass labels.")
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
+        labels = inputs.get("labels")
+        if num_items_in_batch is not None and labels is not None:
+            local = labels.ne(-100).sum()
+            # A process whose batch holds no labelled item has a NaN mean: give it a zero loss and zero gradient.
+            loss = torch.where(local > 0, loss * local / num_items_in_batch, torch.zeros_like(loss))
+            if self.args.average_tokens_across_devices and self.accelerator.num_processes > 1:
+                loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+        return (loss, outputs) if return_outputs else loss
+
+    # ------------------------------------------------------------------ train / resume
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        """`Trainer.train`; also records R₀ (or reads it back from the checkpoint) for the drift statistics."""
+        checkpoint = resume_from_checkpoint
+        if checkpoint is True:
+            checkpoint = get_last_checkpoint(self.args.output_dir)
+            if checkpoint is None:
+                raise ValueError(f"No checkpoint found in output_dir={self.args.output_dir!r} to resume from.")
+        elif checkpoint is False:
+            checkpoint = None
+        self._r_initial = {name: t.clone() for name, t in self._reconstruction_tensors().items()}
+        if checkpoint is not None:
+            saved = os.path.join(checkpoint, RECONSTRUCTION_INITIAL_NAME)
+            if os.path.isfile(saved):
+                self._r_initial = load_file(saved)
+            elif self._r_initial:
+                logger.warning("%s has no %s: R drift is measured from R before loading the checkpoint.",
+                               checkpoint, RECONSTRUCTION_INITIAL_NAME)
+        return super().train(resume_from_checkpoint=checkpoint, trial=trial,
+                             ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self.args.should_save and self._r_initial:
+            folder = os.path.join(self._get_output_dir(trial=trial),
+                                  f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            if os.path.isdir(folder):
+                save_file({k: v.contiguous().cpu() for k, v in self._r_initial.items()},
+                          os.path.join(folder, RECONSTRUCTION_INITIAL_NAME))
+
+    # ------------------------------------------------------------------ logging / evaluation
+    def reconstruction_stats(self) -> dict[str, float]:
+        """``reconstruction_drift/<name>`` = ‖R − R₀‖_F / ‖R₀‖_F per R tensor, their mean, and R's current lr."""
+        stats: dict[str, float] = {}
+        if not self._r_initial:
+            return stats
+        drifts = []
+        for name, r in self._reconstruction_tensors().items():
+            r0 = self._r_initial.get(name)
+            if r0 is None or r0.shape != r.shape:
+                continue  # sharded (FSDP1 flat parameters) or renamed: no statistic
+            r0 = r0.to(r.device, r.dtype)
+            drift = float((r - r0).norm() / r0.norm().clamp_min(torch.finfo(r.dtype).tiny))
+            stats[f"reconstruction_drift/{name}"] = drift
+            drifts.append(drift)
+        if len(drifts) > 1:
+            stats["reconstruction_drift/mean"] = sum(drifts) / len(drifts)
+        r_ids = {id(p) for _, p in self._r_params(self.model)}
+        for group in getattr(self.optimizer, "param_groups", []):
+            if r_ids and any(id(p) in r_ids for p in group["params"]):
+                stats["reconstruction_learning_rate"] = float(group["lr"])
+                break
+        return stats
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs and getattr(self.args, "log_reconstruction_stats", True):
+            logs.update(self.reconstruction_stats())
+        super().log(logs, start_time)
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        """`Trainer.evaluate` with epoch-independent MLM masks (comparable losses across checkpoints)."""
+        collator = self.data_collator
+        saved = getattr(collator, "epoch", None)
+        if hasattr(collator, "epoch"):
+            collator.epoch = None
+        try:
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        finally:
+            if hasattr(collator, "epoch"):
+                collator.epoch = saved

