@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from transformers import BertConfig, BertForMaskedLM, BigBirdConfig, NystromformerConfig
@@ -12,21 +14,23 @@ from transformers.models.nystromformer.modeling_nystromformer import Nystromform
 from hf_partial_attention import AttentionPattern, PartialBertConfig, PartialBertForMaskedLM
 from hf_partial_attention.modeling_partial_bert import PartialBertSelfAttention
 from hf_partial_attention.partial_attention import PatternLayout, partial_attention_forward
-from hf_partial_attention.pattern_families import window_indices
 
-PATTERNS = ("per_query", "columns", "windows")
+PATTERNS = ("per_query", "columns", "blocks")
 
 
 def pattern_indices(family: str, n: int, k: int) -> torch.Tensor:
     """P for timing. Speed depends on the structure only, not on which keys: per_query uses each query's k
     nearest keys (every row its own set, like the greedy per-query pattern); columns one shared set;
-    windows block-local windows (k rows per block)."""
+    blocks: each block of gcd(n, 32) rows shares the k keys around it (block-local windows, any k)."""
     if family == "per_query":
         return AttentionPattern.local(n, k).indices
     if family == "columns":
         return torch.linspace(0, n - 1, k).round().long().unique().expand(n, k).clone()
-    if family == "windows":
-        return window_indices(n, k)
+    if family == "blocks":
+        rows = math.gcd(n, 32)
+        starts = (torch.arange(0, n, rows) + rows // 2 - k // 2).clamp(0, n - k)  # (n / rows,)
+        block_keys = starts[:, None] + torch.arange(k)  # (n / rows, k)
+        return block_keys.repeat_interleave(rows, 0)  # (n, k)
     raise ValueError(f"unknown pattern family {family!r}")
 
 

@@ -16,7 +16,7 @@ def _target_rows(result: dict) -> list[tuple[str, float | None, str, bool | None
     ks = sorted({r["k"] for r in att if r["n"] == n0})
     k_mid = 32 if 32 in ks else (ks[len(ks) // 2] if ks else None)
     k_low = 16 if 16 in ks else (ks[0] if ks else None)
-    best = lambda k, mode: min((v for v in (_ratio(att, n0, k, mode, f"fused/{f}") for f in ("columns", "windows")) if v is not None), default=None)  # noqa: E731
+    best = lambda k, mode: min((v for v in (_ratio(att, n0, k, mode, f"fused/{f}") for f in ("columns", "blocks")) if v is not None), default=None)  # noqa: E731
     rows = [
         (f"structured pattern, forward, k={k_mid}", best(k_mid, "forward"), "<= 0.85", None),
         (f"structured pattern, forward, k={k_low}", best(k_low, "forward"), "<= 0.75", None),

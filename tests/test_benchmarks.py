@@ -17,7 +17,7 @@ def test_quick_benchmark_writes_tables_and_targets(tmp_path):
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["machine"]["torch"] and saved["model"] and saved["peers"]
     cases = {r["case"] for r in result["attention"]}
-    assert {"dense_eager", "sdpa", "fused/per_query", "fused/columns", "fused/windows", "gather/per_query"} <= cases
+    assert {"dense_eager", "sdpa", "fused/per_query", "fused/columns", "fused/blocks", "gather/per_query"} <= cases
     text = (tmp_path / "results.md").read_text()
     assert "## Targets" in text and "whole model, training step" in text
     for r in result["attention"]:

@@ -37,18 +37,16 @@ _EXACT_IMPLEMENTATIONS = ("gather", "dense", "blocks")
 
 
 def block_rows(indices: torch.Tensor) -> int | None:
-    """Rows per block if consecutive rows share their key set in equal blocks of >= 2 rows dividing n, else None.
+    """The largest r >= 2 dividing n such that each block of r consecutive rows shares one key set, else None.
 
     ``n`` means one key set for every query (shared columns); smaller values are block-local patterns.
     """
-    n = indices.shape[0]
-    if n == 1:
-        return None
-    change = torch.nonzero((indices[1:] != indices[:-1]).any(-1)).flatten() + 1  # first row of each new block
-    starts = torch.cat([torch.zeros(1, dtype=torch.long), change, torch.tensor([n])])
-    sizes = starts[1:] - starts[:-1]
-    size = int(sizes[0])
-    return size if size > 1 and bool((sizes == size).all()) and n % size == 0 else None
+    n, k = indices.shape
+    for rows in sorted((r for r in range(2, n + 1) if n % r == 0), reverse=True):
+        blocks = indices.view(n // rows, rows, k)  # (n / rows, rows, k)
+        if bool((blocks == blocks[:, :1]).all()):
+            return rows
+    return None
 
 
 class PatternLayout(NamedTuple):
