@@ -165,3 +165,13 @@ def test_gradcheck_fused_blocks():
     q, key, v = (torch.randn(1, 2, 6, 3, generator=g, dtype=DT, requires_grad=True) for _ in range(3))
     r = torch.randn(6, 4, 2, generator=g, dtype=DT, requires_grad=True)
     assert torch.autograd.gradcheck(lambda *t: run(*t[:3], None, idx, t[3], impl="fused")[0], (q, key, v, r))
+
+
+def test_auto_implementation_choice():
+    from hf_partial_attention.partial_attention import auto_implementation
+
+    blocks, _ = structured_patterns()["blocks"]
+    per_query = random_pattern(8, 2, seed=11)
+    assert auto_implementation(PatternLayout.from_indices(blocks), head_dim=1) == "fused"
+    assert auto_implementation(PatternLayout.from_indices(per_query), head_dim=4) == "fused"
+    assert auto_implementation(PatternLayout.from_indices(per_query), head_dim=2) == "dense"

@@ -44,7 +44,8 @@ class PartialBertConfig(BertConfig):
         partial_implementation (`str`, defaults to `"auto"`):
             Kernel: `"gather"` (only the k scores per query, assembled by scatter; the reference), `"dense"`
             (QK^T then select P), `"fused"` (one GEMM per block of rows sharing keys when the pattern has that
-            structure, then full rows by one batched matmul with [I | R]; no scatter) or `"auto"` (`"fused"`).
+            structure, then full rows by one batched matmul with [I | R]; no scatter) or `"auto"` (`"fused"`, except
+            `"dense"` for per-query patterns with k >= head size; see `partial_attention.auto_implementation`).
             All give the same numbers and gradients.
 
     Examples:

@@ -34,7 +34,7 @@ from transformers.models.bert.modeling_bert import (
 )
 
 from .configuration_partial_bert import PartialBertConfig
-from .partial_attention import PatternLayout, partial_attention_forward
+from .partial_attention import PatternLayout, auto_implementation, partial_attention_forward
 from .pattern import AttentionPattern
 
 __all__ = [
@@ -118,12 +118,12 @@ class PartialBertSelfAttention(BertSelfAttention):
         key = self.key(hidden_states).view(*hidden_shape).transpose(1, 2)  # (B, H, T, D)
         value = self.value(hidden_states).view(*hidden_shape).transpose(1, 2)  # (B, H, T, D)
         recon, bias = self._r_and_bias()
+        layout = self._pattern.layout()
         impl = self.implementation
         if impl == "auto":
-            # Fastest on CPU in benchmarks/ at BERT shapes, for per-query and structured patterns alike.
-            impl = "fused"
+            impl = auto_implementation(layout, self.attention_head_size)
         out, probs = partial_attention_forward(
-            self, query, key, value, attention_mask, layout=self._pattern.layout(),
+            self, query, key, value, attention_mask, layout=layout,
             reconstruction=recon, bias=bias, scaling=self.scaling,
             dropout=self.dropout.p if self.training else 0.0, implementation=impl,
         )

@@ -20,6 +20,7 @@ from .reconstruction import complement_indices, inverse_permutation
 
 __all__ = [
     "PatternLayout",
+    "auto_implementation",
     "partial_attention_forward",
     "exact_partial_scores",
     "reconstruct_scores",
@@ -47,6 +48,17 @@ def block_rows(indices: torch.Tensor) -> int | None:
         if bool((blocks == blocks[:, :1]).all()):
             return rows
     return None
+
+
+def auto_implementation(layout: "PatternLayout", head_dim: int) -> str:
+    """The kernel ``partial_implementation="auto"`` runs (from benchmarks/results on a 2-core CPU).
+
+    ``fused`` was fastest for structured patterns at every k and for per-query patterns with k < head_dim;
+    with k >= head_dim a per-query pattern's [I|R] product (n·k multiply-adds per query) outweighs QKᵀ, and
+    ``dense`` was faster.
+    """
+    k = layout.indices.shape[1]
+    return "fused" if layout.block_rows is not None or k < head_dim else "dense"
 
 
 class PatternLayout(NamedTuple):
