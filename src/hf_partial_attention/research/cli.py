@@ -120,12 +120,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         expr_cfg = _expr_config(args) if args.command in ("expressivity", "all") else None
         rank_cfg = _rank_config(args) if args.command in ("rank-heads", "all") else None
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        sys.stderr.write(f"error: {exc}\n")  # CLI output, not library logging
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     expr = run_expressivity(args.out, expr_cfg) if expr_cfg else None
     rank = run_rank_heads(args.out, rank_cfg) if rank_cfg else None
     command = "python -m hf_partial_attention.research " + shlex.join(argv)
     path = write_summary(args.out / "summary.md", command, expr, rank, time.perf_counter() - start)
-    print(f"summary written to {path}")
+    sys.stdout.write(f"summary written to {path}\n")
     return 0

@@ -6,7 +6,6 @@ were not available (spec A5, [NF]).  Outputs go to ``out_dir``; :func:`summarise
 
 from __future__ import annotations
 
-import csv
 import itertools
 import logging
 import math
@@ -18,6 +17,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from . import plots
+from .tables import write_csv
 from .conditions import _check_eps, _check_int
 from .expressivity import (
     construct_attention,
@@ -147,12 +147,12 @@ def run_expressivity(out_dir: Path, cfg: ExpressivityConfig | None = None) -> di
         fits.append({"setup": s.label, "margin_m": f"{min(margins):g}-{max(margins):g}", **v})
         curves.append({"label": s.label, "L": [r["L"] for r in sel],
                        "d_min": [r["d_min"] for r in sel], "fit": (v["a"], v["b"])})
-    _write_csv(out_dir / "expressivity_dmin.csv", rows)
-    _write_csv(out_dir / "expressivity_fits.csv", fits)
+    write_csv(out_dir / "expressivity_dmin.csv", rows)
+    write_csv(out_dir / "expressivity_fits.csv", fits)
     figures = [plots.plot_dmin(curves, out_dir / "expressivity_dmin.png")]
     ablations = _ablations(cfg) if cfg.ablations and cfg.setups else []
     if ablations:
-        _write_csv(out_dir / "expressivity_ablations.csv", ablations)
+        write_csv(out_dir / "expressivity_ablations.csv", ablations)
     figures.append(_heatmap(cfg, out_dir))
     return {"config": cfg, "rows": rows, "fits": fits, "ablations": ablations,
             "figures": [str(f.name) for f in figures],
@@ -189,16 +189,6 @@ def _heatmap(cfg: ExpressivityConfig, out_dir: Path) -> Path:
                               margin=cfg.margin)
     title = f"{s.label}, L={L}, d=d_min={d} (draw {t}); construction and margin are ours"
     return plots.plot_heatmaps(A, con.M, title, out_dir / "expressivity_heatmap.png")
-
-
-def _write_csv(path: Path, rows: list[dict]) -> None:
-    if not rows:
-        return
-    keys = list(dict.fromkeys(k for row in rows for k in row))
-    with open(path, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=keys)
-        writer.writeheader()
-        writer.writerows(rows)
 
 
 def config_dict(cfg: ExpressivityConfig) -> dict:

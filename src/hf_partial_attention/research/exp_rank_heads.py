@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import json
 import logging
 import time
@@ -13,6 +12,7 @@ from pathlib import Path
 import torch
 
 from . import plots
+from .tables import write_csv
 from .rank_heads import TrainConfig, config_dict, divisors, run_sweep
 from .rank_model import FullRankHead, nn_target, sample_sphere, token_sq_error
 
@@ -69,8 +69,8 @@ def run_rank_heads(out_dir: Path, cfg: RankHeadsConfig | None = None, progress: 
     with open(out_dir / "rank_heads_runs.json", "w") as fh:
         json.dump(rows, fh, indent=1)
     flat = [{k: v for k, v in row.items() if k != "epoch_losses"} for row in rows]
-    _write_csv(out_dir / "rank_heads.csv", flat)
-    _write_csv(out_dir / "rank_heads_construction.csv", check)
+    write_csv(out_dir / "rank_heads.csv", flat)
+    write_csv(out_dir / "rank_heads_construction.csv", check)
     figures = [plots.plot_rank_mse(rows, out_dir / "rank_heads_mse.png"),
                plots.plot_curves(rows, out_dir / "rank_heads_curves.png")]
     return {"config": cfg, "rows": flat, "construction": check, "verdicts": verdicts(flat),
@@ -113,16 +113,6 @@ def verdicts(rows: Sequence[dict], metric: str = "best_epoch_loss") -> list[dict
                     "ratio_lower_over_full": round(best_low[metric] / max(full[metric], 1e-12), 2),
                     "full_rank_best": full[metric] < best_low[metric]})
     return out
-
-
-def _write_csv(path: Path, rows: list[dict]) -> None:
-    if not rows:
-        return
-    keys = list(dict.fromkeys(k for row in rows for k in row))
-    with open(path, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=keys)
-        writer.writeheader()
-        writer.writerows(rows)
 
 
 def describe(cfg: RankHeadsConfig) -> dict:
