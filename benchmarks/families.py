@@ -22,9 +22,8 @@ from safetensors.torch import load_file
 from hf_partial_attention.analysis.collect import load_model_and_tokenizer, run_windows
 from hf_partial_attention.analysis.covariance import ScoreCovariance
 from hf_partial_attention.analysis.evaluation import ErrorMeter, LinearReconstructor
-from hf_partial_attention.analysis.patterns import fit_pattern
+from hf_partial_attention.analysis.selection import FAMILIES, select_pattern
 from hf_partial_attention.analysis.workflow import COVARIANCE_FILE, HELDOUT_FILE
-from hf_partial_attention.pattern_families import family_indices
 
 KERNEL = {"per_query": "QKᵀ then select (every row its own keys)", "columns": "one GEMM (keys shared by all rows)",
           "blocks": "one GEMM per block of 32 rows", "windows": "one GEMM per block (block-local windows)",
@@ -35,22 +34,21 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("analysis_dir", help="folder with covariance.safetensors and heldout_windows.safetensors")
     parser.add_argument("--ks", type=int, nargs="+", default=[16, 24, 32])
-    parser.add_argument("--families", nargs="+", default=["per_query", "blocks", "windows", "columns", "bands"])
+    parser.add_argument("--families", nargs="+", default=["per_query", "blocks", "windows", "columns", "bands"],
+                        choices=FAMILIES)
     parser.add_argument("--max-heldout", type=int, default=None, help="use at most this many held-out windows")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     folder = Path(args.analysis_dir)
     cov = ScoreCovariance.load(folder / COVARIANCE_FILE)
-    c = cov.per_query()
     n = cov.seq_len
     patterns, rows = {}, []
     for k in args.ks:
         for family in args.families:
             if family == "windows" and n % k:
                 continue  # block-local windows of k rows need k | n
-            indices = family_indices(c, k, family)
-            patterns[(family, k)] = fit_pattern(cov, indices, "per_query", metadata={"family": family})
+            patterns[(family, k)] = select_pattern(cov, k, "per_query", family=family)
     windows = load_file(str(folder / HELDOUT_FILE))["input_ids"]
     if args.max_heldout:
         windows = windows[: args.max_heldout]

@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from hf_partial_attention.analysis import collect_covariance, greedy_pattern, spectra
+from hf_partial_attention.analysis import collect_covariance, select_pattern, spectra
 from hf_partial_attention.analysis.corpus import default_texts
 from hf_partial_attention.analysis.demo import default_model_path
 from hf_partial_attention.analysis.distributed import process_info
@@ -40,7 +40,7 @@ def main(argv=None):
     share = spectra.top_eigenvalue_share(eigenvalues)
     logger.info("%s: %d score matrices; top eigenvalue share rows 0 / middle / last: %.3f / %.3f / %.3f",
                 cov.metadata["model"], cov.count, share[0], share[len(share) // 2], share[-1])
-    pattern = greedy_pattern(cov, args.k, "per_query")
+    pattern = select_pattern(cov, args.k, "per_query")
     pattern.save(args.out)
     logger.info("greedy per-query pattern k=%d: predicted normalised error %.4f -> %s", args.k,
                 pattern.normalized_error, args.out)

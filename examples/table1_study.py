@@ -8,7 +8,7 @@ Protocol (every number below is a flag):
    ``--model_name_or_path``).
 2. P and R: the per-query second moments (or covariances) of its pre-softmax scores, pooled over all layers and
    heads, on ``--covariance_windows`` training windows (`analysis.collect_covariance`); for each k the greedy P
-   and the optimal R (`analysis.greedy_pattern`), as in the paper.
+   and the optimal R (`analysis.select_pattern`), as in the paper.
 3. Phase 2, one run per arm, ``--arm_steps`` MLM steps each: the exact model continued (arm ``exact``), and for each
    k and R mode the phase-1 weights converted with P, R installed (``--partial_init exact_checkpoint``, default) or
    a partial model trained from scratch through both phases (``--partial_init scratch``). Same data order, masks,
@@ -44,9 +44,10 @@ from datasets import Dataset, DatasetDict
 from transformers import AutoTokenizer, BertConfig, BertForMaskedLM, BertForSequenceClassification, HfArgumentParser
 
 from hf_partial_attention import PartialBertForMaskedLM, PartialBertForSequenceClassification
-from hf_partial_attention.analysis import collect_covariance, greedy_pattern
+from hf_partial_attention.analysis import collect_covariance, select_pattern
 from hf_partial_attention.analysis.corpus import pydoc_paragraphs, split_heldout
-from hf_partial_attention.model_card import attention_cost, write_model_card
+from hf_partial_attention.cost import score_cost
+from hf_partial_attention.model_card import write_model_card
 from hf_partial_attention.training import (
     MlmCollator, MlmDataArguments, MnliDataArguments, PartialAttentionTrainer, PartialAttentionTrainingArguments,
     classification_metrics, group_into_windows, load_mnli, load_metric, load_text_datasets, tokenize_pairs,
@@ -247,7 +248,7 @@ def main(argv: list[str] | None = None) -> dict:
     cov_windows = torch.tensor(windows["train"].shuffle(seed=a.seed)[: a.covariance_windows]["input_ids"])  # (S, n)
     cov = collect_covariance(exact.eval(), cov_windows, tokenizer, seq_len=n, centered=centered,
                              batch_size=32, distributed=False, progress=False)
-    patterns = {k: greedy_pattern(cov, k, centered=centered, bias=centered) for k in ks}
+    patterns = {k: select_pattern(cov, k, centered=centered, bias=centered) for k in ks}
     for k, p in patterns.items():
         p.save(os.path.join(a.run_dir, f"pattern_k{k}.safetensors"))
     timings["patterns"] = time.time() - t0
@@ -276,9 +277,9 @@ def main(argv: list[str] | None = None) -> dict:
             else:
                 model = converted
         model, arm["mlm_loss"], arm["r_drift"] = mlm_phase(a, model, tokenizer, windows, out, a.arm_steps, a.seed)
-        cost = attention_cost(n, arm["k"], d_head)
+        saving = score_cost(n, arm["k"], d_head).saving
         layers = getattr(model.config, "partial_layers", [])
-        arm.update(saving=cost["saving"], model_saving=cost["saving"] * len(layers) / model.config.num_hidden_layers,
+        arm.update(saving=saving, model_saving=saving * len(layers) / model.config.num_hidden_layers,
                    mlm_dir=out, partial=name != "exact", pretrain_seconds=time.time() - t0)
         logger.info("%s: MLM eval loss %.4f", name, arm["mlm_loss"])
     timings["phase2"] = sum(arm["pretrain_seconds"] for arm in arms.values())

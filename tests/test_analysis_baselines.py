@@ -4,21 +4,17 @@ import torch
 
 from hf_partial_attention.analysis import ScoreCovariance
 from hf_partial_attention.analysis.baselines import (
-    band_indices,
     build_methods,
-    cost_nystrom,
     equal_cost_band,
     equal_cost_landmarks,
     landmark_indices,
     random_indices,
 )
 from hf_partial_attention.analysis.evaluation import NystromCUR
-from hf_partial_attention.analysis.patterns import cost_per_query
+from hf_partial_attention.cost import nystrom_cost, score_cost
 
 
 def test_index_sets():
-    band = band_indices(6, 3)
-    assert band[0].tolist() == [0, 1, 2] and band[3].tolist() == [2, 3, 4] and band[5].tolist() == [3, 4, 5]
     r = random_indices(10, 4, seed=1)
     assert torch.equal(r, random_indices(10, 4, seed=1)) and r.shape == (10, 4)
     assert bool((r[:, 1:] > r[:, :-1]).all())
@@ -31,7 +27,7 @@ def test_equal_costs():
     assert equal_cost_band(n, 32, d) == 128  # at d_h = 32, k = 32 reconstruction costs as much as dense
     assert equal_cost_band(n, 16, d) == 72
     m = equal_cost_landmarks(n, 16, d)
-    assert cost_nystrom(n, m, d) <= cost_per_query(n, 16, d) < cost_nystrom(n, m + 1, d)
+    assert nystrom_cost(n, m, d) <= score_cost(n, 16, d).total < nystrom_cost(n, m + 1, d)
 
 
 def test_nystrom_is_exact_for_low_rank_scores():

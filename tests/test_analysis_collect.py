@@ -45,12 +45,12 @@ def test_matches_numpy_on_stored_scores(name):
 
 
 def test_real_minilm_on_real_text(minilm_path):
-    from hf_partial_attention.analysis import greedy_pattern
+    from hf_partial_attention.analysis import select_pattern
     from hf_partial_attention.analysis.corpus import default_texts
 
     cov = collect_covariance(minilm_path, default_texts()[:3], seq_len=32, max_sequences=4, progress=False)
     assert cov.count == 4 * 6 * 12 and cov.metadata["head_dim"] == 32
-    pattern = greedy_pattern(cov, 8)
+    pattern = select_pattern(cov, 8)
     assert 0 < pattern.normalized_error < 1
 
 

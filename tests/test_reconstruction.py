@@ -1,4 +1,4 @@
-"""Reconstruction math: complements, optimal R and its error, greedy selection, the default prior."""
+"""Reconstruction math: complements, optimal R and its error, the default prior."""
 
 import itertools
 
@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from hf_partial_attention.reconstruction import (
     complement_indices,
-    greedy_select,
+    nearest_keys,
     inverse_permutation,
     local_prior,
     solve_reconstruction,
@@ -75,37 +75,6 @@ def test_batched_solve_equals_loop():
         torch.testing.assert_close(err[i], e_i)
 
 
-def test_greedy_error_equals_schur_error_and_brute_force_on_tiny_l():
-    cov = random_cov(6, seed=4)
-    for k in (1, 2, 3):
-        idx, err = greedy_select(cov, k)
-        _, _, schur = solve_reconstruction(cov, idx, ridge=0.0)
-        assert float(err) == pytest.approx(float(schur), rel=1e-8)
-        best = min(float(solve_reconstruction(cov, torch.tensor(s), ridge=0.0)[2])
-                   for s in itertools.combinations(range(6), k))
-        assert float(err) >= best - 1e-9
-        if k == 1:  # one greedy step is the exhaustive optimum
-            assert float(err) == pytest.approx(best, rel=1e-9)
-
-
-def test_greedy_is_deterministic_and_breaks_ties_low():
-    idx, err = greedy_select(torch.eye(5, dtype=torch.float64), 2)
-    assert idx.tolist() == [0, 1]
-    assert float(err) == pytest.approx(3.0)
-
-
-def test_greedy_handles_rank_deficiency():
-    cov = random_cov(8, rank=2, seed=5) - 1e-3 * torch.eye(8, dtype=torch.float64)
-    idx, err = greedy_select(cov, 4)
-    assert len(set(idx.tolist())) == 4
-    assert float(err) < 1e-8 * float(torch.trace(cov))
-
-
-def test_greedy_rejects_bad_k():
-    with pytest.raises(ValueError, match="k must be in"):
-        greedy_select(torch.eye(3, dtype=torch.float64), 4)
-
-
 def test_local_prior_is_markov():
     idx, r = local_prior(10, 3, correlation=0.5)
     assert idx[0].tolist() == [0, 1, 2] and idx[5].tolist() == [4, 5, 6] and idx[9].tolist() == [7, 8, 9]
@@ -117,3 +86,18 @@ def test_local_prior_is_markov():
         expect = torch.zeros(3)
         expect[idx[row].tolist().index(edge)] = 0.5 ** abs(j - edge)
         torch.testing.assert_close(r[row, m], expect, atol=1e-5, rtol=0)
+
+
+def test_local_prior_equals_the_full_solve():
+    """The block formula of local_prior gives the R of solve_reconstruction on the n×n AR(1) covariances."""
+    n, k, rho = 12, 4, 0.8
+    idx, r = local_prior(n, k, correlation=rho)
+    pos = torch.arange(n, dtype=torch.float64)
+    prior = rho ** (pos[:, None] - pos[None, :]).abs()
+    expect, _, _ = solve_reconstruction(prior.expand(n, n, n), idx)
+    torch.testing.assert_close(r, expect.to(torch.float32), rtol=0, atol=0)
+    assert torch.equal(idx, nearest_keys(n, k))
+
+
+def test_nearest_keys_band():
+    assert nearest_keys(6, 3).tolist() == [[0, 1, 2], [0, 1, 2], [1, 2, 3], [2, 3, 4], [3, 4, 5], [3, 4, 5]]

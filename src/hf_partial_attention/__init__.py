@@ -6,8 +6,8 @@ After ``import hf_partial_attention`` the PartialBert config and heads are regis
 
 from __future__ import annotations
 
-from .auto import register
 from .configuration_partial_bert import PartialBertConfig
+from .hub import register
 from .modeling_partial_bert import (
     PartialBertForMaskedLM,
     PartialBertForQuestionAnswering,

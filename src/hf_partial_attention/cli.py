@@ -94,12 +94,14 @@ def _run_analyze(args) -> int:
 
 
 def _derive_args(p):
+    from .analysis.selection import FAMILIES
+
     p.add_argument("dir", help="folder written by `analyze`")
     p.add_argument("--k", type=int, nargs="+", default=[16, 24, 32, 48])
     p.add_argument("--scope", default="per_query", choices=["per_query", "whole"])
-    p.add_argument("--family", default="per_query", choices=["per_query", "columns", "blocks", "windows", "bands"],
+    p.add_argument("--family", default="per_query", choices=FAMILIES,
                    help="constrain per-query P to a family whose exact part is one dense GEMM (columns, blocks, "
-                        "windows) or shared diagonals (bands); see hf_partial_attention.pattern_families")
+                        "windows) or shared diagonals (bands); see hf_partial_attention.analysis.selection")
     p.add_argument("--no-evaluate", action="store_true", help="skip the held-out measurement")
     p.add_argument("--no-baselines", action="store_true", help="skip the equal-cost baselines")
     p.add_argument("--batch-size", type=int, default=8)

@@ -11,7 +11,10 @@ from huggingface_hub.dataclasses import strict
 from transformers import BertConfig
 
 RECONSTRUCTION_MODES = ("fixed", "common", "per_layer")
+# The kernels of `partial_attention.PARTIAL_KERNELS`, plus "auto"; named here so a config can be checked early.
 PARTIAL_IMPLEMENTATIONS = ("auto", "gather", "dense", "fused")
+# Runtime settings: like `attn_implementation`, never written to (nor read from) config.json.
+_NOT_SERIALIZED = ("partial_implementation",)
 
 
 @strict
@@ -42,11 +45,13 @@ class PartialBertConfig(BertConfig):
             For a model built from a config alone (no pattern given), P_i is the k keys nearest to query i
             and R the optimal reconstruction under the prior covariance `rho**|j - j'|` with this rho.
         partial_implementation (`str`, defaults to `"auto"`):
-            Kernel: `"gather"` (only the k scores per query, assembled by scatter; the reference), `"dense"`
-            (QK^T then select P), `"fused"` (one GEMM per block of rows sharing keys when the pattern has that
-            structure, then full rows by one batched matmul with [I | R]; no scatter) or `"auto"` (`"fused"`, except
-            `"dense"` for per-query patterns with k >= head size; see `partial_attention.auto_implementation`).
-            All give the same numbers and gradients.
+            Kernel of the partial layers, a run-time setting like `attn_implementation`: not saved in config.json
+            (a value found there is ignored), set it with `from_pretrained(..., partial_implementation=...)` or
+            `model.set_partial_implementation(...)`. `"gather"` (only the k scores per query, assembled by
+            scatter; the reference), `"dense"` (QK^T then select P), `"fused"` (one GEMM per block of rows sharing
+            keys when the pattern has that structure, then full rows by one batched matmul with [I | R]; no
+            scatter) or `"auto"` (`"fused"`, except `"dense"` for per-query patterns with k >= head size; see
+            `partial_attention.auto_implementation`). All give the same numbers and gradients.
 
     Examples:
 
@@ -92,8 +97,7 @@ class PartialBertConfig(BertConfig):
             )
         if self.partial_implementation not in PARTIAL_IMPLEMENTATIONS:
             raise ValueError(
-                f"partial_implementation must be one of {PARTIAL_IMPLEMENTATIONS}, "
-                f"got {self.partial_implementation!r}."
+                f"partial_implementation must be one of {PARTIAL_IMPLEMENTATIONS}, got {self.partial_implementation!r}."
             )
         bad = [layer for layer in self.partial_layers if not 0 <= layer < self.num_hidden_layers]
         if bad:
@@ -114,6 +118,18 @@ class PartialBertConfig(BertConfig):
     def validate_partial_attention(self):
         """Re-checked by `save_pretrained` (strict dataclass validators)."""
         self._check_partial_fields()
+
+    def _remove_keys_not_serialized(self, d: dict) -> None:
+        super()._remove_keys_not_serialized(d)
+        for key in _NOT_SERIALIZED:
+            d.pop(key, None)
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        # Checkpoints written by 0.1.0 stored partial_implementation; the machine that loads them chooses it
+        # (kwargs, e.g. from_pretrained(..., partial_implementation="dense"), still apply).
+        config_dict = {key: value for key, value in config_dict.items() if key not in _NOT_SERIALIZED}
+        return super().from_dict(config_dict, **kwargs)
 
 
 __all__ = ["PartialBertConfig", "RECONSTRUCTION_MODES", "PARTIAL_IMPLEMENTATIONS"]

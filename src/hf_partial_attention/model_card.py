@@ -6,8 +6,7 @@ scripts rewrite it with evaluation results. A card's front matter holds ``librar
 what P and R are, k, the attention-cost saving and its formula, where the pattern came from, the results and
 how to load the model.
 
-This file is part of the remote-code bundle copied next to checkpoints: it imports only ``huggingface_hub``,
-``torch`` and sibling files.
+Imported by `hub` (card on save and push); not part of the remote-code bundle.
 """
 
 from __future__ import annotations
@@ -18,9 +17,11 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from .cost import score_cost
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["attention_cost", "build_model_card", "write_model_card", "validate_card_metadata", "CARD_TAGS"]
+__all__ = ["build_model_card", "write_model_card", "validate_card_metadata", "CARD_TAGS"]
 
 CARD_TAGS = ["partial-attention", "attention-reconstruction", "bert", "custom_code"]
 PAPER = "Eigen Analysis of Self-Attention and its Reconstruction from Partial Computation"
@@ -31,18 +32,6 @@ _AUTO = {"fill-mask": "AutoModelForMaskedLM", "text-classification": "AutoModelF
          "token-classification": "AutoModelForTokenClassification",
          "question-answering": "AutoModelForQuestionAnswering", "feature-extraction": "AutoModel"}
 _REQUIRED = ("library_name", "tags", "pipeline_tag")
-
-
-def attention_cost(n: int, k: int, d_head: int) -> dict[str, float]:
-    """Multiply-adds of the scores QKᵀ per query (method.md, section 2).
-
-    Exact part ``k·d_h``, reconstruction ``(n−k)·k``, dense ``n·d_h``;
-    ``saving = 1 − (k·d_h + (n−k)·k) / (n·d_h)``. At n=128, d_h=64: k=32 → 0.375, k=24 → 0.508.
-    """
-    if not (1 <= k <= n and d_head >= 1):
-        raise ValueError(f"Need 1 <= k <= n and d_head >= 1, got n={n}, k={k}, d_head={d_head}.")
-    exact, recon, dense = k * d_head, (n - k) * k, n * d_head
-    return {"exact": exact, "reconstruction": recon, "dense": dense, "saving": 1.0 - (exact + recon) / dense}
 
 
 def _pipeline(model) -> str:
@@ -69,12 +58,21 @@ def _results_table(results: list[EvalResult]) -> str:
     return "\n".join(rows)
 
 
+def _exact_layers_phrase(layers: list[int], total: int) -> str:
+    exact = [layer for layer in range(total) if layer not in layers]
+    if exact == [total - 1]:
+        return "the last layer stays exact, as in the paper"
+    if not exact:
+        return "every layer is partial; the paper keeps the last layer exact"
+    return f"layers {exact} stay exact; the paper keeps only the last layer exact"
+
+
 def _partial_section(config, prefix: str) -> str:
     n, k = config.partial_seq_len, config.partial_k
     layers, total = list(config.partial_layers), config.num_hidden_layers
     d_head = config.hidden_size // config.num_attention_heads
-    cost = attention_cost(n, k, d_head)
-    model_saving = cost["saving"] * len(layers) / total
+    cost = score_cost(n, k, d_head).per_query(n)  # one query row: k·d_h exact, (n−k)·k reconstructed
+    model_saving = cost.saving * len(layers) / total
     mode = {
         "fixed": f"fixed: a buffer `{prefix}encoder.partial_pattern.reconstruction`, never trained",
         "common": f"common: one trainable tensor `{prefix}encoder.partial_pattern.reconstruction` shared by all "
@@ -85,7 +83,7 @@ def _partial_section(config, prefix: str) -> str:
     bias = " plus a per-query bias b_i" if config.partial_use_bias else ""
     return f"""## Partial attention: P and R
 
-In layers {layers} (of {total}; the last layer stays exact, as in the paper), query i computes the exact
+In layers {layers} (of {total}; {_exact_layers_phrase(layers, total)}), query i computes the exact
 pre-softmax scores `a_ij = q_i·k_j / sqrt(d_h)` only for the **k = {k}** keys j in its set **P_i** (of n = {n}
 positions) and reconstructs the other n − k = {n - k} scores linearly, `a_(P̄_i) = R_i a_(P_i)`{bias}, before the
 padding mask and the softmax.
@@ -102,8 +100,8 @@ Multiply-adds of the scores QKᵀ per query and head: exact part `k·d_h`, recon
 
     saving = 1 − (k·d_h + (n − k)·k) / (n·d_h)
 
-Here n = {n}, k = {k}, d_h = {d_head}: {cost['exact'] + cost['reconstruction']} instead of {cost['dense']}
-multiply-adds, a saving of **{100 * cost['saving']:.1f} %** in each partial layer, {100 * model_saving:.1f} % of
+Here n = {n}, k = {k}, d_h = {d_head}: {cost.total} instead of {cost.dense}
+multiply-adds, a saving of **{100 * cost.saving:.1f} %** in each partial layer, {100 * model_saving:.1f} % of
 the model's QKᵀ over all {total} layers. Softmax and the product with V are unchanged; wall-clock gains depend
 on the kernel.
 """

@@ -9,32 +9,39 @@ shown for the base model, prefixed ``bert.`` in the heads):
 - ``encoder.layer.{l}.attention.self.reconstruction``: R of layer l, trainable (``"per_layer"``).
 - ``...reconstruction_bias``: beside each R when ``partial_use_bias=True``, ``(n, n−k)``.
 
-This file, with its sibling imports, is copied next to saved checkpoints for ``trust_remote_code=True``.
+The heads are BERT's own classes, built by BERT's own ``__init__``; `PartialBertPreTrainedModel.post_init` then
+swaps the self-attention of the partial layers (docs/method.md#the-model-p-r-and-where-they-live). Attention
+runs through transformers' ``AttentionInterface``: partial layers call ``partial_<kernel>`` (`partial_attention`),
+exact layers honour ``config._attn_implementation``. Auto registration, ``auto_map`` and model cards live in
+`hub`; this file, with its sibling imports, is copied next to saved checkpoints for ``trust_remote_code=True``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
 import os
+from collections.abc import Callable, Iterator
+from typing import ClassVar
 
 import torch
 from torch import nn
 from transformers import initialization as init
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.bert.modeling_bert import (
-    BertEmbeddings,
     BertEncoder,
     BertForMaskedLM,
     BertForQuestionAnswering,
     BertForSequenceClassification,
     BertForTokenClassification,
     BertModel,
-    BertOnlyMLMHead,
-    BertPooler,
     BertPreTrainedModel,
     BertSelfAttention,
 )
 
 from .configuration_partial_bert import PartialBertConfig
-from .partial_attention import PatternLayout, auto_implementation, partial_attention_forward
+from .partial_attention import PatternLayout, attention_function_name, check_implementation, resolve_implementation
 from .pattern import AttentionPattern
 
 __all__ = [
@@ -46,24 +53,67 @@ __all__ = [
     "PartialBertForQuestionAnswering",
     "PartialBertSelfAttention",
     "PartialBertPattern",
+    "default_pattern",
 ]
 
-_DEFAULT_PATTERNS: dict[tuple[int, int, float], AttentionPattern] = {}
+
+@functools.lru_cache(maxsize=4)
+def _local_pattern(n: int, k: int, correlation: float) -> AttentionPattern:
+    return AttentionPattern.local(n, k, correlation)
 
 
 def default_pattern(config: PartialBertConfig) -> AttentionPattern:
-    """The pattern a model built from a config alone starts with (`AttentionPattern.local`), cached."""
-    key = (config.partial_seq_len, config.partial_k, float(config.partial_default_correlation))
-    if key not in _DEFAULT_PATTERNS:
-        _DEFAULT_PATTERNS[key] = AttentionPattern.local(*key)
-    return _DEFAULT_PATTERNS[key]
+    """The pattern a model built from a config alone starts with (`AttentionPattern.local`); the last few are cached."""
+    return _local_pattern(config.partial_seq_len, config.partial_k, float(config.partial_default_correlation))
+
+
+# The pattern `from_bert` installs, read while the model is built so that the default is never computed for it.
+_INITIAL_PATTERN: contextvars.ContextVar[AttentionPattern | None] = contextvars.ContextVar("initial_pattern",
+                                                                                         default=None)
+
+
+@contextlib.contextmanager
+def initial_pattern(pattern: AttentionPattern) -> Iterator[None]:
+    """Build models inside this block with ``pattern``'s P and R instead of the default (see `from_bert`)."""
+    token = _INITIAL_PATTERN.set(pattern)
+    try:
+        yield
+    finally:
+        _INITIAL_PATTERN.reset(token)
+
+
+def _initial(config: PartialBertConfig) -> AttentionPattern:
+    pattern = _INITIAL_PATTERN.get()
+    if pattern is not None and (pattern.seq_len, pattern.k) == (config.partial_seq_len, config.partial_k):
+        return pattern
+    return default_pattern(config)
+
+
+def _on_meta_device() -> bool:
+    # from_pretrained builds models under torch.device("meta"): nothing to compute, the checkpoint fills them.
+    return torch.empty(0).device.type == "meta"
 
 
 def _r_tensor(config: PartialBertConfig, trainable: bool, bias: bool) -> nn.Parameter | torch.Tensor:
+    """R ``(n, n−k, k)`` (or its bias ``(n, n−k)``) holding the initial pattern's values."""
     n, k = config.partial_seq_len, config.partial_k
     shape = (n, n - k) if bias else (n, n - k, k)
-    tensor = torch.zeros(shape)
+    if _on_meta_device():
+        tensor = torch.empty(shape)
+    else:
+        pattern = _initial(config)
+        if bias:
+            tensor = torch.zeros(shape) if pattern.bias is None else pattern.bias.clone()
+        else:
+            tensor = pattern.reconstruction.clone()
     return nn.Parameter(tensor) if trainable else tensor
+
+
+def _init_bias(tensor: torch.Tensor, pattern: AttentionPattern) -> None:
+    if pattern.bias is None:
+        init.zeros_(tensor)
+    else:
+        init.copy_(tensor, pattern.bias)
 
 
 class PartialBertPattern(nn.Module):
@@ -72,7 +122,8 @@ class PartialBertPattern(nn.Module):
     def __init__(self, config: PartialBertConfig):
         super().__init__()
         n, k = config.partial_seq_len, config.partial_k
-        self.register_buffer("indices", torch.zeros(n, k, dtype=torch.long), persistent=True)
+        indices = torch.empty(n, k, dtype=torch.long) if _on_meta_device() else _initial(config).indices.clone()
+        self.register_buffer("indices", indices, persistent=True)
         self.mode = config.reconstruction
         if self.mode == "common":
             self.reconstruction = _r_tensor(config, True, False)
@@ -93,21 +144,25 @@ class PartialBertPattern(nn.Module):
 
 
 class PartialBertSelfAttention(BertSelfAttention):
-    """`BertSelfAttention` (same q/k/v parameters) whose scores are computed at P and reconstructed elsewhere."""
+    """`BertSelfAttention` (same q/k/v parameters) whose scores are computed at P and reconstructed elsewhere.
+
+    The kernel is ``config.partial_implementation`` (a runtime setting, see
+    `PartialBertPreTrainedModel.set_partial_implementation`), run through transformers' ``AttentionInterface``.
+    """
 
     def __init__(self, config: PartialBertConfig, pattern: PartialBertPattern, layer_idx: int | None = None):
         super().__init__(config, layer_idx=layer_idx)
         # The pattern module is owned by the encoder; keep an unregistered reference so its tensors are
         # saved once, not once per layer.
         object.__setattr__(self, "_pattern", pattern)
-        self.implementation = config.partial_implementation
         if config.reconstruction == "per_layer":
             self.reconstruction = _r_tensor(config, True, False)
             self.reconstruction_bias = _r_tensor(config, True, True) if config.partial_use_bias else None
 
-    def _r_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def partial_tensors(self) -> tuple[PatternLayout, torch.Tensor, torch.Tensor | None]:
+        """``(layout of P, R, bias or None)`` this layer reconstructs with (read by the attention functions)."""
         owner = self if "reconstruction" in self._parameters else self._pattern
-        return owner.reconstruction, getattr(owner, "reconstruction_bias", None)
+        return self._pattern.layout(), owner.reconstruction, getattr(owner, "reconstruction_bias", None)
 
     def forward(self, hidden_states, attention_mask=None, cache=None, **kwargs):
         if cache is not None:
@@ -117,20 +172,18 @@ class PartialBertSelfAttention(BertSelfAttention):
         query = self.query(hidden_states).view(*hidden_shape).transpose(1, 2)  # (B, H, T, D)
         key = self.key(hidden_states).view(*hidden_shape).transpose(1, 2)  # (B, H, T, D)
         value = self.value(hidden_states).view(*hidden_shape).transpose(1, 2)  # (B, H, T, D)
-        recon, bias = self._r_and_bias()
-        layout = self._pattern.layout()
-        impl = self.implementation
-        if impl == "auto":
-            impl = auto_implementation(layout, self.attention_head_size)
-        out, probs = partial_attention_forward(
-            self, query, key, value, attention_mask, layout=layout,
-            reconstruction=recon, bias=bias, scaling=self.scaling,
-            dropout=self.dropout.p if self.training else 0.0, implementation=impl,
-        )
+        kernel = resolve_implementation(self.config.partial_implementation, self._pattern.layout(),
+                                        self.attention_head_size)
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS[attention_function_name(kernel)]
+        out, probs = attention_interface(self, query, key, value, attention_mask, scaling=self.scaling,
+                                         dropout=self.dropout.p if self.training else 0.0)
         return out.reshape(*input_shape, -1).contiguous(), probs  # (B, T, H·D)
 
 
 def _install_partial_attention(encoder: BertEncoder, config: PartialBertConfig) -> None:
+    """Give ``encoder`` its pattern module and swap the self-attention of every partial layer (idempotent)."""
+    if "partial_pattern" in encoder._modules:
+        return
     encoder.partial_pattern = PartialBertPattern(config)
     for layer_idx in config.partial_layers:
         encoder.layer[layer_idx].attention.self = PartialBertSelfAttention(
@@ -142,20 +195,40 @@ class PartialBertPreTrainedModel(BertPreTrainedModel):
     config_class = PartialBertConfig
     config: PartialBertConfig
     _bert_class = BertModel  # the upstream class whose checkpoints map one-to-one onto this one
+    # Set by `hf_partial_attention.hub.register()` (auto_map and model card on save); None under remote code.
+    _save_hook: ClassVar[Callable | None] = None
+
+    def post_init(self):
+        """BERT's own ``__init__`` built the body; make its partial layers partial, then BERT's post-init."""
+        body = self if isinstance(self, BertModel) else getattr(self, self.base_model_prefix)
+        if not isinstance(body, PartialBertModel):
+            # The head's __init__ (BERT's) built a plain BertModel body: same modules and parameter names, so it
+            # becomes a PartialBertModel in place rather than being built twice.
+            body.__class__ = PartialBertModel
+        _install_partial_attention(body.encoder, self.config)
+        super().post_init()
 
     def _init_weights(self, module):
         super()._init_weights(module)
         if isinstance(module, PartialBertPattern):
-            pattern = default_pattern(self.config)
+            pattern = _initial(self.config)
             init.copy_(module.indices, pattern.indices)
             if getattr(module, "reconstruction", None) is not None:
                 init.copy_(module.reconstruction, pattern.reconstruction)
             if getattr(module, "reconstruction_bias", None) is not None:
-                init.zeros_(module.reconstruction_bias)
+                _init_bias(module.reconstruction_bias, pattern)
         elif isinstance(module, PartialBertSelfAttention) and "reconstruction" in module._parameters:
-            init.copy_(module.reconstruction, default_pattern(self.config).reconstruction)
+            pattern = _initial(self.config)
+            init.copy_(module.reconstruction, pattern.reconstruction)
             if module.reconstruction_bias is not None:
-                init.zeros_(module.reconstruction_bias)
+                _init_bias(module.reconstruction_bias, pattern)
+
+    def set_partial_implementation(self, implementation: str) -> None:
+        """Switch the kernel of the partial layers at run time: ``"auto"``, ``"gather"``, ``"dense"`` or ``"fused"``
+        (all give the same numbers). Like ``attn_implementation`` it is a setting of this process, never read
+        from a checkpoint; exact layers keep ``config._attn_implementation``."""
+        check_implementation(implementation)
+        self.config.partial_implementation = implementation
 
     # ------------------------------------------------------------------ pattern access
     def _partial_encoder(self) -> BertEncoder:
@@ -206,25 +279,14 @@ class PartialBertPreTrainedModel(BertPreTrainedModel):
             if pattern.bias is not None:
                 owner.reconstruction_bias.copy_(pattern.bias)
 
-    def save_pretrained(self, save_directory, *args, write_model_card: bool | None = None, **kwargs):
-        """`PreTrainedModel.save_pretrained`, plus a model card (``README.md``, see `model_card.py`).
-
-        Args:
-            write_model_card: ``None`` (default) writes a card only if the folder has no ``README.md`` yet;
-                ``True`` replaces an existing one; ``False`` writes none. Only the main process writes it.
-        """
-        from .model_card import write_model_card as _write_model_card  # also bundles model_card.py for remote code
-
-        # Only the saved class and its config get an auto_map entry by default; list every head so that
-        # any AutoModel* class loads the folder with trust_remote_code=True.
-        self.config.auto_map = dict(_AUTO_MAP)
-        readme = os.path.join(os.fspath(save_directory), "README.md")
-        had_readme = os.path.exists(readme)  # checked first: push_to_hub=True writes a README of its own
-        result = super().save_pretrained(save_directory, *args, **kwargs)
-        is_main_process = kwargs.get("is_main_process", args[0] if args else True)
-        if is_main_process and (write_model_card or (write_model_card is None and not had_readme)):
-            _write_model_card(self, save_directory, overwrite=True)
-        return result
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """`PreTrainedModel.save_pretrained`; with the plugin imported, `hub.save_pretrained` also completes
+        ``auto_map`` and writes the model card (its ``write_model_card`` argument)."""
+        hook = PartialBertPreTrainedModel._save_hook
+        if hook is None:
+            kwargs.pop("write_model_card", None)
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        return hook(self, super().save_pretrained, save_directory, *args, **kwargs)
 
     # ------------------------------------------------------------------ conversion
     @classmethod
@@ -256,9 +318,10 @@ class PartialBertPreTrainedModel(BertPreTrainedModel):
         config = PartialBertConfig(**fields)
         if attn_impl is not None:
             config._attn_implementation = attn_impl
-        model = cls(config)
+        with initial_pattern(pattern):  # P and R go in at construction: the default pattern is never built
+            model = cls(config)
         _copy_bert_weights(source, model)
-        model.set_pattern(pattern)
+        model.set_pattern(pattern)  # also checks the pattern against the config
         return model
 
 
@@ -276,91 +339,33 @@ def _copy_bert_weights(source: BertPreTrainedModel, target: PartialBertPreTraine
     target.load_state_dict(usable, strict=False)
 
 
+# The heads are BERT's classes with BERT's own __init__ and forward; `PartialBertPreTrainedModel.post_init` makes
+# the body partial.
 class PartialBertModel(PartialBertPreTrainedModel, BertModel):
     """`BertModel` with partial self-attention in `config.partial_layers`."""
 
     _bert_class = BertModel
 
-    def __init__(self, config: PartialBertConfig, add_pooling_layer: bool = True):
-        BertPreTrainedModel.__init__(self, config)
-        self.config = config
-        self.gradient_checkpointing = False
-        self.embeddings = BertEmbeddings(config)
-        self.encoder = BertEncoder(config)
-        _install_partial_attention(self.encoder, config)
-        self.pooler = BertPooler(config) if add_pooling_layer else None
-        self.post_init()
-
 
 class PartialBertForMaskedLM(PartialBertPreTrainedModel, BertForMaskedLM):
-    """`BertForMaskedLM` on a `PartialBertModel`; `forward` is BERT's."""
+    """`BertForMaskedLM` on a `PartialBertModel`."""
 
     _bert_class = BertForMaskedLM
 
-    def __init__(self, config: PartialBertConfig):
-        BertPreTrainedModel.__init__(self, config)
-        self.bert = PartialBertModel(config, add_pooling_layer=False)
-        self.cls = BertOnlyMLMHead(config)
-        self.post_init()
-
-
-def _classifier_dropout(config: PartialBertConfig) -> nn.Dropout:
-    p = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
-    return nn.Dropout(p)
-
 
 class PartialBertForSequenceClassification(PartialBertPreTrainedModel, BertForSequenceClassification):
-    """`BertForSequenceClassification` on a `PartialBertModel`; `forward` is BERT's."""
+    """`BertForSequenceClassification` on a `PartialBertModel`."""
 
     _bert_class = BertForSequenceClassification
 
-    def __init__(self, config: PartialBertConfig):
-        BertPreTrainedModel.__init__(self, config)
-        self.num_labels = config.num_labels
-        self.config = config
-        self.bert = PartialBertModel(config)
-        self.dropout = _classifier_dropout(config)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
-        self.post_init()
-
 
 class PartialBertForTokenClassification(PartialBertPreTrainedModel, BertForTokenClassification):
-    """`BertForTokenClassification` on a `PartialBertModel`; `forward` is BERT's."""
+    """`BertForTokenClassification` on a `PartialBertModel`."""
 
     _bert_class = BertForTokenClassification
 
-    def __init__(self, config: PartialBertConfig):
-        BertPreTrainedModel.__init__(self, config)
-        self.num_labels = config.num_labels
-        self.bert = PartialBertModel(config, add_pooling_layer=False)
-        self.dropout = _classifier_dropout(config)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
-        self.post_init()
-
 
 class PartialBertForQuestionAnswering(PartialBertPreTrainedModel, BertForQuestionAnswering):
-    """`BertForQuestionAnswering` on a `PartialBertModel`; `forward` is BERT's."""
+    """`BertForQuestionAnswering` on a `PartialBertModel`."""
 
     _bert_class = BertForQuestionAnswering
-
-    def __init__(self, config: PartialBertConfig):
-        BertPreTrainedModel.__init__(self, config)
-        self.num_labels = config.num_labels
-        self.bert = PartialBertModel(config, add_pooling_layer=False)
-        self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)
-        self.post_init()
-
-
-AUTO_CLASSES = {
-    "AutoModel": PartialBertModel,
-    "AutoModelForMaskedLM": PartialBertForMaskedLM,
-    "AutoModelForSequenceClassification": PartialBertForSequenceClassification,
-    "AutoModelForTokenClassification": PartialBertForTokenClassification,
-    "AutoModelForQuestionAnswering": PartialBertForQuestionAnswering,
-}
-_AUTO_MAP = {"AutoConfig": "configuration_partial_bert.PartialBertConfig"}
-_AUTO_MAP.update({auto: f"modeling_partial_bert.{klass.__name__}" for auto, klass in AUTO_CLASSES.items()})
-
-PartialBertConfig.register_for_auto_class()
-for _auto_name, _klass in AUTO_CLASSES.items():
-    _klass.register_for_auto_class(_auto_name)

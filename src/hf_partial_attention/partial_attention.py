@@ -11,30 +11,32 @@ keys). Masked keys then receive no probability, as in dense attention.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .configuration_partial_bert import PARTIAL_IMPLEMENTATIONS
 from .reconstruction import complement_indices, inverse_permutation
 
 __all__ = [
     "PatternLayout",
     "auto_implementation",
+    "check_implementation",
+    "resolve_implementation",
+    "attention_function_name",
     "partial_attention_forward",
     "exact_partial_scores",
     "reconstruct_scores",
     "reconstruction_matrix",
     "block_rows",
     "IMPLEMENTATIONS",
+    "PARTIAL_KERNELS",
+    "register_attention_functions",
 ]
-
-# gather: only the k scores per query, assembled by scatter (the reference).
-# dense: QKᵀ then select P, assembled by scatter.
-# fused: exact part as one GEMM per block of rows sharing their keys (pattern families) or QKᵀ-then-select,
-#        then the full rows in key order by one batched matmul with W_i = [I at P_i | R_iᵀ at P̄_i], no scatter.
-IMPLEMENTATIONS = ("gather", "dense", "fused")
-_EXACT_IMPLEMENTATIONS = ("gather", "dense", "blocks")
 
 
 def block_rows(indices: torch.Tensor) -> int | None:
@@ -97,6 +99,37 @@ def _masked_keys(attention_mask: torch.Tensor | None, t: int, dtype: torch.dtype
     return attention_mask.to(dtype), attention_mask < torch.finfo(attention_mask.dtype).min / 2
 
 
+def _gather_scores(query, key, indices, scaling, rows):
+    t = query.shape[2]
+    k_sel = key[:, :, indices[:t]]  # (B, H, T, k, D)
+    return torch.einsum("bhtd,bhtkd->bhtk", query, k_sel) * scaling
+
+
+def _dense_scores(query, key, indices, scaling, rows):
+    b, h, t, _ = query.shape
+    full = torch.matmul(query, key.transpose(-1, -2)) * scaling  # (B, H, T, n)
+    return full.gather(-1, indices[:t].expand(b, h, t, indices.shape[1]))
+
+
+def _block_scores(query, key, indices, scaling, rows):
+    if rows is None:
+        raise ValueError("implementation='blocks' needs a pattern whose rows share key sets in equal blocks.")
+    b, h, t, d = query.shape
+    n, k = indices.shape
+    nb = n // rows
+    if t < n:
+        query = nn.functional.pad(query, (0, 0, 0, n - t))  # (B, H, n, D)
+    cols = key[:, :, indices[::rows]]  # (B, H, nb, k, D): each block's shared keys
+    exact = torch.matmul(query.view(b, h, nb, rows, d), cols.transpose(-1, -2)) * scaling  # (B, H, nb, rows, k)
+    return exact.view(b, h, n, k)[:, :, :t]
+
+
+# How the k exact scores of each query are computed; all give the same values and gradients.
+# gather: only these B·H·T·k dot products; dense: QKᵀ, then select P; blocks: one GEMM per block of rows
+# sharing their keys (needs `block_rows`).
+_EXACT_SCORES = {"gather": _gather_scores, "dense": _dense_scores, "blocks": _block_scores}
+
+
 def exact_partial_scores(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -107,31 +140,15 @@ def exact_partial_scores(
 ) -> torch.Tensor:
     """Scores of each query with its k keys in P: ``(B, H, T, D), (B, H, T, D), (n, k) -> (B, H, T, k)``.
 
-    Keys at positions >= T (the input is shorter than n) score zero. ``"gather"`` computes only these
-    B·H·T·k dot products; ``"dense"`` computes QKᵀ and selects (same values and gradients); ``"blocks"``
-    needs ``rows`` (`block_rows`): one GEMM per block of rows that share their keys.
+    Keys at positions >= T (the input is shorter than n) score zero. ``implementation`` is one of
+    ``"gather"``, ``"dense"``, ``"blocks"`` (which needs ``rows``, see `block_rows`).
     """
-    b, h, t, d = query.shape
-    n, k = indices.shape
-    idx = indices[:t]  # (T, k)
+    if implementation not in _EXACT_SCORES:
+        raise ValueError(f"implementation must be one of {tuple(_EXACT_SCORES)}, got {implementation!r}.")
+    t, n = query.shape[2], indices.shape[0]
     if t < n:
         key = nn.functional.pad(key, (0, 0, 0, n - t))  # (B, H, n, D): zero keys beyond the input
-    if implementation == "gather":
-        k_sel = key[:, :, idx]  # (B, H, T, k, D)
-        return torch.einsum("bhtd,bhtkd->bhtk", query, k_sel) * scaling
-    if implementation == "dense":
-        full = torch.matmul(query, key.transpose(-1, -2)) * scaling  # (B, H, T, n)
-        return full.gather(-1, idx.expand(b, h, t, k))
-    if implementation == "blocks":
-        if rows is None:
-            raise ValueError("implementation='blocks' needs a pattern whose rows share key sets in equal blocks.")
-        nb = n // rows
-        if t < n:
-            query = nn.functional.pad(query, (0, 0, 0, n - t))  # (B, H, n, D)
-        cols = key[:, :, indices[::rows]]  # (B, H, nb, k, D): each block's shared keys
-        exact = torch.matmul(query.view(b, h, nb, rows, d), cols.transpose(-1, -2)) * scaling  # (B, H, nb, rows, k)
-        return exact.view(b, h, n, k)[:, :, :t]
-    raise ValueError(f"implementation must be one of {_EXACT_IMPLEMENTATIONS}, got {implementation!r}.")
+    return _EXACT_SCORES[implementation](query, key, indices, scaling, rows)
 
 
 def _fused_scores(exact, w, bias_full, t):
@@ -164,6 +181,95 @@ def reconstruct_scores(
     return both.gather(-1, inverse_permutation[:t].expand(b, h, t, n))  # (B, H, T, n) in key order
 
 
+def _exact_masked(query, key, attention_mask, layout, scaling, exact_impl):
+    """Exact scores at P with masked keys set to zero, and the additive mask: ``(B, H, T, k)``, ``(B|1, 1|H, T, T)``."""
+    t = query.shape[2]
+    indices = layout.indices
+    n = indices.shape[0]
+    if t > n:
+        raise ValueError(
+            f"Input length {t} exceeds the partial attention length n={n} (config.partial_seq_len); "
+            f"truncate inputs to {n} tokens or use a pattern derived for a longer n."
+        )
+    additive, masked = _masked_keys(attention_mask, t, query.dtype)
+    exact = exact_partial_scores(query, key, indices, scaling, exact_impl, layout.block_rows)  # (B, H, T, k)
+    if masked is not None:
+        masked = nn.functional.pad(masked, (0, n - t), value=True)  # (B|1, 1|H, T, n)
+        masked_sel = masked.gather(-1, indices[:t].expand(*masked.shape[:2], t, indices.shape[1]))
+        exact = exact.masked_fill(masked_sel, 0.0)  # masked keys enter R with score zero
+    return exact, additive
+
+
+def _softmax_times_value(module, scores, additive, value, dropout):
+    """``(B, H, T, T)`` scores -> ``(output (B, T, H, D), probabilities (B, H, T, T))``."""
+    if additive is not None:
+        scores = scores + additive
+    probs = nn.functional.softmax(scores, dim=-1)
+    probs = nn.functional.dropout(probs, p=dropout, training=module.training)
+    out = torch.matmul(probs, value)  # (B, H, T, D)
+    return out.transpose(1, 2).contiguous(), probs  # (B, T, H, D)
+
+
+def _scatter_kernel(exact_impl: str):
+    """Exact scores by ``exact_impl``, full rows by concatenation and one gather into key order."""
+
+    def kernel(module, query, key, value, attention_mask, layout, reconstruction, bias, scaling, dropout):
+        exact, additive = _exact_masked(query, key, attention_mask, layout, scaling, exact_impl)
+        scores = reconstruct_scores(exact, reconstruction.to(exact.dtype),
+                                    None if bias is None else bias.to(exact.dtype), layout.inverse_permutation)
+        t = query.shape[2]
+        scores = scores[..., :t]  # (B, H, T, T): reconstructed scores of keys beyond the input are dropped
+        return _softmax_times_value(module, scores, additive, value, dropout)
+
+    return kernel
+
+
+def _fused_kernel(module, query, key, value, attention_mask, layout, reconstruction, bias, scaling, dropout):
+    """Exact part by block GEMMs when rows share keys (else QKᵀ then select), full rows by one batched matmul
+    with ``W_i = [I at P_i | R_iᵀ at P̄_i]`` (no scatter)."""
+    exact_impl = "blocks" if layout.block_rows is not None else "dense"
+    exact, additive = _exact_masked(query, key, attention_mask, layout, scaling, exact_impl)
+    b, h, t, k = exact.shape
+    n = layout.indices.shape[0]
+    complement = layout.complement
+    w = reconstruction_matrix(layout.indices, reconstruction.to(exact.dtype), complement)  # (n, k, n)
+    bias_full = None
+    if bias is not None:
+        bias_full = torch.zeros(n, n, dtype=exact.dtype, device=exact.device).scatter(-1, complement, bias.to(exact.dtype))
+    scores = _fused_scores(exact, w, bias_full, t).view(t, b, h, t)  # (T, B, H, T)
+    if additive is not None:
+        scores = scores + additive.permute(2, 0, 1, 3)  # (T, B|1, 1|H, T)
+    probs = nn.functional.softmax(scores, dim=-1)
+    probs = nn.functional.dropout(probs, p=dropout, training=module.training)
+    probs = probs.permute(1, 2, 0, 3)  # (B, H, T, T) view
+    out = torch.matmul(probs, value)  # (B, H, T, D)
+    return out.transpose(1, 2).contiguous(), probs
+
+
+# The kernels, by name (`config.partial_implementation`, or "auto": see `auto_implementation`).
+# gather: only the k scores per query, assembled by scatter (the reference).
+# dense: QKᵀ then select P, assembled by scatter.
+# fused: see `_fused_kernel`.
+PARTIAL_KERNELS: dict[str, Callable] = {
+    "gather": _scatter_kernel("gather"),
+    "dense": _scatter_kernel("dense"),
+    "fused": _fused_kernel,
+}
+IMPLEMENTATIONS = tuple(PARTIAL_KERNELS)
+
+
+def check_implementation(name: str) -> None:
+    """Raise a ValueError naming the choices unless ``name`` is ``"auto"`` or a kernel of `PARTIAL_KERNELS`."""
+    if name not in PARTIAL_IMPLEMENTATIONS or (name != "auto" and name not in PARTIAL_KERNELS):
+        raise ValueError(f"partial_implementation must be one of {PARTIAL_IMPLEMENTATIONS}, got {name!r}.")
+
+
+def resolve_implementation(name: str, layout: "PatternLayout", head_dim: int) -> str:
+    """The kernel ``name`` runs: itself, or for ``"auto"`` the choice of `auto_implementation`."""
+    check_implementation(name)
+    return auto_implementation(layout, head_dim) if name == "auto" else name
+
+
 def partial_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -185,55 +291,51 @@ def partial_attention_forward(
         attention_mask: ``None``, bool ``(B|1, 1|H, T, T)`` (True = attend) or additive float of that shape.
         layout: P and the index tensors derived from it (`PatternLayout.from_indices`).
         reconstruction: R, ``(n, n−k, k)``. bias: ``(n, n−k)`` or None.
+        implementation: a key of `PARTIAL_KERNELS`; every kernel gives the same numbers and gradients.
 
     Returns:
         ``(output (B, T, H, D), probabilities (B, H, T, T))`` like ``eager_attention_forward``.
     """
-    b, h, t, d = query.shape
-    indices = layout.indices
-    n = indices.shape[0]
-    if t > n:
-        raise ValueError(
-            f"Input length {t} exceeds the partial attention length n={n} (config.partial_seq_len); "
-            f"truncate inputs to {n} tokens or use a pattern derived for a longer n."
-        )
-    if implementation not in IMPLEMENTATIONS:
+    if implementation not in PARTIAL_KERNELS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}.")
-    additive, masked = _masked_keys(attention_mask, t, query.dtype)
-    exact_impl = implementation
-    if implementation == "fused":
-        exact_impl = "blocks" if layout.block_rows is not None else "dense"
-    exact = exact_partial_scores(query, key, indices, scaling, exact_impl, layout.block_rows)  # (B, H, T, k)
-    if masked is not None:
-        masked = nn.functional.pad(masked, (0, n - t), value=True)  # (B|1, 1|H, T, n)
-        masked_sel = masked.gather(-1, indices[:t].expand(*masked.shape[:2], t, indices.shape[1]))
-        exact = exact.masked_fill(masked_sel, 0.0)  # masked keys enter R with score zero
-    if implementation == "fused":
-        return _fused_tail(module, exact, value, additive, layout, reconstruction, bias, dropout)
-    scores = reconstruct_scores(exact, reconstruction.to(exact.dtype),
-                                None if bias is None else bias.to(exact.dtype), layout.inverse_permutation)
-    scores = scores[..., :t]  # (B, H, T, T): reconstructed scores of keys beyond the input are dropped
-    if additive is not None:
-        scores = scores + additive
-    probs = nn.functional.softmax(scores, dim=-1)
-    probs = nn.functional.dropout(probs, p=dropout, training=module.training)
-    out = torch.matmul(probs, value)  # (B, H, T, D)
-    return out.transpose(1, 2).contiguous(), probs  # (B, T, H, D)
+    return PARTIAL_KERNELS[implementation](module, query, key, value, attention_mask, layout, reconstruction, bias,
+                                           scaling, dropout)
 
 
-def _fused_tail(module, exact, value, additive, layout, reconstruction, bias, dropout):
-    b, h, t, k = exact.shape
-    n = layout.indices.shape[0]
-    complement = layout.complement
-    w = reconstruction_matrix(layout.indices, reconstruction.to(exact.dtype), complement)  # (n, k, n)
-    bias_full = None
-    if bias is not None:
-        bias_full = torch.zeros(n, n, dtype=exact.dtype, device=exact.device).scatter(-1, complement, bias.to(exact.dtype))
-    scores = _fused_scores(exact, w, bias_full, t).view(t, b, h, t)  # (T, B, H, T)
-    if additive is not None:
-        scores = scores + additive.permute(2, 0, 1, 3)  # (T, B|1, 1|H, T)
-    probs = nn.functional.softmax(scores, dim=-1)
-    probs = nn.functional.dropout(probs, p=dropout, training=module.training)
-    probs = probs.permute(1, 2, 0, 3)  # (B, H, T, T) view
-    out = torch.matmul(probs, value)  # (B, H, T, D)
-    return out.transpose(1, 2).contiguous(), probs
+# ---------------------------------------------------------------- transformers' attention dispatch
+_PREFIX = "partial_"
+
+
+def attention_function_name(implementation: str) -> str:
+    """The `AttentionInterface` name of a kernel: ``"partial_fused"`` and so on."""
+    return _PREFIX + implementation
+
+
+def _interface_function(implementation: str) -> Callable:
+    kernel = PARTIAL_KERNELS[implementation]
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        # P and R belong to the layer: a partial layer exposes them through `partial_tensors()`.
+        tensors = getattr(module, "partial_tensors", None)
+        if tensors is None:
+            raise TypeError(
+                f"attention {attention_function_name(implementation)!r} runs only in PartialBert's partial layers "
+                f"(got {type(module).__name__}); set attn_implementation to 'sdpa' or 'eager' for exact layers."
+            )
+        layout, reconstruction, bias = tensors()
+        return kernel(module, query, key, value, attention_mask, layout, reconstruction, bias,
+                      module.scaling if scaling is None else scaling, dropout)
+
+    attention.__name__ = f"{attention_function_name(implementation)}_attention_forward"
+    return attention
+
+
+def register_attention_functions() -> None:
+    """Register every kernel with transformers' `AttentionInterface` (and a mask builder for its name, so a mask
+    is never silently dropped); safe to call more than once."""
+    for name in PARTIAL_KERNELS:
+        AttentionInterface.register(attention_function_name(name), _interface_function(name))
+        AttentionMaskInterface.register(attention_function_name(name), sdpa_mask)
+
+
+register_attention_functions()

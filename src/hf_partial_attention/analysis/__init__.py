@@ -13,7 +13,7 @@ from .corpus import default_texts, load_texts, make_windows
 from .covariance import ScoreCovariance
 from .distributed import reduce_covariance
 from .evaluation import ErrorMeter, LinearReconstructor
-from .patterns import cost_dense, cost_per_query, cost_whole, error_curve, fit_pattern, greedy_pattern, pattern_mask
+from .selection import FAMILIES, error_curve, fit_pattern, greedy_select, select_pattern
 
 __all__ = [
     "CAPTURE_IMPLEMENTATION",
@@ -23,15 +23,13 @@ __all__ = [
     "build_methods",
     "capture_scores",
     "collect_covariance",
-    "cost_dense",
-    "cost_per_query",
-    "cost_whole",
     "default_texts",
     "error_curve",
     "fit_pattern",
-    "greedy_pattern",
+    "greedy_select",
+    "select_pattern",
+    "FAMILIES",
     "load_texts",
     "make_windows",
-    "pattern_mask",
     "reduce_covariance",
 ]

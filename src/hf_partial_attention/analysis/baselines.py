@@ -1,9 +1,11 @@
-"""Other ways to cut the cost of ``QKᵀ``, at equal cost on the same scores (method.md, section 5).
+"""Other ways to cut the cost of ``QKᵀ``, at equal cost on the same scores.
+
+See docs/method.md#equal-cost-baselines-and-error-measures.
 
 At a per-query budget of k exact scores per row:
 
 - ``greedy``: the paper's greedy P_i with optimal R_i;
-- ``band+R``, ``random+R``, ``landmark+R``: P_i a band of diagonals (the k keys nearest query i), a uniformly
+- ``band+R``, ``random+R``, ``landmark+R``: P_i a band of diagonals (the k keys nearest query i, `reconstruction.nearest_keys`), a uniformly
   random subset, or the same k evenly spaced key columns for every query (Nyström-style landmarks), each with
   its own optimal R_i: same cost as greedy, so only the choice of P differs;
 - ``band only``: no reconstruction, the band widened to the equal cost ``k_eq = k + (n−k)·k/d_h``; the
@@ -16,26 +18,18 @@ from __future__ import annotations
 
 import torch
 
+from ..cost import dense_cost, nystrom_cost, score_cost
+from ..reconstruction import nearest_keys
 from .evaluation import LinearReconstructor, MeanFill, NystromCUR
-from .patterns import cost_per_query, fit_pattern, greedy_pattern
+from .selection import fit_pattern, select_pattern
 
 __all__ = [
-    "band_indices",
     "random_indices",
     "landmark_indices",
-    "cost_nystrom",
     "equal_cost_band",
     "equal_cost_landmarks",
     "build_methods",
 ]
-
-
-def band_indices(n: int, k: int) -> torch.Tensor:
-    """``(n, k)``: for each query the k nearest keys (ties to the lower position), sorted."""
-    pos = torch.arange(n)
-    dist = (pos[:, None] - pos[None, :]).abs()  # (n, n)
-    order = torch.argsort(dist * n + pos[None, :], dim=-1)
-    return torch.sort(order[:, :k], dim=-1).values
 
 
 def random_indices(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -53,21 +47,15 @@ def landmark_indices(n: int, k: int) -> torch.Tensor:
     return _spaced(n, k).expand(n, k).clone()
 
 
-def cost_nystrom(n: int, m: int, d_head: int) -> int:
-    """Multiply-adds of CUR with m landmarks: exact rows/columns, ``m³`` for the pseudo-inverse, the products."""
-    exact = 2 * n * m - m * m
-    return exact * d_head + m ** 3 + (n - m) * m * m + (n - m) ** 2 * m
-
-
 def equal_cost_band(n: int, k: int, d_head: int) -> int:
     """Band width with no reconstruction costing what the per-query pattern at k costs (at most n)."""
-    return min(n, cost_per_query(n, k, d_head) // (n * d_head))
+    return min(n, score_cost(n, k, d_head).total // (n * d_head))
 
 
 def equal_cost_landmarks(n: int, k: int, d_head: int) -> int:
     """Largest m whose CUR cost is at most the per-query cost at k (at least 1)."""
-    budget = cost_per_query(n, k, d_head)
-    fits = [m for m in range(1, n + 1) if cost_nystrom(n, m, d_head) <= budget]
+    budget = score_cost(n, k, d_head).total
+    fits = [m for m in range(1, n + 1) if nystrom_cost(n, m, d_head) <= budget]
     return max(fits) if fits else 1
 
 
@@ -85,17 +73,17 @@ def build_methods(cov, k: int, d_head: int, seed: int = 0, centered: bool | None
         ``{name: {"reconstructor", "relative_cost", "predicted" (normalised error or None), "param"}}``.
     """
     n = cov.seq_len
-    dense = n * n * d_head
-    same = cost_per_query(n, k, d_head) / dense
-    greedy = greedy if greedy is not None else greedy_pattern(cov, k, "per_query", centered=centered)
+    dense = dense_cost(n, d_head)
+    same = score_cost(n, k, d_head).relative
+    greedy = greedy if greedy is not None else select_pattern(cov, k, "per_query", centered=centered)
     methods = {"greedy P + R": {"pattern": greedy, "param": f"k={k}"}}
-    for name, idx in (("band P + R", band_indices(n, k)), ("random P + R", random_indices(n, k, seed)),
+    for name, idx in (("band P + R", nearest_keys(n, k)), ("random P + R", random_indices(n, k, seed)),
                       ("landmark columns + R", landmark_indices(n, k))):
         methods[name] = {"pattern": fit_pattern(cov, idx, "per_query", centered=centered), "param": f"k={k}"}
     out = {name: {"reconstructor": LinearReconstructor(m["pattern"]), "relative_cost": same,
                   "predicted": m["pattern"].normalized_error, "param": m["param"]} for name, m in methods.items()}
     k_band = equal_cost_band(n, k, d_head)
-    band = band_indices(n, k_band)
+    band = nearest_keys(n, k_band)
     mean = cov.mean_per_query()
     c = cov.per_query(centered=True)
     outside = torch.diagonal(c, dim1=-2, dim2=-1).sum() - torch.diagonal(c, dim1=-2, dim2=-1).gather(-1, band).sum()
@@ -104,5 +92,5 @@ def build_methods(cov, k: int, d_head: int, seed: int = 0, centered: bool | None
                         "predicted": max(0.0, float(outside) / float(torch.diagonal(c, dim1=-2, dim2=-1).sum()))}
     m = equal_cost_landmarks(n, k, d_head)
     out["Nyström CUR"] = {"reconstructor": NystromCUR(_spaced(n, m)), "param": f"m={m}",
-                          "relative_cost": cost_nystrom(n, m, d_head) / dense, "predicted": None}
+                          "relative_cost": nystrom_cost(n, m, d_head) / dense, "predicted": None}
     return out

@@ -17,14 +17,16 @@ import time
 import torch
 from safetensors.torch import load_file
 
+from ..cost import score_cost
 from ..pattern import AttentionPattern
+from ..reconstruction import nearest_keys
 from . import spectra
-from .baselines import band_indices, equal_cost_band
+from .baselines import equal_cost_band
 from .collect import collect_covariance, load_model_and_tokenizer
 from .corpus import default_texts, package_readmes, pydoc_paragraphs, split_heldout
 from .covariance import ScoreCovariance
 from .embeddings import embedding_cosines, mean_pooled_embeddings, summarize_cosines, text_batches, window_batches
-from .patterns import cost_dense, cost_per_query, fit_pattern
+from .selection import fit_pattern
 from .workflow import COVARIANCE_FILE, HELDOUT_FILE, analyze, convert, derive, load_results, update_results
 
 logger = logging.getLogger(__name__)
@@ -90,7 +92,7 @@ def _embeddings(model_path: str, out: str, ks, convert_k: int, seq_len: int, bat
     candidates = {f"greedy P + R, k={k}": AttentionPattern.load(os.path.join(out, "patterns",
                                                                             f"per_query_k{k}.safetensors"))
                   for k in ks}
-    candidates[f"band P + R, k={convert_k}"] = fit_pattern(cov, band_indices(cov.seq_len, convert_k), "per_query")
+    candidates[f"band P + R, k={convert_k}"] = fit_pattern(cov, nearest_keys(cov.seq_len, convert_k), "per_query")
     checkpoint = os.path.join(out, "checkpoint")
     conv = convert(os.path.join(out, "patterns", f"per_query_k{convert_k}.safetensors"), checkpoint, model_path)
     rows = []
@@ -150,8 +152,8 @@ def _summary(results: dict, demo: dict, n: int, k: int, n_whole: int, threads: i
               f"{'–' if m['predicted'] is None else format(m['predicted'], '.4f')})" for m in methods]
     cur = next((m for m in methods if m["method"] == "Nyström CUR"), None)
     dh = d["head_dim"]
-    saving = 1 - cost_per_query(n, k, dh) / cost_dense(n, dh)
-    saving64 = 1 - cost_per_query(n, k, 64) / cost_dense(n, 64)
+    saving = score_cost(n, k, dh).saving
+    saving64 = score_cost(n, k, 64).saving
     lines += ["", f"Cost: at d_h = {dh} one reconstructed score costs k = {k} multiply-adds against {dh} for an exact "
               f"one, so per-query reconstruction at k = {k} saves {saving:.1%} of QKᵀ (at d_h = 64, BERT-base: "
               f"{saving64:.1%}); 'band only' spends the same budget on a band of width {equal_cost_band(n, k, dh)}."]

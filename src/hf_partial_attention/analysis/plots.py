@@ -12,7 +12,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
+from ..pattern import AttentionPattern  # noqa: E402
+
 __all__ = [
+    "pattern_mask",
     "plot_layer_projection",
     "plot_overlap",
     "plot_images",
@@ -24,6 +27,15 @@ __all__ = [
 ]
 
 _DPI = 110
+
+
+def pattern_mask(pattern: AttentionPattern) -> torch.Tensor:
+    """``(n, n)`` bool: True where the score (query i, key j) is computed exactly (Fig. 8)."""
+    n = pattern.seq_len
+    if pattern.scope == "whole":
+        mask = torch.zeros(n * n, dtype=torch.bool).scatter_(0, pattern.indices, True)  # (n²,)
+        return mask.reshape(n, n)
+    return torch.zeros(n, n, dtype=torch.bool).scatter_(-1, pattern.indices, True)  # (n, n)
 
 
 def _save(fig, path) -> str:

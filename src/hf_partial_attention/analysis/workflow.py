@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..cost import score_cost
 from ..pattern import AttentionPattern
-from ..pattern_families import family_indices
 from . import plots, spectra
 from .baselines import build_methods
 from .collect import collect_covariance, load_model_and_tokenizer, run_windows
@@ -25,8 +25,8 @@ from .corpus import load_texts, make_windows, split_heldout
 from .covariance import ScoreCovariance
 from .distributed import process_info
 from .evaluation import ErrorMeter, LinearReconstructor
-from .patterns import cost_dense, cost_per_query, cost_whole, error_curve, fit_pattern, pattern_mask
 from .report import write_report
+from .selection import error_curve, select_pattern
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ def derive(out: str, ks, scope: str = "per_query", *, evaluate: bool = True, bas
     files, and, with held-out windows present, their measured error beside the equal-cost baselines.
 
     ``family`` (per_query scope): a constrained greedy whose exact part is a fast dense computation
-    (``"columns"``, ``"blocks"``, ``"windows"``, ``"bands"``; see `pattern_families`); files are then named
+    (``"columns"``, ``"blocks"``, ``"windows"``, ``"bands"``; see `selection`); files are then named
     ``per_query_<family>_k<k>.safetensors`` and the unconstrained greedy's curve stays as the reference."""
     if family != "per_query" and scope != "per_query":
         raise ValueError(f"family={family!r} constrains per-query patterns; use scope='per_query'.")
@@ -175,30 +175,22 @@ def derive(out: str, ks, scope: str = "per_query", *, evaluate: bool = True, bas
     n, d_head = cov.seq_len, cov.metadata.get("head_dim")
     ks = sorted({int(k) for k in ks})
     os.makedirs(os.path.join(out, "patterns"), exist_ok=True)
-    chosen: dict[int, torch.Tensor] = {}
-    curves = [error_curve(cov, _curve_ks(s, n, ks if s == scope else []), s, d_head=d_head, centered=centered,
-                          indices_out=chosen if s == scope else None) for s in cov.scopes]
-    curve = next(c for c in curves if c["scope"] == scope)
+    curves = [error_curve(cov, _curve_ks(s, n, ks if s == scope else []), s, d_head=d_head, centered=centered)
+              for s in cov.scopes]
     patterns, rows = {}, []
     tag = scope if family == "per_query" else f"{scope}_{family}"
     for k in ks:
-        greedy_error = curve["greedy"][curve["k"].index(k)]
-        meta = {"method": "greedy", "k": k, "greedy_normalized_error": greedy_error}
-        if family != "per_query":
-            chosen[k] = family_indices(cov.per_query(centered=centered), k, family)
-            meta = {"method": f"greedy_{family}", "family": family, "k": k,
-                    "greedy_normalized_error": greedy_error}  # the unconstrained greedy's error, for reference
-        pattern = fit_pattern(cov, chosen[k], scope, centered=centered, metadata=meta)
+        pattern = select_pattern(cov, k, scope, family=family, centered=centered)
         path = os.path.join(out, "patterns", f"{tag}_k{k}.safetensors")
         pattern.save(path)
         patterns[k] = pattern
-        rows.append({"k": k, "k_bar": pattern.indices.numel(), "path": path,
-                     "predicted": pattern.normalized_error, "greedy": pattern.metadata["greedy_normalized_error"]})
+        rows.append({"k": k, "k_bar": pattern.indices.numel(), "path": path, "predicted": pattern.normalized_error,
+                     "greedy": pattern.metadata.get("greedy_normalized_error")})
     fig_dir = os.path.join(out, "figures")
     result: dict[str, Any] = {"scope": scope, "seq_len": n, "head_dim": d_head, "patterns": rows, "curves": curves,
                               "figures": {}}
     result["figures"]["patterns"] = plots.plot_patterns(
-        [(f"{scope}, k={k}" if scope == "per_query" else f"whole, k̄={k}", pattern_mask(p))
+        [(f"{scope}, k={k}" if scope == "per_query" else f"whole, k̄={k}", plots.pattern_mask(p))
          for k, p in patterns.items()],
         os.path.join(fig_dir, f"patterns_{scope}.png"))
     result["figures"]["error_curves"] = plots.plot_error_curves(
@@ -230,8 +222,7 @@ def _evaluate(cov, patterns: dict, scope: str, held_path: str, with_baselines, b
                 info[(name, k)] = m
         else:
             methods[("greedy P + R", k)] = LinearReconstructor(pattern)
-            cost = (cost_per_query if scope == "per_query" else cost_whole)(n, k, d_head) / cost_dense(n, d_head) \
-                if d_head else None
+            cost = score_cost(n, k, d_head, scope).relative if d_head else None
             info[("greedy P + R", k)] = {"predicted": pattern.normalized_error,
                                          "param": f"k={k}" if scope == "per_query" else f"k̄={k}",
                                          "relative_cost": cost}

@@ -1,4 +1,4 @@
-"""Registration with the Auto classes, and loading with trust_remote_code where the plugin is absent."""
+"""Hub packaging: Auto registration, auto_map, the remote-code bundle, checkpoints of earlier versions."""
 
 import json
 import os
@@ -6,12 +6,14 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification
 
 import hf_partial_attention
 from hf_partial_attention import PartialBertConfig, PartialBertForMaskedLM, PartialBertModel
-from hf_partial_attention.modeling_partial_bert import AUTO_CLASSES
+from hf_partial_attention.hub import AUTO_CLASSES
 
 TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37,
             partial_seq_len=16, partial_k=4)
@@ -29,9 +31,40 @@ def test_save_pretrained_writes_auto_map_and_code(tmp_path):
     PartialBertModel(PartialBertConfig(**TINY)).save_pretrained(tmp_path)
     auto_map = json.loads((tmp_path / "config.json").read_text())["auto_map"]
     assert set(auto_map) == {"AutoConfig", *AUTO_CLASSES}
-    for name in ("modeling_partial_bert.py", "configuration_partial_bert.py", "pattern.py", "reconstruction.py",
-                 "partial_attention.py"):
-        assert (tmp_path / name).is_file(), name
+    bundle = {p.name for p in tmp_path.glob("*.py")}
+    # the model's files and their sibling imports; the Hub layer (registration, cards) stays out of the bundle
+    assert bundle == {"modeling_partial_bert.py", "configuration_partial_bert.py", "pattern.py", "reconstruction.py",
+                      "partial_attention.py"}, bundle
+    assert "partial_implementation" not in json.loads((tmp_path / "config.json").read_text())
+
+
+def test_save_pretrained_merges_a_users_auto_map(tmp_path):
+    model = PartialBertModel(PartialBertConfig(**TINY))
+    model.config.auto_map = {"AutoModelForMultipleChoice": "my_code.MyChoiceHead",
+                             "AutoModel": "stale_module.OldModel"}
+    model.save_pretrained(tmp_path)
+    auto_map = json.loads((tmp_path / "config.json").read_text())["auto_map"]
+    assert auto_map["AutoModelForMultipleChoice"] == "my_code.MyChoiceHead"  # the user's own entry is kept
+    assert auto_map["AutoModel"] == "modeling_partial_bert.PartialBertModel"  # ours are brought up to date
+    assert set(auto_map) == {"AutoConfig", "AutoModelForMultipleChoice", *AUTO_CLASSES}
+
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "data", "golden")
+
+
+@pytest.mark.parametrize("mode", ["fixed", "common", "per_layer"])
+def test_checkpoints_of_version_0_1_0_load_bit_exactly(mode):
+    """Tiny checkpoints written by hf-partial-attention 0.1.0 (tests/data/golden/make_golden.py): same P, R, logits."""
+    folder = os.path.join(GOLDEN, f"v0.1.0-{mode}")
+    model = AutoModelForMaskedLM.from_pretrained(folder).eval()
+    ref = torch.load(os.path.join(folder, "reference.pt"))
+    with torch.no_grad():
+        logits = model(input_ids=ref["input_ids"], attention_mask=ref["attention_mask"]).logits
+    assert torch.equal(logits, ref["logits"])
+    saved = load_file(os.path.join(folder, "model.safetensors"))
+    state = model.state_dict()
+    for name in [k for k in saved if "partial_pattern" in k or "reconstruction" in k]:
+        assert torch.equal(state[name], saved[name]), name
 
 
 REMOTE = textwrap.dedent(

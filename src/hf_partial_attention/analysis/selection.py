@@ -1,0 +1,273 @@
+"""Choosing P and fitting R from a score covariance: the one place patterns are selected.
+
+`select_pattern` turns (covariance, k, family) into an `AttentionPattern`: greedy P (`greedy_select`), then
+the optimal R for it (`fit_pattern`, eq. 7) with its predicted error (eq. 8) normalised by Tr(C_a). The greedy
+takes an optional sharing constraint, which is how the pattern families are built: rows of a group take the
+same candidate at every step, and each candidate maps to a key per row (docs/method.md#greedy-choice-of-p):
+
+- ``"per_query"``: no constraint, each query its own P_i (the paper's setting);
+- ``"columns"``: one key set shared by every query (the exact part is one GEMM, Q·K_Cᵀ);
+- ``"blocks"``: consecutive rows in blocks of ``block_rows`` (default gcd(n, 32)) share one key set;
+- ``"bands"``: diagonal offsets shared by every query, P_i = {(i + o) mod n : o ∈ O} [ours: circular at the
+  edges, so every row keeps exactly k distinct keys];
+- ``"windows"``: no greedy: block-local windows, rows of block b (k rows each) compute the keys of block b.
+
+`error_curve` gives Fig. 9's greedy error against its eigenvector reference and the cost model (`..cost`).
+Equal-cost baselines (other choices of P at the same cost) are in `baselines`, built on `fit_pattern`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+
+from ..cost import dense_cost, score_cost
+from ..pattern import AttentionPattern
+from ..reconstruction import solve_reconstruction
+from ._threads import single_thread
+from .covariance import ScoreCovariance
+from .spectra import eigh_desc, top_eigh
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["FAMILIES", "covariance_for", "greedy_select", "family_constraint", "window_indices", "fit_pattern",
+           "select_pattern", "error_curve"]
+
+FAMILIES = ("per_query", "columns", "blocks", "bands", "windows")
+SCOPES = ("per_query", "whole")
+
+
+def covariance_for(cov: ScoreCovariance | torch.Tensor, scope: str, centered: bool | None = None,
+                   mean: torch.Tensor | None = None, layer: int | None = None, head: int | None = None):
+    """``(C, mean or None, centered)``: per_query ``(n, n, n)`` / ``(n, n)``, whole ``(n², n²)`` / ``(n²,)``.
+
+    ``cov`` may be a `ScoreCovariance` or a ready covariance tensor (then ``mean`` is taken as given).
+    """
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}.")
+    if isinstance(cov, torch.Tensor):
+        want = 3 if scope == "per_query" else 2
+        if cov.dim() != want:
+            raise ValueError(f"a {scope} covariance tensor must have {want} dims, got shape {tuple(cov.shape)}.")
+        mean = None if mean is None else mean.to(torch.float64)
+        return cov.to(torch.float64), mean, bool(centered if centered is not None else mean is not None)
+    if not isinstance(cov, ScoreCovariance):
+        raise TypeError(f"cov must be a ScoreCovariance or a tensor, got {type(cov).__name__}.")
+    centered = cov.centered if centered is None else centered
+    if scope == "per_query":
+        return cov.per_query(layer, head, centered), cov.mean_per_query(layer, head), centered
+    return cov.whole(layer, head, centered), cov.mean_whole(layer, head), centered
+
+
+def greedy_select(cov: torch.Tensor, k: int, groups: torch.Tensor | None = None,
+                  candidates: torch.Tensor | None = None, rel_tol: float = 1e-10) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy P minimising the reconstruction error, optionally under a sharing constraint.
+
+    Starting from ``S = C``, each step adds ``j* = argmax_j ‖S[:, j]‖² / S[j, j]`` (the entry whose exact value
+    removes the most residual variance) and updates ``S ← S − S[:, j*] S[j*, :] / S[j*, j*]``. Ties go to the
+    lowest index. Entries whose residual variance is below ``rel_tol`` times the problem's largest initial
+    variance are taken only once nothing else is left (their error contribution is already zero).
+
+    Args:
+        cov: ``(..., l, l)`` covariances, one problem per leading index (float64).
+        k: entries to select per problem (``1 <= k <= l``).
+        groups: optional ``(R,)`` int64 group of each of the R problems (cov then ``(R, l, l)``): the rows of a
+            group take the same candidate at each step, the one whose gains summed over the group are largest.
+            Default: every problem its own group.
+        candidates: optional ``(R, c)`` int64, the entry problem r gets when its group takes candidate c.
+            Default: candidate c is entry c. A candidate mapping to an entry a row already holds is skipped.
+
+    Returns:
+        ``(indices, residual)``: sorted ``(..., k)`` int64 and ``Tr(S)`` ``(...)``, the error of the optimal R.
+    """
+    lead, l = cov.shape[:-2], cov.shape[-1]
+    if not 1 <= k <= l:
+        raise ValueError(f"k must be in [1, {l}] for covariances of size {l}, got k={k}.")
+    s = cov.reshape(-1, l, l).clone()  # (R, l, l)
+    r = s.shape[0]
+    rows = torch.arange(r)
+    groups = rows if groups is None else groups.to(torch.int64)
+    candidates = torch.arange(l).expand(r, l) if candidates is None else candidates.to(torch.int64)
+    if groups.shape != (r,) or candidates.shape[0] != r:
+        raise ValueError(f"groups must be ({r},) and candidates ({r}, c) for {r} problems; got "
+                         f"{tuple(groups.shape)} and {tuple(candidates.shape)}.")
+    num_groups = int(groups.max()) + 1
+    chosen = torch.zeros(r, l, dtype=torch.bool)
+    picks = torch.empty(r, k, dtype=torch.long)
+    tiny = torch.finfo(cov.dtype).tiny
+    tol = rel_tol * torch.diagonal(s, dim1=-2, dim2=-1).amax(-1, keepdim=True).clamp_min(tiny)  # (R, 1)
+    for step in range(k):
+        diag = torch.diagonal(s, dim1=-2, dim2=-1)  # (R, l)
+        gain = torch.where(diag > tol, (s * s).sum(-2) / diag.clamp_min(tiny), torch.zeros_like(diag))
+        pooled = torch.zeros(num_groups, candidates.shape[1], dtype=cov.dtype).index_add_(
+            0, groups, gain.gather(-1, candidates))  # (G, c): gains summed over each group's rows
+        # A candidate is unavailable to a group once it maps to an already chosen entry of any of its rows.
+        used = torch.zeros_like(pooled).index_add_(0, groups, chosen.gather(-1, candidates).to(cov.dtype)) > 0
+        best = torch.where(used, torch.full_like(pooled, -1.0), pooled).argmax(-1)  # (G,): lowest on ties
+        j = candidates[rows, best[groups]]  # (R,)
+        picks[:, step] = j
+        chosen[rows, j] = True
+        col = s[rows, :, j].unsqueeze(-1)  # (R, l, 1)
+        pivot = s[rows, j, j].view(r, 1, 1)
+        ok = pivot > tol.unsqueeze(-1)
+        update = col @ col.transpose(-1, -2) / torch.where(ok, pivot, torch.ones_like(pivot))
+        s = s - torch.where(ok, update, torch.zeros_like(update))
+    residual = torch.diagonal(s, dim1=-2, dim2=-1).clamp_min(0).sum(-1)  # (R,)
+    return torch.sort(picks, dim=-1).values.reshape(*lead, k), residual.reshape(lead)
+
+
+def window_indices(n: int, k: int) -> torch.Tensor:
+    """Block-local windows: rows of block b (k rows each) compute the keys of block b exactly. Needs k | n."""
+    if n % k:
+        raise ValueError(f"family='windows' needs k to divide n; got n={n}, k={k}.")
+    return torch.arange(n).view(n // k, k).repeat_interleave(k, 0)  # (n, k)
+
+
+def _block_rows(n: int, block_rows: int | None) -> int:
+    rows = block_rows or math.gcd(n, 32)  # [ours] default: blocks of 32 rows (when 32 divides n)
+    if rows < 1 or n % rows:
+        raise ValueError(f"block_rows must divide n={n}, got {rows}.")
+    return rows
+
+
+def family_constraint(n: int, family: str, block_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(groups (n,), candidates (n, c))`` for `greedy_select` that make its P belong to ``family``."""
+    if family not in FAMILIES or family == "windows":
+        raise ValueError(f"family must be one of {tuple(f for f in FAMILIES if f != 'windows')} for the greedy, "
+                         f"got {family!r} (windows are fixed: see window_indices).")
+    keys = torch.arange(n).expand(n, n)
+    if family == "per_query":
+        return torch.arange(n), keys
+    if family == "columns":
+        return torch.zeros(n, dtype=torch.long), keys
+    if family == "blocks":
+        return torch.arange(n) // _block_rows(n, block_rows), keys
+    offsets = (torch.arange(n)[:, None] + torch.arange(n)[None, :]) % n  # bands: (row, offset) -> key
+    return torch.zeros(n, dtype=torch.long), offsets
+
+
+def fit_pattern(cov, indices: torch.Tensor, scope: str = "per_query", *, centered: bool | None = None,
+                bias: bool | None = None, mean: torch.Tensor | None = None, ridge: float = 1e-6,
+                layer: int | None = None, head: int | None = None, metadata: dict[str, Any] | None = None,
+                _prepared=None) -> AttentionPattern:
+    """Optimal R (eq. 7) for a given P, with its predicted error (eq. 8) normalised by Tr(C_a).
+
+    Args:
+        cov: `ScoreCovariance`, or a covariance tensor (per_query ``(n, n, n)``, whole ``(n², n²)``).
+        indices: P: per_query ``(n, k)``, whole ``(k,)`` over row-major pairs ``i·n + j``.
+        centered: covariance (with a bias ``μ_P̄ − R μ_P``) or second moment (pure ``R a_P``); default the
+            covariance's own flag.
+        bias: store the bias (default: when centred). The predicted error is exact for (centred, bias) and
+            (second moment, no bias).
+        ridge: relative Tikhonov term of the Cholesky solve (see `solve_reconstruction`).
+    """
+    c, mu, centered = _prepared or covariance_for(cov, scope, centered, mean, layer, head)
+    bias = centered if bias is None else bias
+    if bias and mu is None:
+        raise ValueError("bias=True needs the mean; pass mean=<tensor> with a covariance tensor "
+                         "or use a ScoreCovariance.")
+    n = c.shape[0] if scope == "per_query" else int(round(c.shape[0] ** 0.5))
+    indices = torch.sort(indices.to(torch.int64), dim=-1).values
+    with single_thread(scope == "per_query" or c.shape[-1] <= 2048):  # small problems: see _threads
+        recon, b, err = solve_reconstruction(c, indices, mu if bias else None, ridge=ridge)
+    total = _trace(c)
+    meta = {"scope": scope, "covariance": "centered" if centered else "second_moment", "ridge": ridge,
+            "total_variance": total, "normalized_error": float(err.sum()) / total,
+            "k_bar": int(indices.numel()), "seq_len": n}
+    if isinstance(cov, ScoreCovariance):
+        meta.update(source_model=cov.metadata.get("model", ""), num_sequences=cov.num_sequences,
+                    layer=layer, head=head)
+    meta.update(metadata or {})
+    return AttentionPattern(indices, recon, b if bias else None, scope=scope, seq_len=n, metadata=meta)
+
+
+def _trace(c: torch.Tensor) -> float:
+    return float(torch.diagonal(c, dim1=-2, dim2=-1).sum())
+
+
+def _greedy(c: torch.Tensor, k: int, scope: str, family: str, block_rows: int | None):
+    """Greedy indices and residual of ``c`` (already prepared by `covariance_for`) for a scope and family."""
+    if scope == "whole":
+        with single_thread(c.shape[-1] <= 2048):  # small problems: see _threads
+            return greedy_select(c, k)
+    n = c.shape[0]
+    if c.shape != (n, n, n):
+        raise ValueError(f"per-query covariances must be (n, n, n), got {tuple(c.shape)}.")
+    groups, candidates = family_constraint(n, family, block_rows)
+    with single_thread(True):
+        return greedy_select(c, k, groups, candidates)
+
+
+def select_pattern(cov, k: int, scope: str = "per_query", *, family: str = "per_query",
+                   block_rows: int | None = None, centered: bool | None = None, bias: bool | None = None,
+                   mean: torch.Tensor | None = None, ridge: float = 1e-6, layer: int | None = None,
+                   head: int | None = None, metadata: dict[str, Any] | None = None) -> AttentionPattern:
+    """P chosen for ``k`` (greedy within ``family``) and its optimal R, as an `AttentionPattern`.
+
+    Args:
+        cov: `ScoreCovariance` (or a covariance tensor, see `fit_pattern`).
+        k: exact scores per query (per_query) or in total (whole, k̄ = k).
+        scope: ``"per_query"`` (each row i its own P_i from Q^i; k̄ = n·k) or ``"whole"`` (one P over n² pairs).
+        family: with scope per_query, a constraint on P that makes its exact part a fast dense computation (see
+            the module docstring): ``"per_query"`` (none), ``"columns"``, ``"blocks"`` (``block_rows``),
+            ``"bands"``, ``"windows"``.
+        centered, bias, mean, ridge, layer, head: as in `fit_pattern`.
+
+    Returns:
+        The pattern; ``metadata["normalized_error"]`` is the predicted error Σε / Tr(C_a) of its R, and
+        ``metadata["greedy_normalized_error"]`` the greedy residual Tr(S) / Tr(C_a) (equal up to the ridge).
+    """
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}.")
+    if family != "per_query" and scope != "per_query":
+        raise ValueError(f"family={family!r} constrains per-query patterns; use scope='per_query'.")
+    prepared = covariance_for(cov, scope, centered, mean, layer, head)
+    c = prepared[0]
+    l = c.shape[-1]
+    if not 1 <= k <= l:
+        raise ValueError(f"k must be in [1, {l}] for scope={scope!r} at this seq_len, got k={k}.")
+    if scope == "whole" and l > 4096 and k > 512:
+        logger.warning("Whole-matrix greedy over %d pairs with k=%d: each step costs O(l²); this may take long", l, k)
+    meta: dict[str, Any] = {"method": "greedy" if family == "per_query" else f"greedy_{family}", "k": k}
+    if family == "windows":
+        indices = window_indices(c.shape[0], k)
+    else:
+        indices, residual = _greedy(c, k, scope, family, block_rows)
+        meta["greedy_normalized_error"] = float(residual.sum()) / _trace(c)
+    if family != "per_query":
+        meta["family"] = family
+    if family == "blocks":
+        meta["block_rows"] = _block_rows(c.shape[0], block_rows)
+    meta.update(metadata or {})
+    return fit_pattern(cov, indices, scope, centered=prepared[2], bias=bias, mean=mean, ridge=ridge,
+                       layer=layer, head=head, metadata=meta, _prepared=prepared)
+
+
+def error_curve(cov, ks, scope: str = "per_query", *, centered: bool | None = None, layer: int | None = None,
+                head: int | None = None, d_head: int | None = None) -> dict[str, list]:
+    """Fig. 9: greedy error and the eigenvector reference for each k, normalised by Tr(C_a).
+
+    Returns lists keyed ``k``, ``k_bar`` (n·k per-query, k whole), ``greedy``, ``eigen`` and, when ``d_head``
+    is given, ``relative_cost`` (multiply-adds over dense QKᵀ, `..cost.score_cost`).
+    """
+    c, _, _ = covariance_for(cov, scope, centered, None, layer, head)
+    total = _trace(c)
+    ks = sorted({int(k) for k in ks})
+    if scope == "per_query":
+        n = c.shape[0]
+        vals, _ = eigh_desc(c)  # (n, n)
+        eigen = [float(vals[:, k:].sum()) / total for k in ks]
+        k_bar = [n * k for k in ks]
+    else:
+        n = int(round(c.shape[0] ** 0.5))
+        vals, _ = top_eigh(c, max(ks))
+        eigen = [max(0.0, 1.0 - float(vals[:k].sum()) / total) for k in ks]
+        k_bar = list(ks)
+    greedy = [float(_greedy(c, k, scope, "per_query", None)[1].sum()) / total for k in ks]
+    out = {"k": ks, "k_bar": k_bar, "greedy": greedy, "eigen": eigen, "scope": scope, "seq_len": n}
+    if d_head is not None:
+        out["relative_cost"] = [score_cost(n, k, d_head, scope).total / dense_cost(n, d_head) for k in ks]
+    return out
