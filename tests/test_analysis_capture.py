@@ -120,9 +120,30 @@ def test_non_transformers_model_is_refused():
             pass
 
 
-def test_no_calls_is_a_clear_error(tiny_bert_config):
-    model = BertModel(tiny_bert_config)
-    with capture_scores(model, lambda layer, s: None) as state:
+def test_require_calls_after_a_real_forward_pass(tiny_bert_config):
+    torch.manual_seed(0)
+    model = BertModel(tiny_bert_config).eval()
+    ids = torch.randint(5, 99, (2, 6))
+    layers = []
+    with torch.no_grad(), capture_scores(model, lambda layer, s: layers.append(layer)) as state:
         assert model.config._attn_implementation == CAPTURE_IMPLEMENTATION
-        with pytest.raises(ValueError, match="no scores were captured"):
+        model(input_ids=ids)
+        require_calls(state, model)  # the forward went through the capture function: no error
+    assert state.calls == tiny_bert_config.num_hidden_layers == 2 and layers == [0, 1]
+
+
+def test_no_calls_is_a_clear_error(tiny_bert_config):
+    # A forward pass that bypasses the capture function (the model switched back to eager inside the context,
+    # as a model with its own attention code would): the sink sees nothing and require_calls says so.
+    torch.manual_seed(0)
+    model = BertModel(tiny_bert_config).eval()
+    ids = torch.randint(5, 99, (2, 6))
+    layers = []
+    with torch.no_grad(), capture_scores(model, lambda layer, s: layers.append(layer)) as state:
+        model.set_attn_implementation("eager")
+        out = model(input_ids=ids).last_hidden_state
+        assert out.shape == (2, 6, tiny_bert_config.hidden_size)  # the forward pass did run
+        with pytest.raises(ValueError, match="No attention call of BertModel went through AttentionInterface.*"
+                                             "no scores were captured"):
             require_calls(state, model)
+    assert state.calls == 0 and layers == []

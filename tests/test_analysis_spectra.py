@@ -28,12 +28,34 @@ def test_projection_on_own_eigenvectors_is_cumulative_energy():
     assert spectra.cumulative_energy(vals)[-1] == pytest.approx(1.0)
 
 
-def test_subspace_overlap_of_identical_covariances():
-    c = _decaying(16)
-    out = spectra.subspace_overlap(c, c, 5)
-    torch.testing.assert_close(out["b_on_a"], out["b_own"])
+def test_subspace_overlap_of_rotated_covariances_matches_hand_computation():
+    # In the basis e_0..e_5, A = diag(6, 5, 4, 3, 2, 1): its top-j eigenspace is span(e_0..e_{j-1}).
+    # B has eigenvalues mu = (8, 4, 2, 1, 0.5, 0.25), with its eigenvectors rotated by 30 degrees in the planes
+    # (e_0, e_3), (e_1, e_4), (e_2, e_5): B's top eigenvector is cos·e_0 + sin·e_3, its 4th -sin·e_0 + cos·e_3, ...
+    # So B_ii = mu_i cos² + mu_{i+3} sin² and B_{i+3,i+3} = mu_i sin² + mu_{i+3} cos² (cos² = 3/4, sin² = 1/4):
+    #   diag(B) = (6.25, 3.125, 1.5625, 2.75, 1.375, 0.6875), Tr B = 15.75,
+    # and the energy of B on A's top-j eigenspace is the sum of the first j diagonal entries of B.
+    theta = torch.tensor(torch.pi / 6, dtype=torch.float64)
+    c, s = torch.cos(theta), torch.sin(theta)
+    rot = torch.eye(6, dtype=torch.float64)
+    for i in range(3):
+        rot[i, i], rot[i, i + 3], rot[i + 3, i], rot[i + 3, i + 3] = c, -s, s, c
+    mu = torch.tensor([8.0, 4.0, 2.0, 1.0, 0.5, 0.25], dtype=torch.float64)
+    a = torch.diag(torch.tensor([6.0, 5.0, 4.0, 3.0, 2.0, 1.0], dtype=torch.float64))
+    b = rot @ torch.diag(mu) @ rot.T
+    # the same random orthogonal change of basis for both: the overlaps do not change, but A is no longer diagonal
+    q = torch.linalg.qr(torch.randn(6, 6, generator=torch.Generator().manual_seed(3), dtype=torch.float64)).Q
+    out = spectra.subspace_overlap(q @ a @ q.T, q @ b @ q.T, 4)
+    want = {"b_on_a": [6.25 / 15.75, 9.375 / 15.75, 10.9375 / 15.75, 13.6875 / 15.75],
+            "b_own": [8 / 15.75, 12 / 15.75, 14 / 15.75, 15 / 15.75],
+            "a_own": [6 / 21, 11 / 21, 15 / 21, 18 / 21]}
+    for key, values in want.items():
+        torch.testing.assert_close(out[key], torch.tensor(values, dtype=torch.float64), rtol=1e-10, atol=1e-12,
+                                   msg=key)
+    # the rotation costs B energy on A's subspace: strictly below B's own spectrum until k = 6
+    assert float(out["b_on_a"][0]) < float(out["b_own"][0])
     with pytest.raises(ValueError, match="same shape"):
-        spectra.subspace_overlap(c, _decaying(9), 3)
+        spectra.subspace_overlap(a, _decaying(9), 3)
 
 
 def _layered(n=4):

@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 
+from hf_partial_attention import AttentionPattern
 from hf_partial_attention.analysis.corpus import default_texts
 from hf_partial_attention.analysis.workflow import analyze, convert, derive
 
@@ -46,11 +47,53 @@ def test_derive_per_query_with_heldout_baselines(analysed):
     assert "derive_per_query" in json.load(open(os.path.join(out, "results.json")))
 
 
-def test_derive_whole_and_refusals(analysed):
+def test_derive_whole(analysed):
     out, _ = analysed
     result = derive(out, [8, 16], "whole", baselines=False, progress=False)
     assert [p["k_bar"] for p in result["patterns"]] == [8, 16]
     assert {m["method"] for m in result["heldout"]["methods"]} == {"greedy P + R"}
+
+
+@pytest.mark.parametrize("family, structure", [("per_query", None), ("columns", 16), ("blocks", 16),
+                                               ("windows", 4), ("bands", None)])
+def test_derive_each_family(analysed, family, structure):
+    from hf_partial_attention.analysis import select_pattern
+    from hf_partial_attention.analysis.covariance import ScoreCovariance
+    from hf_partial_attention.partial_attention import block_rows
+
+    out, _ = analysed
+    result = derive(out, [4], "per_query", evaluate=False, family=family, section=f"family_{family}")
+    path = result["patterns"][0]["path"]
+    tag = "per_query" if family == "per_query" else f"per_query_{family}"
+    assert path.endswith(f"patterns/{tag}_k4.safetensors")
+    saved = AttentionPattern.load(path)
+    # the file holds what the selection entry point gives for this family on the same covariance
+    expect = select_pattern(ScoreCovariance.load(os.path.join(out, "covariance.safetensors")), 4, family=family)
+    assert torch.equal(saved.indices, expect.indices) and torch.equal(saved.reconstruction, expect.reconstruction)
+    assert block_rows(saved.indices) == structure
+    if family == "bands":
+        n = saved.seq_len
+        assert len({tuple(sorted(((saved.indices[i] - i) % n).tolist())) for i in range(n)}) == 1
+
+
+def test_derive_refusals(analysed, tmp_path):
+    out, _ = analysed
+    with pytest.raises(ValueError, match="constrains per-query patterns"):
+        derive(out, [4], "whole", family="columns")
+    with pytest.raises(ValueError, match="family must be one of"):
+        derive(out, [4], "per_query", family="diagonals", evaluate=False)
+    with pytest.raises(ValueError, match="k must be in"):
+        derive(out, [17], "per_query", evaluate=False)  # n = 16
+    with pytest.raises(FileNotFoundError):
+        derive(str(tmp_path), [4], "per_query")
+    pooled = str(tmp_path / "per_query_only")
+    analyze_small = dict(seq_len=16, max_sequences=4, heldout_sequences=0, heldout_every=0, progress=False)
+    from hf_partial_attention.analysis.workflow import analyze as run_analyze
+
+    run_analyze(json.load(open(os.path.join(out, "results.json")))["analyze"]["model"], default_texts()[:3], pooled,
+                **analyze_small)
+    with pytest.raises(ValueError, match="rerun analyze with --scopes whole"):
+        derive(pooled, [4], "whole")
 
 
 def test_convert_reloads_with_automodel(analysed, tmp_path):
@@ -64,4 +107,7 @@ def test_convert_reloads_with_automodel(analysed, tmp_path):
     assert result["reloaded_class"] == "PartialBertModel" and result["reload_max_abs_diff"] < 1e-5
     model = AutoModel.from_pretrained(tmp_path / "ckpt")
     assert isinstance(model, PartialBertModel) and model.config.partial_k == 4
-    assert torch.equal(model.get_pattern().indices, model.get_pattern().indices)
+    written = AttentionPattern.load(os.path.join(out, "patterns", "per_query_k4.safetensors"))
+    assert torch.equal(model.get_pattern().indices, written.indices)  # P and R of the file, not the default
+    assert torch.equal(model.get_pattern().reconstruction, written.reconstruction)
+    assert not torch.equal(written.indices, AttentionPattern.local(16, 4).indices)

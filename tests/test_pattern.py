@@ -19,9 +19,14 @@ def test_exact_pattern_has_nothing_to_reconstruct():
     assert p.complement.shape == (5, 0)
 
 
-def test_local_pattern_is_deterministic():
-    a, b = AttentionPattern.local(16, 4), AttentionPattern.local(16, 4)
-    assert torch.equal(a.indices, b.indices) and torch.equal(a.reconstruction, b.reconstruction)
+def test_local_pattern_is_the_band_with_its_ar1_reconstruction():
+    p = AttentionPattern.local(6, 3, correlation=0.5)
+    assert p.indices.tolist() == [[0, 1, 2], [0, 1, 2], [1, 2, 3], [2, 3, 4], [3, 4, 5], [3, 4, 5]]
+    assert p.metadata == {"method": "local_prior", "correlation": 0.5}
+    # row 3 keeps keys 2, 3, 4; under the AR(1) prior key 0 is predicted from key 2 alone: 0.5² · a_2
+    assert p.complement[3].tolist() == [0, 1, 5]
+    torch.testing.assert_close(p.reconstruction[3], torch.tensor([[0.25, 0, 0], [0.5, 0, 0], [0, 0, 0.5]]),
+                               atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -85,7 +90,23 @@ def test_type_errors():
 
 def test_load_rejects_foreign_files(tmp_path):
     save_file({"x": torch.zeros(1)}, str(tmp_path / "f.safetensors"))
-    with pytest.raises(ValueError, match="not an AttentionPattern"):
+    with pytest.raises(ValueError, match="not a pattern file"):
         AttentionPattern.load(tmp_path / "f.safetensors")
     with pytest.raises(FileNotFoundError):
         AttentionPattern.load(tmp_path / "missing.safetensors")
+
+
+def test_load_checks_the_format_version(tmp_path):
+    import json
+
+    from safetensors import safe_open
+
+    make().save(tmp_path / "p.safetensors")
+    with safe_open(str(tmp_path / "p.safetensors"), framework="pt") as f:
+        header = json.loads(f.metadata()["hf_partial_attention"])
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    assert header["format_version"] == "1"
+    header["format_version"] = "2"  # written by a newer version
+    save_file(tensors, str(tmp_path / "new.safetensors"), metadata={"hf_partial_attention": json.dumps(header)})
+    with pytest.raises(ValueError, match="format version 2; this version of hf-partial-attention reads version 1"):
+        AttentionPattern.load(tmp_path / "new.safetensors")

@@ -21,7 +21,14 @@ from hf_partial_attention.research.expressivity import (
     satisfies,
 )
 
-torch.set_num_threads(1)
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """These small problems run fastest on one thread; the previous setting is restored for the other modules."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @settings(max_examples=25, deadline=None)

@@ -16,7 +16,14 @@ from hf_partial_attention.research.rank_model import (
     token_sq_error,
 )
 
-torch.set_num_threads(1)
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """These small problems run fastest on one thread; the previous setting is restored for the other modules."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @settings(max_examples=20, deadline=None)
@@ -81,6 +88,16 @@ def test_model_output_shape_and_loss():
     x = sample_sphere(3, 5, 8)
     assert model(x).shape == (3, 5, 8)
     assert token_sq_error(x, x).item() == 0.0
+
+
+def test_token_sq_error_is_mean_over_tokens_of_squared_distance():
+    # 2 sequences x 2 tokens x 3 dims; squared distances per token by hand: 1+4+4 = 9, 0, 9+0+16 = 25, 1+1+1 = 3
+    pred = torch.tensor([[[1.0, 2.0, 2.0], [5.0, 5.0, 5.0]], [[3.0, 0.0, 4.0], [1.0, 1.0, 1.0]]])
+    target = torch.tensor([[[0.0, 0.0, 0.0], [5.0, 5.0, 5.0]], [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]])
+    assert token_sq_error(pred, target).item() == pytest.approx((9 + 0 + 25 + 3) / 4)
+    assert token_sq_error(target, pred).item() == pytest.approx((9 + 0 + 25 + 3) / 4)
+    # = d x the elementwise MSE (the paper's metric)
+    assert token_sq_error(pred, target).item() == pytest.approx(3 * torch.nn.functional.mse_loss(pred, target).item())
 
 
 def test_lr_schedule_warmup_then_cosine():

