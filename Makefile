@@ -29,7 +29,7 @@ demo: setup
 	$(VENV)/bin/hf-partial-attention demo --out runs/demo
 
 related: setup
-	$(PY) -m hf_partial_attention.research all --out results/related
+	$(PY) -m research all --out results/related
 
 bench: setup
 	$(PY) benchmarks/run.py --out benchmarks/results

@@ -1,4 +1,4 @@
-"""Tests for hf_partial_attention.research.expressivity (seed 002 analysis)."""
+"""Tests for research.expressivity (seed 002 analysis)."""
 
 import math
 
@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_partial_attention.research.expressivity import (
+from research.expressivity import (
     build_B,
     condition_report,
     construct_attention,
@@ -157,7 +157,7 @@ def test_bad_arguments_raise_value_error(call, field):
 
 
 def test_verdict_separates_log_and_linear_growth():
-    from hf_partial_attention.research.exp_expressivity import verdict
+    from research.exp_expressivity import verdict
 
     Ls = [128, 256, 512, 1024, 2048]
     assert verdict(Ls, [round(12 * math.log(L)) for L in Ls])["log_like"]

@@ -1,13 +1,13 @@
-"""Tests for hf_partial_attention.research.rank_model / rank_heads (seed 004 analysis)."""
+"""Tests for research.rank_model / rank_heads (seed 004 analysis)."""
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_partial_attention.research.exp_rank_heads import construction_check, verdicts
-from hf_partial_attention.research.rank_heads import TrainConfig, divisors, lr_lambda, run_sweep, train
-from hf_partial_attention.research.rank_model import (
+from research.exp_rank_heads import construction_check, verdicts
+from research.rank_heads import TrainConfig, divisors, lr_lambda, run_sweep, train
+from research.rank_model import (
     FullRankHead,
     RankHeadsModel,
     WideAttention,
@@ -145,7 +145,7 @@ def test_bad_model_arguments_raise_value_error():
 
 
 def test_qk_angle_of_a_negative_identity_head_is_180():
-    from hf_partial_attention.research.rank_heads import qk_angle_deg
+    from research.rank_heads import qk_angle_deg
 
     model = RankHeadsModel(4, 4)
     with torch.no_grad():
@@ -156,14 +156,14 @@ def test_qk_angle_of_a_negative_identity_head_is_180():
 
 
 def test_cli_tiny_run_writes_summary(tmp_path):
-    from hf_partial_attention.research.cli import main
+    from research.cli import main
 
     out = tmp_path / "related"
     assert main(["all", "--out", str(out), "--setups", "1,1,1,0.1,64", "--L-grid", "32,64",
                  "--no-ablations", "--d", "4", "--n-points", "4", "--steps", "6", "--batch", "8",
                  "--layers", "1", "--widths-by-depth", "1:1"]) == 0
     text = (out / "summary.md").read_text()
-    assert "python -m hf_partial_attention.research all" in text and "Verdict" in text
+    assert "python -m research all" in text and "Verdict" in text
     for name in ("expressivity_dmin.png", "expressivity_heatmap.png", "rank_heads_mse.png", "rank_heads.csv"):
         assert (out / name).stat().st_size > 0
     assert main(["rank-heads", "--out", str(out), "--d", "4", "--ranks", "3"]) == 2

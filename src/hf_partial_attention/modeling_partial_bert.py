@@ -132,15 +132,32 @@ class PartialBertPattern(nn.Module):
             self.register_buffer("reconstruction", _r_tensor(config, False, False), persistent=True)
             bias = _r_tensor(config, False, True) if config.partial_use_bias else None
             self.register_buffer("reconstruction_bias", bias, persistent=True)
-        self._layout_cache: tuple | None = None
+        # The layout derived from P (complement, inverse permutation, block structure) is kept as non-persistent
+        # buffers, refreshed whenever P is installed or loaded, so that a compiled or exported forward reads plain
+        # tensors (no cache lookup in the graph).
+        self.register_buffer("complement", torch.empty(n, n - k, dtype=torch.long), persistent=False)
+        self.register_buffer("inverse_permutation", torch.empty(n, n, dtype=torch.long), persistent=False)
+        self.block_rows: int | None = None
+        self._layout_stamp: tuple | None = None
+        if not _on_meta_device():
+            self.refresh_layout()
+        self.register_load_state_dict_post_hook(lambda module, incompatible: module.refresh_layout())
+
+    @torch.no_grad()
+    def refresh_layout(self) -> None:
+        """Recompute the layout buffers from P (done by `set_pattern`, loading, and before an eager forward when P
+        changed in place)."""
+        layout = PatternLayout.from_indices(self.indices)
+        self.complement, self.inverse_permutation = layout.complement, layout.inverse_permutation
+        self.block_rows = layout.block_rows
+        self._layout_stamp = (self.indices.data_ptr(), self.indices._version)
 
     def layout(self) -> PatternLayout:
-        """Complement, inverse permutation and block structure of P; recomputed whenever P changes."""
-        idx = self.indices
-        stamp = (idx.data_ptr(), idx._version, idx.device)
-        if self._layout_cache is None or self._layout_cache[0] != stamp:
-            self._layout_cache = (stamp, PatternLayout.from_indices(idx))
-        return self._layout_cache[1]
+        """P and its layout. In eager mode a P changed in place is noticed and the layout refreshed; a compiled or
+        exported graph reads the buffers as they are (call `refresh_layout` after changing P by hand)."""
+        if not torch.compiler.is_compiling() and self._layout_stamp != (self.indices.data_ptr(), self.indices._version):
+            self.refresh_layout()
+        return PatternLayout(self.indices, self.complement, self.inverse_permutation, self.block_rows)
 
 
 class PartialBertSelfAttention(BertSelfAttention):
@@ -230,6 +247,42 @@ class PartialBertPreTrainedModel(BertPreTrainedModel):
         check_implementation(implementation)
         self.config.partial_implementation = implementation
 
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """`PreTrainedModel.from_pretrained`, refusing a checkpoint whose P or R is missing or of the wrong shape.
+
+        transformers would initialise such tensors afresh (the default pattern here) with only a generic note; a
+        PartialBert that silently runs another pattern than the one it was trained with is wrong, so it is an error.
+        """
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        model._check_loaded_pattern(info, args[0] if args else kwargs.get("pretrained_model_name_or_path"))
+        return (model, info) if want_info else model
+
+    def _partial_tensor_names(self) -> list[str]:
+        return [name for name, _ in self.state_dict().items() if ".partial_pattern." in f".{name}"
+                or name.endswith(("attention.self.reconstruction", "attention.self.reconstruction_bias"))]
+
+    def _check_loaded_pattern(self, info: dict, source) -> None:
+        names = set(self._partial_tensor_names())
+        mismatched = {entry[0] if isinstance(entry, tuple) else entry for entry in info.get("mismatched_keys", [])}
+        for kind, found in (("missing", names & set(info.get("missing_keys", []))), ("of the wrong shape",
+                                                                                     names & mismatched)):
+            if found:
+                raise ValueError(
+                    f"{source!s} has P/R tensors {kind}: {sorted(found)}. Loading would start them from the default "
+                    "pattern and run a different model than the one saved. Load a folder written by PartialBert's "
+                    "save_pretrained with the same partial_seq_len, partial_k and reconstruction, or convert a BERT "
+                    "checkpoint with from_bert(path, pattern)."
+                )
+        # P and R must also be a valid pattern (sorted, unique, in range, finite): AttentionPattern checks that.
+        for layer in self.config.partial_layers if self.config.reconstruction == "per_layer" else [None]:
+            try:
+                self.get_pattern(layer)
+            except ValueError as err:
+                raise ValueError(f"{source!s} holds an invalid P or R ({sorted(names)}): {err}") from err
+        self._partial_encoder().partial_pattern.refresh_layout()
+
     # ------------------------------------------------------------------ pattern access
     def _partial_encoder(self) -> BertEncoder:
         return getattr(self, self.base_model_prefix, self).encoder
@@ -272,6 +325,7 @@ class PartialBertPreTrainedModel(BertPreTrainedModel):
                              f"config.partial_use_bias={self.config.partial_use_bias}.")
         enc = self._partial_encoder()
         enc.partial_pattern.indices.copy_(pattern.indices)
+        enc.partial_pattern.refresh_layout()
         owners = ([enc.partial_pattern] if self.config.reconstruction != "per_layer"
                   else [enc.layer[l].attention.self for l in self.config.partial_layers])
         for owner in owners:

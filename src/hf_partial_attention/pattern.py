@@ -5,8 +5,10 @@ This file is part of the remote-code bundle (imports: torch, safetensors and sib
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -15,11 +17,34 @@ from safetensors.torch import save_file
 
 from .reconstruction import complement_indices, local_prior
 
-__all__ = ["AttentionPattern", "PATTERN_FORMAT_VERSION"]
+__all__ = ["AttentionPattern", "PATTERN_FORMAT_VERSION", "open_tagged_file"]
 
 PATTERN_FORMAT_VERSION = "1"
 SCOPES = ("per_query", "whole")
 _META_KEY = "hf_partial_attention"
+
+
+@contextlib.contextmanager
+def open_tagged_file(path: str | os.PathLike, meta_key: str, what: str, format_version: str) -> Iterator[tuple]:
+    """Open a safetensors file whose JSON header sits under ``meta_key``; yields ``(header, handle)``.
+
+    Raises FileNotFoundError for a missing file, ValueError for a file of another kind or of a format version this
+    code does not read (both name the file, what was found and the fix).
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"No {what} file at {path!r}.")
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata() or {}
+        if meta_key not in meta:
+            raise ValueError(f"{path!r} is a safetensors file but not a {what} file (no {meta_key!r} header).")
+        header = json.loads(meta[meta_key])
+        found = str(header.get("format_version"))
+        if found != format_version:
+            raise ValueError(f"{path!r} is a {what} file of format version {found}; this version of "
+                             f"hf-partial-attention reads version {format_version}. Upgrade the package "
+                             "(pip install -U hf-partial-attention) or write the file again with this one.")
+        yield header, f
 
 
 class AttentionPattern:
@@ -172,14 +197,7 @@ class AttentionPattern:
     @classmethod
     def load(cls, path: str | os.PathLike) -> "AttentionPattern":
         """Read a file written by `save` (validated again on load)."""
-        path = os.fspath(path)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"No pattern file at {path!r}.")
-        with safe_open(path, framework="pt") as f:
-            meta = f.metadata() or {}
-            if _META_KEY not in meta:
-                raise ValueError(f"{path!r} is a safetensors file but not an AttentionPattern (no {_META_KEY!r} header).")
-            header = json.loads(meta[_META_KEY])
+        with open_tagged_file(path, _META_KEY, "pattern", PATTERN_FORMAT_VERSION) as (header, f):
             tensors = {name: f.get_tensor(name) for name in f.keys()}
         return cls(tensors["indices"], tensors["reconstruction"], tensors.get("bias"), scope=header["scope"],
                    seq_len=header["seq_len"], metadata=header.get("metadata", {}))

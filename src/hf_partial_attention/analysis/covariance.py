@@ -1,4 +1,4 @@
-"""Streaming float64 accumulators of attention-score moments (method.md, section 1).
+"""Streaming float64 accumulators of attention-score moments (docs/method.md#scores-and-covariances).
 
 `ScoreCovariance` keeps, for each group (pooled, per layer or per head), the count of score matrices, their
 sum ``Σ A`` ``(n, n)`` and the second moments
@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
+
+from ..pattern import open_tagged_file
 
 logger = logging.getLogger(__name__)
 
@@ -306,14 +307,7 @@ class ScoreCovariance:
     @classmethod
     def load(cls, path: str | os.PathLike, max_memory_bytes: int | None = None) -> "ScoreCovariance":
         """Read a file written by `save`."""
-        path = os.fspath(path)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"No covariance file at {path!r}.")
-        with safe_open(path, framework="pt") as f:
-            meta = f.metadata() or {}
-            if _META_KEY not in meta:
-                raise ValueError(f"{path!r} is not a ScoreCovariance file (no {_META_KEY!r} header).")
-            header = json.loads(meta[_META_KEY])
+        with open_tagged_file(path, _META_KEY, "ScoreCovariance", _FORMAT_VERSION) as (header, f):
             cov = cls(header["seq_len"], header["scopes"], header["granularity"], header["centered"],
                       max_memory_bytes=max_memory_bytes, metadata=header.get("metadata", {}))
             cov.num_sequences = int(header.get("num_sequences", 0))

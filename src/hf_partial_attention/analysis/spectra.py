@@ -1,4 +1,4 @@
-"""Eigen analysis of score covariances (paper Fig. 3–7; method.md, section 1).
+"""Eigen analysis of score covariances (paper Fig. 3–7; docs/method.md#scores-and-covariances).
 
 Every function takes plain float64 tensors (from `ScoreCovariance`) and returns tensors or small dataclasses;
 nothing here draws.

@@ -1,4 +1,4 @@
-"""`PartialAttentionTrainer`: `transformers.Trainer` for models with partial attention (method.md, section 3).
+"""`PartialAttentionTrainer`: `transformers.Trainer` for models with partial attention (docs/method.md#training-with-partial-attention-built-in).
 
 What it adds to `Trainer`:
 

@@ -1,6 +1,6 @@
 """Rank vs number of heads (seed 004, Amsel et al., arXiv 2407.16153): training and sweep.
 
-Training follows spec B4 (the authors' code): AdamW with betas (0.9, 0.95) and no weight decay,
+Training follows docs/related.md B4 (the authors' code): AdamW with betas (0.9, 0.95) and no weight decay,
 linear warm-up for ``steps/20`` then cosine decay to 0, a fresh batch of points on the sphere at
 every step, metric = mean squared Euclidean error per token.  The paper reports the minimum over
 epochs of the training loss and over seeds; an "epoch" is ``steps_per_epoch`` steps (100 in the

@@ -1,7 +1,7 @@
 """Seed-002 experiment: d_min vs L over several (k, gamma, eps1, eps2) setups, fits, ablations, figures.
 
 All setups, grids, margins and redraw counts here are ours: the paper's Fig. 3 setups and d grids
-were not available (spec A5, [NF]).  Outputs go to ``out_dir``; :func:`summarise` writes markdown.
+were not available (docs/related.md A5, [NF]).  Outputs go to ``out_dir``; :func:`summarise` writes markdown.
 """
 
 from __future__ import annotations

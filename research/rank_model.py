@@ -1,7 +1,7 @@
 """Attention model, targets and the full-rank hardmax construction for the rank-vs-heads study.
 
 Seed 004 (Amsel, Yehudai, Bruna, arXiv 2407.16153).  The model follows the authors' code as
-summarised in spec B4: post-norm encoder layers, ReLU feed-forward, biases on, dropout 0, LayerNorm
+summarised in docs/related.md B4: post-norm encoder layers, ReLU feed-forward, biases on, dropout 0, LayerNorm
 replaced by ``x -> s * x / ||x||`` (learnable scalar ``s``), no embedding (points are the tokens).
 The query/key rank per head is ``r = d / nhead``; a width multiplier ``w`` averages ``w`` parallel
 attention modules, so the total number of heads is ``H = w * d / r``.
@@ -98,7 +98,7 @@ class FullRankHead(nn.Module):
 
 # --------------------------------------------------------------------------- trainable model
 class ScaleNorm(nn.Module):
-    """``x -> s * x / ||x||`` with one learnable scalar ``s`` (replaces LayerNorm, spec B4)."""
+    """``x -> s * x / ||x||`` with one learnable scalar ``s`` (replaces LayerNorm, docs/related.md B4)."""
 
     def __init__(self, init: float = 1.0, eps: float = 1e-6):
         super().__init__()

@@ -5,7 +5,7 @@
 * :mod:`.rank_heads` / :mod:`.rank_model` -- seed 004 (Amsel et al., arXiv 2407.16153): rank vs
   heads on the farthest-point target.
 
-Run ``python -m hf_partial_attention.research --help``.  This subpackage imports nothing else from
+Run ``python -m research --help``.  This subpackage imports nothing else from
 ``hf_partial_attention``.
 """
 

@@ -1,4 +1,4 @@
-"""Command line: ``python -m hf_partial_attention.research {expressivity,rank-heads,all} --out DIR``."""
+"""Command line: ``python -m research {expressivity,rank-heads,all} --out DIR``."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def _widths_map(text: str) -> dict[int, list[int]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m hf_partial_attention.research",
+    parser = argparse.ArgumentParser(prog="python -m research",
                                      description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -125,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     expr = run_expressivity(args.out, expr_cfg) if expr_cfg else None
     rank = run_rank_heads(args.out, rank_cfg) if rank_cfg else None
-    command = "python -m hf_partial_attention.research " + shlex.join(argv)
+    command = "python -m research " + shlex.join(argv)
     path = write_summary(args.out / "summary.md", command, expr, rank, time.perf_counter() - start)
     sys.stdout.write(f"summary written to {path}\n")
     return 0

@@ -3,7 +3,7 @@
 The paper proves that fixed selector weights ``W_Q, W_K`` of inner dimension ``d = O(log L)`` can
 approximate every k-nonzero-bounded, gamma-variation-bounded pattern ``A`` by changing only the
 input ``X``.  Its equations were not available to us, so the concrete formulas below are *our*
-reading of the proof sketch (tagged ``[I]`` in ``shared/spec/related-seeds.md``); every such choice
+reading of the proof sketch (tagged ``[I]`` in ``docs/related.md``); every such choice
 is a keyword option:
 
 * ``offset`` / ``margin``  -- the constant ``c = ln(1/eps2) + m`` added to the support of ``B`` [I];
@@ -203,7 +203,7 @@ def construct_attention(A: np.ndarray, d: int, seed: int, *,
                         ) -> AttentionConstruction:
     """Random-projection construction of ``M`` approximating ``A`` with fixed selector weights.
 
-    Steps (spec A4, concrete formulas ours [I]): ``B`` from :func:`build_B` with
+    Steps (docs/related.md A4, concrete formulas ours [I]): ``B`` from :func:`build_B` with
     ``offset = ln(1/eps2) + margin`` unless given (``margin="auto"``: :func:`auto_margin`, which
     also reads ``eps1``); ``Y`` Stiefel ``(L, d)``;
     ``X1 = sqrt(L/d) B Y``, ``X2 = sqrt(L/d) Y`` (so ``E[X1 X2^T] = B``);

@@ -1,0 +1,124 @@
+"""Checkpoints that never load silently wrong: missing, mis-shaped or invalid P/R are errors; buffers are valid
+after construction; compile (fullgraph) and export run the precomputed layout and match eager exactly."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModel, AutoModelForMaskedLM
+
+from hf_partial_attention import AttentionPattern, PartialBertConfig, PartialBertForMaskedLM, PartialBertModel
+
+TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37,
+            partial_seq_len=16, partial_k=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def _pattern(seed=3):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.sort(torch.argsort(torch.rand(16, 16, generator=g), -1)[:, :4], -1).values
+    return AttentionPattern(idx, torch.randn(16, 12, 4, generator=g) * 0.3)
+
+
+def _saved(tmp_path, mode="common", cls=PartialBertModel):
+    torch.manual_seed(0)
+    model = cls(PartialBertConfig(**TINY, reconstruction=mode)).eval()
+    model.set_pattern(_pattern())
+    model.save_pretrained(tmp_path)
+    return model
+
+
+def _edit_weights(folder, edit):
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("mode, name", [("common", "encoder.partial_pattern.indices"),
+                                        ("common", "encoder.partial_pattern.reconstruction"),
+                                        ("fixed", "encoder.partial_pattern.reconstruction"),
+                                        ("per_layer", "encoder.layer.1.attention.self.reconstruction")])
+def test_a_checkpoint_without_p_or_r_is_an_error_naming_it(tmp_path, mode, name):
+    _saved(tmp_path, mode)
+    _edit_weights(tmp_path, lambda t: t.pop(name))
+    with pytest.raises(ValueError, match=rf"missing: \['{name}'\].*from_bert"):
+        AutoModel.from_pretrained(tmp_path)
+
+
+def test_a_checkpoint_with_p_of_another_shape_is_an_error(tmp_path):
+    _saved(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "partial_k": 5}))
+    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):  # transformers' own refusal
+        AutoModel.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="of the wrong shape.*encoder.partial_pattern.indices"):
+        AutoModel.from_pretrained(tmp_path, ignore_mismatched_sizes=True)  # would re-initialise P: refused
+
+
+def test_a_checkpoint_with_invalid_p_is_an_error(tmp_path):
+    _saved(tmp_path)
+
+    def unsort(t):
+        t["encoder.partial_pattern.indices"] = t["encoder.partial_pattern.indices"].flip(-1).contiguous()
+
+    _edit_weights(tmp_path, unsort)
+    with pytest.raises(ValueError, match="invalid P or R.*sorted"):
+        AutoModel.from_pretrained(tmp_path)
+
+
+def test_a_complete_checkpoint_loads_its_own_pattern(tmp_path):
+    model = _saved(tmp_path, "per_layer", PartialBertForMaskedLM)
+    loaded, info = AutoModelForMaskedLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"]
+    assert torch.equal(loaded.get_pattern(1).indices, _pattern().indices)
+    ids = torch.randint(1, 99, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("mode", ["fixed", "common", "per_layer"])
+def test_buffers_are_valid_without_weight_initialisation(mode):
+    """transformers' test_init_weights_can_init_buffers: P and R hold the default right after __init__."""
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():
+        model = PartialBertModel(PartialBertConfig(**TINY, reconstruction=mode))
+    default = AttentionPattern.local(16, 4)
+    assert torch.equal(model.encoder.partial_pattern.indices, default.indices)
+    for r in model.reconstruction_tensors().values():
+        assert torch.equal(r.detach(), default.reconstruction)
+    layout = model.encoder.partial_pattern.layout()
+    assert torch.equal(layout.complement, default.complement)
+
+
+def test_layout_follows_p_changed_in_place():
+    model = PartialBertModel(PartialBertConfig(**TINY)).eval()
+    ids = torch.randint(1, 99, (1, 16), generator=torch.Generator().manual_seed(0))
+    pattern = _pattern()
+    with torch.no_grad():
+        model.encoder.partial_pattern.indices.copy_(pattern.indices)  # by hand, not through set_pattern
+        by_hand = model(input_ids=ids).last_hidden_state
+        model.set_pattern(AttentionPattern(pattern.indices, model.get_pattern().reconstruction))
+        proper = model(input_ids=ids).last_hidden_state
+    assert torch.equal(by_hand, proper)
+    assert torch.equal(model.encoder.partial_pattern.complement, pattern.complement)
+
+
+@pytest.mark.parametrize("implementation", ["gather", "dense", "fused"])
+def test_compile_fullgraph_and_export_match_eager(implementation):
+    torch.manual_seed(0)
+    model = PartialBertModel(PartialBertConfig(**TINY)).eval()
+    model.set_pattern(_pattern())
+    model.set_partial_implementation(implementation)
+    ids = torch.randint(1, 99, (2, 16), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 10:] = 0
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True, backend="eager")  # fullgraph: a graph break is an error
+        assert torch.equal(compiled(input_ids=ids, attention_mask=mask).last_hidden_state, ref)
+    exported = torch.export.export(model, (), {"input_ids": ids, "attention_mask": mask})
+    with torch.no_grad():
+        assert torch.equal(exported.module()(input_ids=ids, attention_mask=mask).last_hidden_state, ref)
