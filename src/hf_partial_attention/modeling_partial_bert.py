@@ -18,11 +18,8 @@ exact layers honour ``config._attn_implementation``. Auto registration, ``auto_m
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -40,6 +37,8 @@ from transformers.models.bert.modeling_bert import (
     BertSelfAttention,
 )
 
+from .conversion import (PARTIAL_FIELDS, copy_weights, initial_pattern, load_source, partial_config,
+                         pending_pattern)
 from .configuration_partial_bert import PartialBertConfig
 from .partial_attention import PatternLayout, attention_function_name, check_implementation, resolve_implementation
 from .pattern import AttentionPattern
@@ -54,7 +53,9 @@ __all__ = [
     "PartialBertSelfAttention",
     "PartialBertPattern",
     "default_pattern",
+    "initial_pattern",
 ]
+
 
 
 @functools.lru_cache(maxsize=4)
@@ -67,23 +68,10 @@ def default_pattern(config: PartialBertConfig) -> AttentionPattern:
     return _local_pattern(config.partial_seq_len, config.partial_k, float(config.partial_default_correlation))
 
 
-# The pattern `from_bert` installs, read while the model is built so that the default is never computed for it.
-_INITIAL_PATTERN: contextvars.ContextVar[AttentionPattern | None] = contextvars.ContextVar("initial_pattern",
-                                                                                         default=None)
-
-
-@contextlib.contextmanager
-def initial_pattern(pattern: AttentionPattern) -> Iterator[None]:
-    """Build models inside this block with ``pattern``'s P and R instead of the default (see `from_bert`)."""
-    token = _INITIAL_PATTERN.set(pattern)
-    try:
-        yield
-    finally:
-        _INITIAL_PATTERN.reset(token)
-
-
 def _initial(config: PartialBertConfig) -> AttentionPattern:
-    pattern = _INITIAL_PATTERN.get()
+    """The pattern a model under construction starts with: `from_bert`'s (`conversion.initial_pattern`), else
+    the default."""
+    pattern = pending_pattern()
     if pattern is not None and (pattern.seq_len, pattern.k) == (config.partial_seq_len, config.partial_k):
         return pattern
     return default_pattern(config)
@@ -212,8 +200,9 @@ class PartialBertPreTrainedModel(BertPreTrainedModel):
     config_class = PartialBertConfig
     config: PartialBertConfig
     _bert_class = BertModel  # the upstream class whose checkpoints map one-to-one onto this one
-    # Set by `hf_partial_attention.hub.register()` (auto_map and model card on save); None under remote code.
-    _save_hook: ClassVar[Callable | None] = None
+    # Set by `hf_partial_attention.hub.register()` (auto_map, model card on save and push); None under remote
+    # code, where saving and pushing are transformers' own.
+    _hub: ClassVar[type | None] = None
 
     def post_init(self):
         """BERT's own ``__init__`` built the body; make its partial layers partial, then BERT's post-init."""
@@ -335,62 +324,56 @@ class PartialBertPreTrainedModel(BertPreTrainedModel):
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """`PreTrainedModel.save_pretrained`; with the plugin imported, `hub.save_pretrained` also completes
-        ``auto_map`` and writes the model card (its ``write_model_card`` argument)."""
-        hook = PartialBertPreTrainedModel._save_hook
-        if hook is None:
+        ``auto_map`` and writes the model card (its ``write_model_card`` argument), also when pushing."""
+        hub = PartialBertPreTrainedModel._hub
+        if hub is None:
             kwargs.pop("write_model_card", None)
             return super().save_pretrained(save_directory, *args, **kwargs)
-        return hook(self, super().save_pretrained, save_directory, *args, **kwargs)
+        return hub.save_pretrained(self, super().save_pretrained, save_directory, *args, **kwargs)
+
+    def push_to_hub(self, *args, **kwargs):
+        """`PreTrainedModel.push_to_hub`; with the plugin imported, `hub.push_to_hub` uploads this project's card."""
+        hub = PartialBertPreTrainedModel._hub
+        if hub is None:
+            return super().push_to_hub(*args, **kwargs)
+        return hub.push_to_hub(self, *args, **kwargs)
 
     # ------------------------------------------------------------------ conversion
     @classmethod
-    def from_bert(cls, bert_model_or_path, pattern: AttentionPattern, **config_overrides):
+    def from_bert(cls, bert_model_or_path, pattern: AttentionPattern, *, output_loading_info: bool = False,
+                  revision: str | None = None, token: str | bool | None = None, dtype=None,
+                  cache_dir: str | None = None, **config_overrides):
         """Convert a BERT-family checkpoint (BERT, MiniLM, ...) keeping every weight, and install P and R.
 
         Args:
             bert_model_or_path: a `BertPreTrainedModel` instance, or a path / Hub id loadable by the
                 matching `BertFor*` class (`BertModel` for `PartialBertModel`, and so on).
             pattern: a per-query `AttentionPattern`; n and k come from it.
+            output_loading_info: also return ``{"missing_keys", "unexpected_keys", "source"}``: the target weights
+                the source did not provide (a new head), source weights without a place, and the source load's own
+                report.
+            revision, token, dtype, cache_dir: passed to the source's ``from_pretrained``; the converted model takes
+                the source's dtype.
             **config_overrides: `PartialBertConfig` fields, e.g. ``reconstruction="per_layer"``,
-                ``partial_layers=[0, 1]``, ``attn_implementation="eager"`` (for non-partial layers).
+                ``partial_layers=[0, 1]``, ``attn_implementation="eager"`` (for non-partial layers), and BERT
+                settings of the head (``num_labels=3``, ``id2label=...``), which also reach the source load.
         """
-        if isinstance(bert_model_or_path, (str, os.PathLike)):
-            source = cls._bert_class.from_pretrained(os.fspath(bert_model_or_path))
-        elif isinstance(bert_model_or_path, BertPreTrainedModel):
-            source = bert_model_or_path
-        else:
-            raise TypeError("bert_model_or_path must be a path, a Hub id or a BertPreTrainedModel, got "
-                            f"{type(bert_model_or_path).__name__}.")
         if not isinstance(pattern, AttentionPattern):
             raise TypeError(f"pattern must be an AttentionPattern, got {type(pattern).__name__}.")
         attn_impl = config_overrides.pop("attn_implementation", None)
-        fields = source.config.to_dict()
-        for drop in ("model_type", "architectures", "auto_map", "transformers_version", "_name_or_path"):
-            fields.pop(drop, None)
-        fields.update(partial_seq_len=pattern.seq_len, partial_k=pattern.k, partial_use_bias=pattern.bias is not None)
-        fields.update(config_overrides)
-        config = PartialBertConfig(**fields)
+        settings = {k: v for k, v in config_overrides.items() if k not in PARTIAL_FIELDS}
+        source, source_info = load_source(
+            cls._bert_class, bert_model_or_path, settings,
+            {"revision": revision, "token": token, "dtype": dtype, "cache_dir": cache_dir})
+        config = partial_config(source, pattern, config_overrides)
         if attn_impl is not None:
             config._attn_implementation = attn_impl
-        with initial_pattern(pattern):  # P and R go in at construction: the default pattern is never built
+        with initial_pattern(pattern):  # P and R go in at construction: the default is never built
             model = cls(config)
-        _copy_bert_weights(source, model)
+        model.to(next(source.parameters()).dtype)  # floating tensors only; P stays int64
+        report = copy_weights(source, model, set(model._partial_tensor_names()))
         model.set_pattern(pattern)  # also checks the pattern against the config
-        return model
-
-
-def _copy_bert_weights(source: BertPreTrainedModel, target: PartialBertPreTrainedModel) -> None:
-    src_state = source.state_dict()
-    if not any(key.startswith("bert.") for key in src_state):  # a bare BertModel
-        src_state = {f"bert.{key}": value for key, value in src_state.items()}
-    if target.base_model_prefix not in target._modules:  # target is the bare PartialBertModel
-        src_state = {key.removeprefix("bert."): v for key, v in src_state.items() if key.startswith("bert.")}
-    tgt_keys = set(target.state_dict())
-    missing_in_target = sorted(set(src_state) - tgt_keys)
-    if missing_in_target and isinstance(source, type(target)._bert_class):
-        raise ValueError(f"Weights {missing_in_target[:5]} of the source have no place in {type(target).__name__}.")
-    usable = {key: value for key, value in src_state.items() if key in tgt_keys}
-    target.load_state_dict(usable, strict=False)
+        return (model, {**report, "source": source_info}) if output_loading_info else model
 
 
 # The heads are BERT's classes with BERT's own __init__ and forward; `PartialBertPreTrainedModel.post_init` makes
@@ -399,6 +382,22 @@ class PartialBertModel(PartialBertPreTrainedModel, BertModel):
     """`BertModel` with partial self-attention in `config.partial_layers`."""
 
     _bert_class = BertModel
+
+    def forward(self, *args, **kwargs):
+        """`BertModel.forward`. With ``output_attentions=True``, ``attentions[i]`` is layer i's map for every layer:
+        exact layers run eager attention for that call (under sdpa or flash they return no map, which would shift
+        the tuple to the partial layers only)."""
+        wants_maps = kwargs.get("output_attentions")
+        if wants_maps is None:
+            wants_maps = self.config.output_attentions
+        previous = self.config._attn_implementation
+        if not wants_maps or previous == "eager":
+            return super().forward(*args, **kwargs)
+        self.config._attn_implementation = "eager"
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self.config._attn_implementation = previous
 
 
 class PartialBertForMaskedLM(PartialBertPreTrainedModel, BertForMaskedLM):

@@ -84,15 +84,15 @@ def split_heldout(texts: Sequence[Any], every: int = 5) -> tuple[list[Any], list
     return fit, held
 
 
-def load_texts(source: Any = None, text_column: str = "text", split: str = "document") -> list[str]:
+def load_texts(source: Any = None, text_column: str = "text", split: str = "paragraph") -> list[str]:
     """Normalise a text source to a list of strings.
 
     Args:
         source: ``None`` (the default corpus, `default_texts`), a list of strings, a path to a UTF-8 text
             file, or a ``datasets.Dataset`` (its ``text_column`` is read).
         text_column: column of a ``datasets.Dataset`` holding the text.
-        split: for a text file: ``"document"`` (the whole file is one text), ``"paragraph"`` (blank-line
-            separated blocks) or ``"line"``.
+        split: for a text file: ``"paragraph"`` (default: blank-line separated blocks, so that documents can be
+            held out), ``"line"`` or ``"document"`` (the whole file is one text: nothing can be held out).
     """
     if source is None:
         return default_texts()

@@ -105,18 +105,27 @@ def spectra_summary(cov: ScoreCovariance, fig_dir: str, max_k: int = 512, prefix
 def analyze(model: Any, texts: Any = None, out: str = "runs/analysis", *, tokenizer: Any = None, seq_len: int = 128,
             max_sequences: int | None = None, heldout_every: int = 5, heldout_sequences: int = 64,
             scopes=("per_query",), granularity: str = "pooled", centered: bool = True, batch_size: int = 8,
-            resume: bool = True, max_k: int = 512, progress: bool = True, section: str = "analyze") -> dict:
+            resume: bool = True, max_k: int = 512, progress: bool = True, section: str = "analyze",
+            text_split: str = "paragraph") -> dict:
     """Collect the covariance of ``model``'s scores on ``texts``, save it and the held-out windows, draw the spectra.
 
-    Texts are split by document: every ``heldout_every``-th text is held out (0 disables), and up to
-    ``heldout_sequences`` windows of them are kept for measuring reconstruction error later (`derive`).
+    Texts are split by document (a text file into paragraphs, ``text_split``): every ``heldout_every``-th text is
+    held out, and up to ``heldout_sequences`` windows of them are kept for measuring reconstruction error later
+    (`derive`). When held-out data is asked for (``heldout_every`` and ``heldout_sequences`` > 0) but none results,
+    this is an error; ``heldout_every=0`` fits on everything and measures nothing.
     """
     start = time.perf_counter()
     os.makedirs(out, exist_ok=True)
     model_obj, tok = load_model_and_tokenizer(model, tokenizer)
-    all_texts = load_texts(texts) if not isinstance(texts, torch.Tensor) else texts
-    if heldout_every and not isinstance(all_texts, torch.Tensor):
+    all_texts = load_texts(texts, split=text_split) if not isinstance(texts, torch.Tensor) else texts
+    want_heldout = bool(heldout_every and heldout_sequences)
+    if want_heldout and not isinstance(all_texts, torch.Tensor):
         fit_texts, held_texts = split_heldout(all_texts, heldout_every)
+        if not held_texts:
+            raise ValueError(f"No held-out data: {len(all_texts)} text(s), of which every {heldout_every}th is held "
+                             "out, leave none. Pass more documents (a text file is split into paragraphs by "
+                             "blank lines), a smaller heldout_every (--heldout-every), or heldout_every=0 to skip "
+                             "the held-out measurement.")
     else:
         fit_texts, held_texts = all_texts, []
     cov_path = os.path.join(out, COVARIANCE_FILE)
@@ -132,11 +141,11 @@ def analyze(model: Any, texts: Any = None, out: str = "runs/analysis", *, tokeni
     if held_texts:
         try:
             windows = make_windows(tok, held_texts, seq_len, heldout_sequences)
-            save_file({"input_ids": windows}, os.path.join(out, HELDOUT_FILE),
-                      metadata={"model": cov.metadata["model"]})
-            held = windows.shape[0]
         except ValueError as err:
-            logger.warning("No held-out windows: %s", err)
+            raise ValueError(f"No held-out windows of {seq_len} tokens from {len(held_texts)} held-out text(s): "
+                             f"{err} Pass more text or heldout_every=0 to skip the held-out measurement.") from err
+        save_file({"input_ids": windows}, os.path.join(out, HELDOUT_FILE), metadata={"model": cov.metadata["model"]})
+        held = windows.shape[0]
     summary = spectra_summary(cov, os.path.join(out, "figures"), max_k=max_k)
     summary.update(model=cov.metadata.get("model", ""), num_sequences=cov.num_sequences, count=cov.count,
                    heldout_sequences=held, scopes=list(cov.scopes), granularity=cov.granularity,

@@ -10,6 +10,8 @@ What it adds to `Trainer`:
   mean and ignore ``num_items_in_batch``; the stock Trainer then multiplies their loss by the world size
   (transformers5 notes, section 3). Here the mean is turned back into a sum first, so the scaling is right.
 - Deterministic MLM masks across resumes: sets `MlmCollator.epoch` each epoch, and `None` while evaluating.
+- This project's model card (P, R, cost, base model, training details) from `create_model_card`, so
+  ``trainer.push_to_hub()`` uploads it instead of the Trainer's template.
 
 P is a persistent buffer and R a buffer or parameters, so both are in every checkpoint's ``model.safetensors``
 and R's AdamW moments in ``optimizer.pt``; ``resume_from_checkpoint`` restores them like any weight.
@@ -25,6 +27,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+from ..model_card import write_model_card
+from ..modeling_partial_bert import PartialBertPreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -212,3 +217,39 @@ class PartialAttentionTrainer(Trainer):
         finally:
             if hasattr(collator, "epoch"):
                 collator.epoch = saved
+
+    def create_model_card(self, language: str | None = None, license: str | None = None, tags=None,
+                          model_name: str | None = None, finetuned_from: str | None = None, tasks=None,
+                          dataset_tags=None, dataset=None, dataset_args=None, eval_results=None) -> None:
+        """This project's card for a PartialBert model (`model_card.build_model_card`: P, R, cost, base model,
+        tags, the run's hyper-parameters and last metrics); `Trainer`'s template for any other model.
+
+        ``eval_results``: `huggingface_hub.EvalResult` objects or their keyword dicts, for the ``model-index``.
+        """
+        model = self.accelerator.unwrap_model(self.model)
+        if not isinstance(model, PartialBertPreTrainedModel):
+            return super().create_model_card(language=language, license=license, tags=tags, model_name=model_name,
+                                             finetuned_from=finetuned_from, tasks=tasks, dataset_tags=dataset_tags,
+                                             dataset=dataset, dataset_args=dataset_args)
+        if not self.is_world_process_zero():
+            return None
+        tags = [tags] if isinstance(tags, str) else list(tags or [])
+        write_model_card(model, self.args.output_dir, overwrite=True,
+                         model_name=model_name or os.path.basename(os.path.normpath(self.args.output_dir)),
+                         base_model=finetuned_from, datasets=dataset, license=license, language=language or "en",
+                         tags=[*(model.model_tags or []), *tags], eval_results=eval_results,
+                         training_details=self._training_details(), repo_id=self.hub_model_id)
+        return None
+
+    def _training_details(self) -> str:
+        args, state = self.args, self.state
+        last = {}
+        for entry in state.log_history:
+            last.update({k: v for k, v in entry.items() if isinstance(v, (int, float)) and k not in ("step", "epoch")})
+        metrics = ", ".join(f"{k} {v:.4g}" for k, v in sorted(last.items()) if k.startswith(("eval_", "train_loss")))
+        r_lr = getattr(args, "reconstruction_learning_rate", None)
+        return (f"Trained with `hf_partial_attention.training.PartialAttentionTrainer` for {state.global_step} steps: "
+                f"learning rate {args.learning_rate:g} (R: {args.learning_rate if r_lr is None else r_lr:g}), "
+                f"batch size {args.per_device_train_batch_size} per device × {args.world_size} processes × "
+                f"{args.gradient_accumulation_steps} accumulation steps, seed {args.seed}."
+                + (f" Last logged: {metrics}." if metrics else ""))
