@@ -119,3 +119,56 @@ def test_trust_remote_code_without_the_plugin(tmp_path):
     for line in lines:
         _, module, diff, same_r = line.split()
         assert module == "transformers_modules" and float(diff) == 0.0 and same_r == "True", line
+
+
+def test_config_records_and_checks_the_checkpoint_format(tmp_path):
+    PartialBertModel(PartialBertConfig(**TINY)).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["partial_format_version"] == 1 and config["partial_plugin_version"] == hf_partial_attention.__version__
+    (tmp_path / "config.json").write_text(json.dumps({**config, "partial_format_version": 2,
+                                                      "partial_plugin_version": "9.0.0"}))
+    with pytest.raises(ValueError, match="written by hf-partial-attention 9.0.0.*pip install -U"):
+        AutoModel.from_pretrained(tmp_path)
+    golden = json.loads(open(os.path.join(GOLDEN, "v0.1.0-common", "config.json")).read())
+    assert "partial_format_version" not in golden  # 0.1.0 wrote none: read as format 1
+    assert AutoConfig.from_pretrained(os.path.join(GOLDEN, "v0.1.0-common")).partial_format_version == 1
+
+
+CACHE_LOAD = textwrap.dedent(
+    """
+    import sys
+    sys.modules["hf_partial_attention"] = None  # a user without the plugin
+    import torch
+    from transformers import AutoModelForMaskedLM
+    repo, revision, ref = sys.argv[1:4]
+    model = AutoModelForMaskedLM.from_pretrained(repo, revision=revision, trust_remote_code=True).eval()
+    data = torch.load(ref)
+    with torch.no_grad():
+        logits = model(input_ids=data["ids"]).logits
+    print("RESULT", type(model).__module__.split(".")[0], float((logits - data["logits"]).abs().max()))
+    """
+)
+
+
+def test_load_by_repo_id_from_the_hub_cache_without_the_plugin(tmp_path):
+    """The layout `huggingface_hub` writes (models--org--name/snapshots/<commit>, refs/main), loaded offline by
+    repo id with a pinned revision, where the plugin cannot be imported."""
+    torch.manual_seed(0)
+    model = PartialBertForMaskedLM(PartialBertConfig(**TINY, reconstruction="per_layer")).eval()
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo_dir = tmp_path / "hf_home" / "hub" / "models--me--partial-mlm"
+    model.save_pretrained(repo_dir / "snapshots" / commit)
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(commit)
+    ids = torch.randint(1, 99, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.save({"ids": ids, "logits": model(input_ids=ids).logits}, tmp_path / "ref.pt")
+    env = dict(os.environ, HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1")
+    env.pop("HF_HUB_CACHE", None)
+    for revision in (commit, "main"):
+        proc = subprocess.run([sys.executable, "-c", CACHE_LOAD, "me/partial-mlm", revision, str(tmp_path / "ref.pt")],
+                              capture_output=True, text=True, env=env, timeout=300, stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT"))
+        _, module, diff = line.split()
+        assert module == "transformers_modules" and float(diff) == 0.0, line

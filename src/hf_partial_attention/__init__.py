@@ -17,8 +17,7 @@ from .modeling_partial_bert import (
     PartialBertPreTrainedModel,
 )
 from .pattern import AttentionPattern
-
-__version__ = "0.1.0"
+from .version import __version__
 
 register()
 

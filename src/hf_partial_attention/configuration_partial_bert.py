@@ -13,6 +13,9 @@ from transformers import BertConfig
 RECONSTRUCTION_MODES = ("fixed", "common", "per_layer")
 # The kernels of `partial_attention.PARTIAL_KERNELS`, plus "auto"; named here so a config can be checked early.
 PARTIAL_IMPLEMENTATIONS = ("auto", "gather", "dense", "fused")
+# The layout of P and R in model.safetensors and of these fields; a checkpoint of a newer format is refused.
+# 1: hf-partial-attention 0.1.x (0.1.0 wrote no version: read as 1).
+CHECKPOINT_FORMAT_VERSION = 1
 # Runtime settings: like `attn_implementation`, never written to (nor read from) config.json.
 _NOT_SERIALIZED = ("partial_implementation",)
 
@@ -55,6 +58,11 @@ class PartialBertConfig(BertConfig):
         partial_base_model (`str`, *optional*):
             The Hub id (or path) of the BERT checkpoint this model was converted from (`from_bert` records it);
             model cards list it as `base_model`.
+        partial_format_version (`int`, defaults to `CHECKPOINT_FORMAT_VERSION`):
+            Format of the checkpoint (names and shapes of P and R, these fields). Loading a newer format than this
+            code reads is an error naming the fix (upgrade hf-partial-attention).
+        partial_plugin_version (`str`, *optional*):
+            The hf-partial-attention version that saved the checkpoint (written by `save_pretrained`).
 
     Examples:
 
@@ -74,6 +82,8 @@ class PartialBertConfig(BertConfig):
     partial_default_correlation: float = 0.9
     partial_implementation: str = "auto"
     partial_base_model: str | None = None
+    partial_format_version: int = CHECKPOINT_FORMAT_VERSION
+    partial_plugin_version: str | None = None
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -85,6 +95,13 @@ class PartialBertConfig(BertConfig):
         self._check_partial_fields()
 
     def _check_partial_fields(self) -> None:
+        if self.partial_format_version > CHECKPOINT_FORMAT_VERSION:
+            raise ValueError(
+                f"partial_format_version={self.partial_format_version}: this checkpoint was written by "
+                f"hf-partial-attention {self.partial_plugin_version or '(newer)'}, whose format this version "
+                f"(format {CHECKPOINT_FORMAT_VERSION}) cannot read. Upgrade: pip install -U hf-partial-attention "
+                "(or load with trust_remote_code=True, which runs the code saved with the checkpoint)."
+            )
         n, k = self.partial_seq_len, self.partial_k
         if n < 1:
             raise ValueError(f"partial_seq_len must be >= 1, got {n}; set it to the sequence length of P and R.")
@@ -136,4 +153,4 @@ class PartialBertConfig(BertConfig):
         return super().from_dict(config_dict, **kwargs)
 
 
-__all__ = ["PartialBertConfig", "RECONSTRUCTION_MODES", "PARTIAL_IMPLEMENTATIONS"]
+__all__ = ["PartialBertConfig", "RECONSTRUCTION_MODES", "PARTIAL_IMPLEMENTATIONS", "CHECKPOINT_FORMAT_VERSION"]

@@ -147,6 +147,10 @@ class PartialBertPattern(nn.Module):
             self.refresh_layout()
         return PatternLayout(self.indices, self.complement, self.inverse_permutation, self.block_rows)
 
+    def forward(self) -> tuple[PatternLayout, torch.Tensor | None, torch.Tensor | None]:
+        """``(layout, R, bias)``: what the partial layers read (R is None here when R is per layer)."""
+        return self.layout(), getattr(self, "reconstruction", None), getattr(self, "reconstruction_bias", None)
+
 
 class PartialBertSelfAttention(BertSelfAttention):
     """`BertSelfAttention` (same q/k/v parameters) whose scores are computed at P and reconstructed elsewhere.
@@ -155,19 +159,22 @@ class PartialBertSelfAttention(BertSelfAttention):
     `PartialBertPreTrainedModel.set_partial_implementation`), run through transformers' ``AttentionInterface``.
     """
 
-    def __init__(self, config: PartialBertConfig, pattern: PartialBertPattern, layer_idx: int | None = None):
+    def __init__(self, config: PartialBertConfig, encoder: BertEncoder, layer_idx: int | None = None):
         super().__init__(config, layer_idx=layer_idx)
-        # The pattern module is owned by the encoder; keep an unregistered reference so its tensors are
-        # saved once, not once per layer.
-        object.__setattr__(self, "_pattern", pattern)
+        # The pattern module is owned by the encoder and looked up there at every call (an unregistered reference,
+        # so its tensors are saved once, not once per layer). Calling it, rather than holding it, means that a
+        # wrapper installed in its place (peft's modules_to_save) is the one that runs.
+        object.__setattr__(self, "_encoder", encoder)
         if config.reconstruction == "per_layer":
             self.reconstruction = _r_tensor(config, True, False)
             self.reconstruction_bias = _r_tensor(config, True, True) if config.partial_use_bias else None
 
     def partial_tensors(self) -> tuple[PatternLayout, torch.Tensor, torch.Tensor | None]:
         """``(layout of P, R, bias or None)`` this layer reconstructs with (read by the attention functions)."""
-        owner = self if "reconstruction" in self._parameters else self._pattern
-        return self._pattern.layout(), owner.reconstruction, getattr(owner, "reconstruction_bias", None)
+        layout, recon, bias = self._encoder.partial_pattern()
+        if "reconstruction" in self._parameters:  # per_layer
+            recon, bias = self.reconstruction, self.reconstruction_bias
+        return layout, recon, bias
 
     def forward(self, hidden_states, attention_mask=None, cache=None, **kwargs):
         if cache is not None:
@@ -177,7 +184,7 @@ class PartialBertSelfAttention(BertSelfAttention):
         query = self.query(hidden_states).view(*hidden_shape).transpose(1, 2)  # (B, H, T, D)
         key = self.key(hidden_states).view(*hidden_shape).transpose(1, 2)  # (B, H, T, D)
         value = self.value(hidden_states).view(*hidden_shape).transpose(1, 2)  # (B, H, T, D)
-        kernel = resolve_implementation(self.config.partial_implementation, self._pattern.layout(),
+        kernel = resolve_implementation(self.config.partial_implementation, self.partial_tensors()[0],
                                         self.attention_head_size)
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS[attention_function_name(kernel)]
         out, probs = attention_interface(self, query, key, value, attention_mask, scaling=self.scaling,
@@ -191,9 +198,7 @@ def _install_partial_attention(encoder: BertEncoder, config: PartialBertConfig) 
         return
     encoder.partial_pattern = PartialBertPattern(config)
     for layer_idx in config.partial_layers:
-        encoder.layer[layer_idx].attention.self = PartialBertSelfAttention(
-            config, encoder.partial_pattern, layer_idx=layer_idx
-        )
+        encoder.layer[layer_idx].attention.self = PartialBertSelfAttention(config, encoder, layer_idx=layer_idx)
 
 
 class PartialBertPreTrainedModel(BertPreTrainedModel):
@@ -372,6 +377,8 @@ class PartialBertPreTrainedModel(BertPreTrainedModel):
             model = cls(config)
         model.to(next(source.parameters()).dtype)  # floating tensors only; P stays int64
         report = copy_weights(source, model, set(model._partial_tensor_names()))
+        # Weights the source load itself initialised afresh (a new head) were copied, but are new all the same.
+        report["missing_keys"] = sorted(set(report["missing_keys"]) | set(source_info.get("missing_keys", [])))
         model.set_pattern(pattern)  # also checks the pattern against the config
         return (model, {**report, "source": source_info}) if output_loading_info else model
 

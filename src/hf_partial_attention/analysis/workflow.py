@@ -250,10 +250,15 @@ def _evaluate(cov, patterns: dict, scope: str, held_path: str, with_baselines, b
 def convert(pattern_path: str, out_dir: str, model: Any = None, *, reconstruction: str = "common",
             verify: bool = True) -> dict:
     """Write a PartialBert checkpoint (weights of ``model``, P and R of the pattern) and check it reloads
-    with ``AutoModel``. ``model`` defaults to the pattern's ``source_model``."""
+    with ``AutoModel``. ``model`` defaults to the pattern's ``source_model``.
+
+    The tokenizer is saved with ``model_max_length = n`` (pipelines with ``truncation=True`` then cut inputs to n);
+    a sentence-transformers source also gets its modules, pooling and ``max_seq_length ≤ n`` (`sentence_folder`),
+    so that ``SentenceTransformer(out_dir, trust_remote_code=True)`` loads the converted model."""
     from transformers import AutoModel, AutoTokenizer
 
     from ..modeling_partial_bert import PartialBertModel
+    from ..sentence_folder import sentence_transformers_folder, write_sentence_transformers_files
 
     pattern = AttentionPattern.load(pattern_path)
     source = model if model is not None else pattern.metadata.get("source_model")
@@ -261,10 +266,15 @@ def convert(pattern_path: str, out_dir: str, model: Any = None, *, reconstructio
         raise ValueError(f"{pattern_path!r} names no source_model; pass model=<path or Hub id of a BERT model>.")
     partial = PartialBertModel.from_bert(source, pattern, reconstruction=reconstruction)
     partial.save_pretrained(out_dir)
-    if isinstance(source, (str, os.PathLike)):
-        AutoTokenizer.from_pretrained(os.fspath(source)).save_pretrained(out_dir)
     result = {"checkpoint": out_dir, "pattern": pattern_path, "source_model": str(source), "k": pattern.k,
               "seq_len": pattern.seq_len, "partial_layers": list(partial.config.partial_layers)}
+    if isinstance(source, (str, os.PathLike)):
+        tokenizer = AutoTokenizer.from_pretrained(os.fspath(source))
+        tokenizer.model_max_length = min(tokenizer.model_max_length, pattern.seq_len)
+        tokenizer.save_pretrained(out_dir)
+        st_dir = sentence_transformers_folder(source)
+        if st_dir is not None:
+            result["sentence_transformers"] = write_sentence_transformers_files(st_dir, out_dir, pattern.seq_len)
     if verify:
         reloaded = AutoModel.from_pretrained(out_dir).eval()
         ids = torch.randint(0, partial.config.vocab_size, (1, pattern.seq_len))
