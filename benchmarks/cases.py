@@ -12,7 +12,7 @@ from transformers.models.bert.modeling_bert import BertSelfAttention
 from transformers.models.nystromformer.modeling_nystromformer import NystromformerSelfAttention
 
 from hf_partial_attention import AttentionPattern, PartialBertConfig, PartialBertForMaskedLM
-from hf_partial_attention.modeling_partial_bert import PartialBertSelfAttention
+from hf_partial_attention.modeling_partial_bert import PartialBertPattern, PartialBertSelfAttention, initial_pattern
 from hf_partial_attention.partial_attention import PatternLayout, partial_attention_forward
 
 PATTERNS = ("per_query", "columns", "blocks")
@@ -82,11 +82,10 @@ def peer_modules(b: int, n: int, hidden: int, heads: int, k: int, seed: int = 0)
     pcfg = PartialBertConfig(hidden_size=hidden, num_attention_heads=heads, attention_probs_dropout_prob=0.0,
                              partial_seq_len=n, partial_k=k, max_position_embeddings=max(512, n),
                              partial_implementation="fused")
-    pattern_holder = nn.Module()
-    pattern_holder.indices = pattern_indices("columns", n, k)
-    pattern_holder.reconstruction = 0.1 * torch.randn(n, n - k, k)
-    pattern_holder.layout = lambda: PatternLayout.from_indices(pattern_holder.indices)
-    partial = PartialBertSelfAttention(pcfg, pattern_holder).eval()
+    encoder = nn.Module()  # the layer reads P and R from its encoder's pattern module
+    with initial_pattern(AttentionPattern(pattern_indices("columns", n, k), 0.1 * torch.randn(n, n - k, k))):
+        encoder.partial_pattern = PartialBertPattern(pcfg)
+    partial = PartialBertSelfAttention(pcfg, encoder).eval()
     landmarks = min(64, n // 2)  # HF's default 64 landmarks; fewer for tiny test shapes
     nys_cfg = NystromformerConfig(hidden_size=hidden, num_attention_heads=heads, segment_means_seq_len=n,
                                   num_landmarks=landmarks, attention_probs_dropout_prob=0.0)
