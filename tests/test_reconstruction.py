@@ -101,3 +101,5 @@ def test_local_prior_equals_the_full_solve():
 
 def test_nearest_keys_band():
     assert nearest_keys(6, 3).tolist() == [[0, 1, 2], [0, 1, 2], [1, 2, 3], [2, 3, 4], [3, 4, 5], [3, 4, 5]]
+    # even k: a query's two neighbours tie, the lower position wins
+    assert nearest_keys(5, 2).tolist() == [[0, 1], [0, 1], [1, 2], [2, 3], [3, 4]]
