@@ -17,7 +17,7 @@ from hf_partial_attention import (
     PartialBertForTokenClassification,
     PartialBertModel,
 )
-from hf_partial_attention import modeling_partial_bert as modeling
+from hf_partial_attention import partial_pattern
 from hf_partial_attention.partial_attention import PARTIAL_KERNELS, attention_function_name
 
 TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37,
@@ -148,7 +148,7 @@ def test_heads_are_berts_own_classes_with_a_partial_body(cls):
 def test_from_bert_never_builds_the_default_pattern(monkeypatch):
     bert = BertModel(BertConfig(**{k: v for k, v in TINY.items() if not k.startswith("partial")}))
     pattern = _pattern()
-    modeling._local_pattern.cache_clear()
+    partial_pattern._local_pattern.cache_clear()
 
     def refuse(*args, **kwargs):
         raise AssertionError("the default pattern was built")
@@ -169,7 +169,7 @@ def test_default_pattern_is_valid_after_construction_and_its_cache_bounded():
     local = AttentionPattern.local(16, 4)
     assert torch.equal(model.encoder.partial_pattern.indices, local.indices)
     assert torch.equal(model.encoder.partial_pattern.reconstruction.detach(), local.reconstruction)
-    modeling._local_pattern.cache_clear()
+    partial_pattern._local_pattern.cache_clear()
     for k in range(1, 9):
-        modeling.default_pattern(PartialBertConfig(**{**TINY, "partial_k": k}))
-    assert modeling._local_pattern.cache_info().currsize == modeling._local_pattern.cache_info().maxsize == 4
+        partial_pattern.default_pattern(PartialBertConfig(**{**TINY, "partial_k": k}))
+    assert partial_pattern._local_pattern.cache_info().currsize == partial_pattern._local_pattern.cache_info().maxsize == 4

@@ -18,12 +18,10 @@ exact layers honour ``config._attn_implementation``. Auto registration, ``auto_m
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import ClassVar
 
 import torch
-from torch import nn
 from transformers import initialization as init
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.bert.modeling_bert import (
@@ -37,10 +35,10 @@ from transformers.models.bert.modeling_bert import (
     BertSelfAttention,
 )
 
-from .conversion import (PARTIAL_FIELDS, copy_weights, initial_pattern, load_source, partial_config,
-                         pending_pattern)
 from .configuration_partial_bert import PartialBertConfig
+from .conversion import PARTIAL_FIELDS, copy_weights, initial_pattern, load_source, partial_config
 from .partial_attention import PatternLayout, attention_function_name, check_implementation, resolve_implementation
+from .partial_pattern import PartialBertPattern, default_pattern, init_bias, initial_for, r_tensor
 from .pattern import AttentionPattern
 
 __all__ = [
@@ -58,100 +56,6 @@ __all__ = [
 
 
 
-@functools.lru_cache(maxsize=4)
-def _local_pattern(n: int, k: int, correlation: float) -> AttentionPattern:
-    return AttentionPattern.local(n, k, correlation)
-
-
-def default_pattern(config: PartialBertConfig) -> AttentionPattern:
-    """The pattern a model built from a config alone starts with (`AttentionPattern.local`); the last few are cached."""
-    return _local_pattern(config.partial_seq_len, config.partial_k, float(config.partial_default_correlation))
-
-
-def _initial(config: PartialBertConfig) -> AttentionPattern:
-    """The pattern a model under construction starts with: `from_bert`'s (`conversion.initial_pattern`), else
-    the default."""
-    pattern = pending_pattern()
-    if pattern is not None and (pattern.seq_len, pattern.k) == (config.partial_seq_len, config.partial_k):
-        return pattern
-    return default_pattern(config)
-
-
-def _on_meta_device() -> bool:
-    # from_pretrained builds models under torch.device("meta"): nothing to compute, the checkpoint fills them.
-    return torch.empty(0).device.type == "meta"
-
-
-def _r_tensor(config: PartialBertConfig, trainable: bool, bias: bool) -> nn.Parameter | torch.Tensor:
-    """R ``(n, n−k, k)`` (or its bias ``(n, n−k)``) holding the initial pattern's values."""
-    n, k = config.partial_seq_len, config.partial_k
-    shape = (n, n - k) if bias else (n, n - k, k)
-    if _on_meta_device():
-        tensor = torch.empty(shape)
-    else:
-        pattern = _initial(config)
-        if bias:
-            tensor = torch.zeros(shape) if pattern.bias is None else pattern.bias.clone()
-        else:
-            tensor = pattern.reconstruction.clone()
-    return nn.Parameter(tensor) if trainable else tensor
-
-
-def _init_bias(tensor: torch.Tensor, pattern: AttentionPattern) -> None:
-    if pattern.bias is None:
-        init.zeros_(tensor)
-    else:
-        init.copy_(tensor, pattern.bias)
-
-
-class PartialBertPattern(nn.Module):
-    """Holds P (and R unless R is per layer) for all partial layers of an encoder."""
-
-    def __init__(self, config: PartialBertConfig):
-        super().__init__()
-        n, k = config.partial_seq_len, config.partial_k
-        indices = torch.empty(n, k, dtype=torch.long) if _on_meta_device() else _initial(config).indices.clone()
-        self.register_buffer("indices", indices, persistent=True)
-        self.mode = config.reconstruction
-        if self.mode == "common":
-            self.reconstruction = _r_tensor(config, True, False)
-            self.reconstruction_bias = _r_tensor(config, True, True) if config.partial_use_bias else None
-        elif self.mode == "fixed":
-            self.register_buffer("reconstruction", _r_tensor(config, False, False), persistent=True)
-            bias = _r_tensor(config, False, True) if config.partial_use_bias else None
-            self.register_buffer("reconstruction_bias", bias, persistent=True)
-        # The layout derived from P (complement, inverse permutation, block structure) is kept as non-persistent
-        # buffers, refreshed whenever P is installed or loaded, so that a compiled or exported forward reads plain
-        # tensors (no cache lookup in the graph).
-        self.register_buffer("complement", torch.empty(n, n - k, dtype=torch.long), persistent=False)
-        self.register_buffer("inverse_permutation", torch.empty(n, n, dtype=torch.long), persistent=False)
-        self.block_rows: int | None = None
-        self._layout_stamp: tuple | None = None
-        if not _on_meta_device():
-            self.refresh_layout()
-        self.register_load_state_dict_post_hook(lambda module, incompatible: module.refresh_layout())
-
-    @torch.no_grad()
-    def refresh_layout(self) -> None:
-        """Recompute the layout buffers from P (done by `set_pattern`, loading, and before an eager forward when P
-        changed in place)."""
-        layout = PatternLayout.from_indices(self.indices)
-        self.complement, self.inverse_permutation = layout.complement, layout.inverse_permutation
-        self.block_rows = layout.block_rows
-        self._layout_stamp = (self.indices.data_ptr(), self.indices._version)
-
-    def layout(self) -> PatternLayout:
-        """P and its layout. In eager mode a P changed in place is noticed and the layout refreshed; a compiled or
-        exported graph reads the buffers as they are (call `refresh_layout` after changing P by hand)."""
-        if not torch.compiler.is_compiling() and self._layout_stamp != (self.indices.data_ptr(), self.indices._version):
-            self.refresh_layout()
-        return PatternLayout(self.indices, self.complement, self.inverse_permutation, self.block_rows)
-
-    def forward(self) -> tuple[PatternLayout, torch.Tensor | None, torch.Tensor | None]:
-        """``(layout, R, bias)``: what the partial layers read (R is None here when R is per layer)."""
-        return self.layout(), getattr(self, "reconstruction", None), getattr(self, "reconstruction_bias", None)
-
-
 class PartialBertSelfAttention(BertSelfAttention):
     """`BertSelfAttention` (same q/k/v parameters) whose scores are computed at P and reconstructed elsewhere.
 
@@ -166,8 +70,8 @@ class PartialBertSelfAttention(BertSelfAttention):
         # wrapper installed in its place (peft's modules_to_save) is the one that runs.
         object.__setattr__(self, "_encoder", encoder)
         if config.reconstruction == "per_layer":
-            self.reconstruction = _r_tensor(config, True, False)
-            self.reconstruction_bias = _r_tensor(config, True, True) if config.partial_use_bias else None
+            self.reconstruction = r_tensor(config, True, False)
+            self.reconstruction_bias = r_tensor(config, True, True) if config.partial_use_bias else None
 
     def partial_tensors(self) -> tuple[PatternLayout, torch.Tensor, torch.Tensor | None]:
         """``(layout of P, R, bias or None)`` this layer reconstructs with (read by the attention functions)."""
@@ -222,17 +126,17 @@ class PartialBertPreTrainedModel(BertPreTrainedModel):
     def _init_weights(self, module):
         super()._init_weights(module)
         if isinstance(module, PartialBertPattern):
-            pattern = _initial(self.config)
+            pattern = initial_for(self.config)
             init.copy_(module.indices, pattern.indices)
             if getattr(module, "reconstruction", None) is not None:
                 init.copy_(module.reconstruction, pattern.reconstruction)
             if getattr(module, "reconstruction_bias", None) is not None:
-                _init_bias(module.reconstruction_bias, pattern)
+                init_bias(module.reconstruction_bias, pattern)
         elif isinstance(module, PartialBertSelfAttention) and "reconstruction" in module._parameters:
-            pattern = _initial(self.config)
+            pattern = initial_for(self.config)
             init.copy_(module.reconstruction, pattern.reconstruction)
             if module.reconstruction_bias is not None:
-                _init_bias(module.reconstruction_bias, pattern)
+                init_bias(module.reconstruction_bias, pattern)
 
     def set_partial_implementation(self, implementation: str) -> None:
         """Switch the kernel of the partial layers at run time: ``"auto"``, ``"gather"``, ``"dense"`` or ``"fused"``

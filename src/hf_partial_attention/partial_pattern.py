@@ -1,0 +1,115 @@
+"""The module that holds P and R for the partial layers of an encoder, and the pattern a new model starts with.
+
+`PartialBertPattern` keeps P (``indices``), R when it is common or fixed (``reconstruction``), its bias, and the
+layout derived from P as non-persistent buffers (refreshed when P is installed or loaded), so that a compiled or
+exported forward reads plain tensors. Part of the remote-code bundle (imports: torch, transformers, siblings).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from transformers import initialization as init
+
+from .configuration_partial_bert import PartialBertConfig
+from .conversion import pending_pattern
+from .partial_attention import PatternLayout
+from .pattern import AttentionPattern
+
+__all__ = ["PartialBertPattern", "default_pattern", "initial_for", "r_tensor", "init_bias"]
+
+
+@functools.lru_cache(maxsize=4)
+def _local_pattern(n: int, k: int, correlation: float) -> AttentionPattern:
+    return AttentionPattern.local(n, k, correlation)
+
+
+def default_pattern(config: PartialBertConfig) -> AttentionPattern:
+    """The pattern a model built from a config alone starts with (`AttentionPattern.local`); the last few are cached."""
+    return _local_pattern(config.partial_seq_len, config.partial_k, float(config.partial_default_correlation))
+
+
+def initial_for(config: PartialBertConfig) -> AttentionPattern:
+    """The pattern a model under construction starts with: `from_bert`'s (`conversion.initial_pattern`), else
+    the default."""
+    pattern = pending_pattern()
+    if pattern is not None and (pattern.seq_len, pattern.k) == (config.partial_seq_len, config.partial_k):
+        return pattern
+    return default_pattern(config)
+
+
+def _on_meta_device() -> bool:
+    # from_pretrained builds models under torch.device("meta"): nothing to compute, the checkpoint fills them.
+    return torch.empty(0).device.type == "meta"
+
+
+def r_tensor(config: PartialBertConfig, trainable: bool, bias: bool) -> nn.Parameter | torch.Tensor:
+    """R ``(n, n−k, k)`` (or its bias ``(n, n−k)``) holding the initial pattern's values."""
+    n, k = config.partial_seq_len, config.partial_k
+    shape = (n, n - k) if bias else (n, n - k, k)
+    if _on_meta_device():
+        tensor = torch.empty(shape)
+    else:
+        pattern = initial_for(config)
+        if bias:
+            tensor = torch.zeros(shape) if pattern.bias is None else pattern.bias.clone()
+        else:
+            tensor = pattern.reconstruction.clone()
+    return nn.Parameter(tensor) if trainable else tensor
+
+
+def init_bias(tensor: torch.Tensor, pattern: AttentionPattern) -> None:
+    if pattern.bias is None:
+        init.zeros_(tensor)
+    else:
+        init.copy_(tensor, pattern.bias)
+
+
+class PartialBertPattern(nn.Module):
+    """Holds P (and R unless R is per layer) for all partial layers of an encoder."""
+
+    def __init__(self, config: PartialBertConfig):
+        super().__init__()
+        n, k = config.partial_seq_len, config.partial_k
+        indices = torch.empty(n, k, dtype=torch.long) if _on_meta_device() else initial_for(config).indices.clone()
+        self.register_buffer("indices", indices, persistent=True)
+        self.mode = config.reconstruction
+        if self.mode == "common":
+            self.reconstruction = r_tensor(config, True, False)
+            self.reconstruction_bias = r_tensor(config, True, True) if config.partial_use_bias else None
+        elif self.mode == "fixed":
+            self.register_buffer("reconstruction", r_tensor(config, False, False), persistent=True)
+            bias = r_tensor(config, False, True) if config.partial_use_bias else None
+            self.register_buffer("reconstruction_bias", bias, persistent=True)
+        # The layout derived from P (complement, inverse permutation, block structure) is kept as non-persistent
+        # buffers, refreshed whenever P is installed or loaded, so that a compiled or exported forward reads plain
+        # tensors (no cache lookup in the graph).
+        self.register_buffer("complement", torch.empty(n, n - k, dtype=torch.long), persistent=False)
+        self.register_buffer("inverse_permutation", torch.empty(n, n, dtype=torch.long), persistent=False)
+        self.block_rows: int | None = None
+        self._layout_stamp: tuple | None = None
+        if not _on_meta_device():
+            self.refresh_layout()
+        self.register_load_state_dict_post_hook(lambda module, incompatible: module.refresh_layout())
+
+    @torch.no_grad()
+    def refresh_layout(self) -> None:
+        """Recompute the layout buffers from P (done by `set_pattern`, loading, and before an eager forward when P
+        changed in place)."""
+        layout = PatternLayout.from_indices(self.indices)
+        self.complement, self.inverse_permutation = layout.complement, layout.inverse_permutation
+        self.block_rows = layout.block_rows
+        self._layout_stamp = (self.indices.data_ptr(), self.indices._version)
+
+    def layout(self) -> PatternLayout:
+        """P and its layout. In eager mode a P changed in place is noticed and the layout refreshed; a compiled or
+        exported graph reads the buffers as they are (call `refresh_layout` after changing P by hand)."""
+        if not torch.compiler.is_compiling() and self._layout_stamp != (self.indices.data_ptr(), self.indices._version):
+            self.refresh_layout()
+        return PatternLayout(self.indices, self.complement, self.inverse_permutation, self.block_rows)
+
+    def forward(self) -> tuple[PatternLayout, torch.Tensor | None, torch.Tensor | None]:
+        """``(layout, R, bias)``: what the partial layers read (R is None here when R is per layer)."""
+        return self.layout(), getattr(self, "reconstruction", None), getattr(self, "reconstruction_bias", None)
