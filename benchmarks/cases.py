@@ -12,6 +12,7 @@ from transformers.models.bert.modeling_bert import BertSelfAttention
 from transformers.models.nystromformer.modeling_nystromformer import NystromformerSelfAttention
 
 from hf_partial_attention import AttentionPattern, PartialBertConfig, PartialBertForMaskedLM
+from hf_partial_attention.cost import forward_ratio
 from hf_partial_attention.modeling_partial_bert import PartialBertPattern, PartialBertSelfAttention, initial_pattern
 from hf_partial_attention.partial_attention import PatternLayout, partial_attention_forward
 
@@ -35,12 +36,8 @@ def pattern_indices(family: str, n: int, k: int) -> torch.Tensor:
 
 
 def mac_ratio(n: int, d: int, k: int, fused: bool = False) -> float:
-    """Multiply-adds of partial / dense attention forward per query: (k·d + (n−k)·k + n·d) / (2·n·d).
-
-    ``fused`` counts what the fused kernel multiplies: n·k for the [I | R] product instead of (n−k)·k.
-    """
-    recon = n * k if fused else (n - k) * k
-    return (k * d + recon + n * d) / (2 * n * d)
+    """Multiply-adds of partial / dense attention forward (`hf_partial_attention.cost.forward_ratio`)."""
+    return forward_ratio(n, k, d, dense_reconstruction=fused)
 
 
 class AttentionInputs:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hf_partial_attention.cost import dense_cost, nystrom_cost, score_cost
+from hf_partial_attention.cost import dense_cost, forward_ratio, nystrom_cost, score_cost
 
 
 def test_per_query_cost_by_hand():
@@ -28,3 +28,10 @@ def test_cost_errors():
         score_cost(16, 32, 64)
     with pytest.raises(ValueError, match="scope"):
         score_cost(16, 4, 8, "rows")
+
+
+def test_forward_ratio_by_hand():
+    # n = 128, d = 64, k = 16: (16·64 + 112·16 + 128·64) / (2·128·64) = (1024 + 1792 + 8192) / 16384
+    assert forward_ratio(128, 16, 64) == pytest.approx(11008 / 16384)
+    # the fused kernel multiplies all n·k entries of [I | R]: (1024 + 2048 + 8192) / 16384
+    assert forward_ratio(128, 16, 64, dense_reconstruction=True) == pytest.approx(11264 / 16384)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ScoreCost", "score_cost", "dense_cost", "nystrom_cost", "SCOPES"]
+__all__ = ["ScoreCost", "score_cost", "dense_cost", "nystrom_cost", "forward_ratio", "SCOPES"]
 
 SCOPES = ("per_query", "whole")
 
@@ -71,3 +71,15 @@ def nystrom_cost(n: int, m: int, d_head: int) -> int:
     ``m³`` for the pseudo-inverse and the products filling the other ``(n − m)²`` scores."""
     exact = 2 * n * m - m * m
     return exact * d_head + m ** 3 + (n - m) * m * m + (n - m) ** 2 * m
+
+
+def forward_ratio(n: int, k: int, d_head: int, *, dense_reconstruction: bool = False) -> float:
+    """Multiply-adds of a partial attention forward over dense, per query: scores plus the product with V,
+    ``(k·d_h + (n−k)·k + n·d_h) / (2·n·d_h)`` (the benchmarks' lower bound on the time ratio).
+
+    ``dense_reconstruction`` counts what a kernel that multiplies the exact scores by the full ``[I | R]``
+    (n·k per query, the fused kernel) does instead of ``(n−k)·k``.
+    """
+    row = score_cost(n, k, d_head).per_query(n)
+    recon = n * k if dense_reconstruction else row.reconstruction
+    return (row.exact + recon + n * d_head) / (2 * n * d_head)
