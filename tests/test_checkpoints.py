@@ -122,3 +122,17 @@ def test_compile_fullgraph_and_export_match_eager(implementation):
     exported = torch.export.export(model, (), {"input_ids": ids, "attention_mask": mask})
     with torch.no_grad():
         assert torch.equal(exported.module()(input_ids=ids, attention_mask=mask).last_hidden_state, ref)
+
+
+def test_onnx_export_runs_in_onnxruntime():
+    torch.manual_seed(0)
+    model = PartialBertModel(PartialBertConfig(**TINY)).eval()
+    model.set_pattern(_pattern())
+    ids = torch.randint(1, 99, (2, 16), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 10:] = 0
+    program = torch.onnx.export(model, (), kwargs={"input_ids": ids, "attention_mask": mask}, dynamo=True)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    out = program(input_ids=ids, attention_mask=mask)[0]  # runs the ONNX graph in onnxruntime
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
