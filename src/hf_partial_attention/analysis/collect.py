@@ -43,6 +43,14 @@ def load_model_and_tokenizer(model: Any, tokenizer: Any = None, load_tokenizer: 
     return model.eval(), tokenizer
 
 
+def display_name(model: Any) -> str:
+    """How reports name a model: a Hub id as it is, a local folder by its name (never a path of this machine)."""
+    if isinstance(model, (str, os.PathLike)):
+        path = os.fspath(model)
+        return os.path.basename(os.path.normpath(path)) if os.path.exists(path) else path
+    return getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
+
+
 def model_shape(model) -> tuple[int | None, int | None, int | None]:
     """``(num_layers, num_heads, head_dim)`` from the model's config when it names them."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config

