@@ -76,7 +76,7 @@ def test_derive_each_family(analysed, family, structure):
         assert len({tuple(sorted(((saved.indices[i] - i) % n).tolist())) for i in range(n)}) == 1
 
 
-def test_derive_refusals(analysed, tmp_path):
+def test_derive_refusals(analysed, tmp_path, tiny_bert_dir):
     out, _ = analysed
     with pytest.raises(ValueError, match="constrains per-query patterns"):
         derive(out, [4], "whole", family="columns")
@@ -90,8 +90,7 @@ def test_derive_refusals(analysed, tmp_path):
     analyze_small = dict(seq_len=16, max_sequences=4, heldout_sequences=0, heldout_every=0, progress=False)
     from hf_partial_attention.analysis.workflow import analyze as run_analyze
 
-    run_analyze(json.load(open(os.path.join(out, "results.json")))["analyze"]["model"], default_texts()[:3], pooled,
-                **analyze_small)
+    run_analyze(tiny_bert_dir, default_texts()[:3], pooled, **analyze_small)
     with pytest.raises(ValueError, match="rerun analyze with --scopes whole"):
         derive(pooled, [4], "whole")
 
