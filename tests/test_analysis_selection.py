@@ -14,10 +14,12 @@ from hf_partial_attention.analysis import ErrorMeter, LinearReconstructor, Score
 from hf_partial_attention.analysis.plots import pattern_mask
 from hf_partial_attention.analysis.selection import (
     FAMILIES,
+    OBJECTIVES,
     error_curve,
     family_constraint,
     fit_pattern,
     greedy_select,
+    objective_metric,
     select_pattern,
 )
 from hf_partial_attention.partial_attention import block_rows
@@ -267,3 +269,77 @@ def test_family_errors():
         select_pattern(cov, 5, family="windows")
     with pytest.raises(ValueError, match="3 dims"):
         select_pattern(cov[0], 4, family="columns")
+
+
+# ---------------------------------------------------------------- objectives that track the output
+def _objective_error(c, m, idx):
+    """Tr(M E[eeᵀ]) of the optimal R for P = idx (full coordinates, e_P = 0), by explicit block algebra."""
+    l = c.shape[-1]
+    p = idx.tolist()
+    q = [j for j in range(l) if j not in p]
+    r = c[q][:, p] @ torch.linalg.inv(c[p][:, p])
+    err = torch.zeros(l, l, dtype=torch.float64)
+    block = c[q][:, q] - r @ c[p][:, q] - c[q][:, p] @ r.T + r @ c[p][:, p] @ r.T
+    err[torch.tensor(q)[:, None], torch.tensor(q)[None, :]] = block
+    return float((m * err).sum())
+
+
+@pytest.mark.parametrize("objective", ["shift", "fisher"])
+def test_objective_greedy_steps_are_best_by_brute_force(objective):
+    n = 6
+    c = _spd(n, 11, batch=(n,))
+    mean = torch.randn(n, n, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    metric = objective_metric(objective, n, mean)
+    prev = None
+    for k in (1, 2, 3):
+        pattern = select_pattern(c, k, mean=mean, bias=False, ridge=0.0, objective=objective)
+        for i in range(n):
+            chosen = pattern.indices[i].tolist()
+            base = [] if prev is None else prev[i].tolist()
+            added = [j for j in chosen if j not in base]
+            assert len(added) == 1
+            errors = {j: _objective_error(c[i], metric[i], torch.tensor(sorted(base + [j])))
+                      for j in range(n) if j not in base}
+            assert errors[added[0]] == pytest.approx(min(errors.values()), rel=1e-9)
+        prev = pattern.indices
+    total = sum(_objective_error(c[i], metric[i], prev[i]) for i in range(n))
+    assert pattern.metadata["objective_normalized_error"] == pytest.approx(total / float((metric * c).sum()), rel=1e-8)
+
+
+def test_objectives_pick_different_keys_and_shift_ignores_constants():
+    n = 6
+    mean = torch.randn(n, n, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    shift = objective_metric("shift", n)
+    torch.testing.assert_close(shift[0] @ torch.ones(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64))
+    fisher = objective_metric("fisher", n, mean)
+    p = torch.softmax(mean[3], -1)
+    torch.testing.assert_close(fisher[3], torch.diag(p) - torch.outer(p, p))
+    torch.testing.assert_close(fisher[3] @ torch.ones(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64))
+    c = per_query_cov(8)
+    mean8 = 3 * torch.randn(8, 8, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    picks = {o: select_pattern(c, 2, mean=mean8, bias=False, objective=o).indices for o in OBJECTIVES}
+    assert not torch.equal(picks["paper"], picks["fisher"])  # probability weighting moves P
+
+
+@pytest.mark.parametrize("objective", ["shift", "fisher"])
+def test_the_optimal_r_does_not_depend_on_the_objective(objective):
+    """R = C_P̄P C_PP⁻¹ minimises Tr(M E[eeᵀ]) for any PSD M: random perturbations of it only increase the error."""
+    n = 6
+    c = _spd(n, 5)
+    metric = objective_metric(objective, n, torch.randn(n, n, generator=torch.Generator().manual_seed(1),
+                                                           dtype=torch.float64))[2]
+    p, q = [0, 3], [1, 2, 4, 5]
+    r = c[q][:, p] @ torch.linalg.inv(c[p][:, p])
+
+    def value(rr):
+        block = c[q][:, q] - rr @ c[p][:, q] - c[q][:, p] @ rr.T + rr @ c[p][:, p] @ rr.T
+        return float((metric[q][:, q] * block).sum())
+
+    g = torch.Generator().manual_seed(3)
+    best = value(r)
+    assert all(value(r + 0.05 * torch.randn(4, 2, generator=g, dtype=torch.float64)) >= best - 1e-12 for _ in range(50))
+    pattern = select_pattern(c.expand(n, n, n), 2, mean=torch.zeros(n, n), bias=False, ridge=0.0, objective=objective)
+    row = pattern.indices[2].tolist()
+    rq = [j for j in range(n) if j not in row]
+    torch.testing.assert_close(pattern.reconstruction[2].double(),
+                               (c[rq][:, row] @ torch.linalg.inv(c[row][:, row])), atol=1e-6, rtol=0)

@@ -126,3 +126,42 @@ def test_analyze_text_file_holds_out_paragraphs_and_refuses_without_any(tiny_ber
     one_line.write_text("\n\n".join([*paragraphs[:4], "word"]), encoding="utf-8")  # the held-out 5th is too short
     with pytest.raises(ValueError, match="No held-out windows of 16 tokens"):
         analyze(tiny_bert_dir, str(one_line), str(tmp_path / "c"), seq_len=16, max_sequences=2, progress=False)
+
+
+def test_objectives_comparison_on_a_tiny_model(analysed, tmp_path):
+    """The objectives study end to end (what `hf-partial-attention objectives` runs), tiny."""
+    from hf_partial_attention import cli
+    from hf_partial_attention.analysis.objectives import compare_objectives
+
+    out, _ = analysed
+    result = compare_objectives(out, ks=(4,), out=str(tmp_path), progress=False)
+    rows = {r["objective"]: r for r in result["rows"]}
+    assert set(rows) == {"paper", "shift", "fisher"} and rows["paper"]["vs_paper"] == 1.0
+    # recomputed here, independently: the paper objective's converted model on the held-out windows
+    from safetensors.torch import load_file
+    from transformers import BertModel
+
+    from hf_partial_attention import PartialBertModel
+    from hf_partial_attention.analysis import ScoreCovariance, select_pattern
+
+    cov = ScoreCovariance.load(os.path.join(out, "covariance.safetensors"))
+    windows = load_file(os.path.join(out, "heldout_windows.safetensors"))["input_ids"]
+    original = BertModel.from_pretrained(cov.metadata["model"]).eval()
+    converted = PartialBertModel.from_bert(original, select_pattern(cov, 4)).eval()
+    with torch.no_grad():
+        ref = original(input_ids=windows, output_hidden_states=True)
+        new = converted(input_ids=windows, output_hidden_states=True)
+    cos = torch.nn.functional.cosine_similarity(ref.last_hidden_state.mean(1).double(),
+                                                new.last_hidden_state.mean(1).double(), dim=-1)
+    assert rows["paper"]["one_minus_cos"] == pytest.approx(float(1 - cos.mean()), rel=1e-4)
+    h, r = new.hidden_states[1], ref.hidden_states[1]
+    assert rows["paper"]["layer_error"][0] == pytest.approx(float((h - r).norm() / r.norm()), rel=1e-4)
+    assert all(len(r["layer_error"]) == 2 for r in rows.values())
+    # the paper objective's own error is its score error; the others record theirs
+    assert rows["paper"]["objective_error"] == rows["paper"]["score_error"]
+    assert rows["shift"]["objective_error"] != rows["shift"]["score_error"]
+    text = open(tmp_path / "objectives.md").read()
+    assert "| 4 | fisher |" in text and "goal of halving it" in text
+    assert cli.main(["objectives", out, "--k", "4", "--objectives", "paper", "--out", str(tmp_path / "cli"),
+                     "--no-progress"]) == 0
+    assert json.load(open(tmp_path / "cli" / "objectives.json"))["rows"][0]["objective"] == "paper"

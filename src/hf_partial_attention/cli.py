@@ -159,11 +159,34 @@ def _run_demo(args) -> int:
     return 0
 
 
+def _objectives_args(p):
+    from .analysis.selection import OBJECTIVES
+
+    p.add_argument("dir", help="folder written by `analyze` (with held-out windows)")
+    p.add_argument("--k", type=int, nargs="+", default=[8, 16])
+    p.add_argument("--objectives", nargs="+", default=list(OBJECTIVES), choices=OBJECTIVES)
+    p.add_argument("--max-windows", type=int, default=None)
+    p.add_argument("--out", default=None, help="where objectives.json/.md go (default: DIR)")
+    _common(p)
+
+
+def _run_objectives(args) -> int:
+    from .analysis.objectives import compare_objectives
+
+    out = args.out or args.dir
+    compare_objectives(args.dir, tuple(args.k), tuple(args.objectives), out=out, max_windows=args.max_windows,
+                       progress=not args.no_progress)
+    logging.getLogger(__name__).info("Wrote %s", os.path.join(out, "objectives.md"))
+    return 0
+
+
 register_command("analyze", "covariance of a model's attention scores on text, spectra and figures",
                  _analyze_args, _run_analyze)
 register_command("derive", "greedy patterns for several k from an analyze folder, held-out error, baselines",
                  _derive_args, _run_derive)
 register_command("convert", "PartialBert checkpoint from a pattern file", _convert_args, _run_convert)
+register_command("objectives", "paper vs shift-invariant vs Fisher selection objectives, judged at the output",
+                 _objectives_args, _run_objectives)
 register_command("demo", "the whole analysis on the real MiniLM and pydoc text (make demo)", _demo_args, _run_demo)
 
 

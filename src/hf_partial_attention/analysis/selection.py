@@ -33,10 +33,11 @@ from .spectra import eigh_desc, top_eigh
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FAMILIES", "covariance_for", "greedy_select", "family_constraint", "window_indices", "fit_pattern",
-           "select_pattern", "error_curve"]
+__all__ = ["FAMILIES", "OBJECTIVES", "covariance_for", "greedy_select", "family_constraint", "window_indices",
+           "objective_metric", "fit_pattern", "select_pattern", "error_curve"]
 
 FAMILIES = ("per_query", "columns", "blocks", "bands", "windows")
+OBJECTIVES = ("paper", "shift", "fisher")
 SCOPES = ("per_query", "whole")
 
 
@@ -63,7 +64,8 @@ def covariance_for(cov: ScoreCovariance | torch.Tensor, scope: str, centered: bo
 
 
 def greedy_select(cov: torch.Tensor, k: int, groups: torch.Tensor | None = None,
-                  candidates: torch.Tensor | None = None, rel_tol: float = 1e-10) -> tuple[torch.Tensor, torch.Tensor]:
+                  candidates: torch.Tensor | None = None, rel_tol: float = 1e-10,
+                  metric: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy P minimising the reconstruction error, optionally under a sharing constraint.
 
     Starting from ``S = C``, each step adds ``j* = argmax_j ‖S[:, j]‖² / S[j, j]`` (the entry whose exact value
@@ -79,9 +81,12 @@ def greedy_select(cov: torch.Tensor, k: int, groups: torch.Tensor | None = None,
             Default: every problem its own group.
         candidates: optional ``(R, c)`` int64, the entry problem r gets when its group takes candidate c.
             Default: candidate c is entry c. A candidate mapping to an entry a row already holds is skipped.
+        metric: optional ``(..., l, l)`` positive semi-definite M: the error measured is ``E[eᵀ M e]`` instead of
+            ``E[‖e‖²]`` (`objective_metric`); a step then adds ``argmax_j S[:, j]ᵀ M S[:, j] / S[j, j]``.
 
     Returns:
-        ``(indices, residual)``: sorted ``(..., k)`` int64 and ``Tr(S)`` ``(...)``, the error of the optimal R.
+        ``(indices, residual)``: sorted ``(..., k)`` int64 and ``Tr(M S)`` ``(...)`` (``Tr(S)`` without a metric),
+        the error of the optimal R.
     """
     lead, l = cov.shape[:-2], cov.shape[-1]
     if not 1 <= k <= l:
@@ -94,6 +99,7 @@ def greedy_select(cov: torch.Tensor, k: int, groups: torch.Tensor | None = None,
     if groups.shape != (r,) or candidates.shape[0] != r:
         raise ValueError(f"groups must be ({r},) and candidates ({r}, c) for {r} problems; got "
                          f"{tuple(groups.shape)} and {tuple(candidates.shape)}.")
+    m = None if metric is None else metric.reshape(-1, l, l).to(cov.dtype)  # (R, l, l)
     num_groups = int(groups.max()) + 1
     chosen = torch.zeros(r, l, dtype=torch.bool)
     picks = torch.empty(r, k, dtype=torch.long)
@@ -101,7 +107,8 @@ def greedy_select(cov: torch.Tensor, k: int, groups: torch.Tensor | None = None,
     tol = rel_tol * torch.diagonal(s, dim1=-2, dim2=-1).amax(-1, keepdim=True).clamp_min(tiny)  # (R, 1)
     for step in range(k):
         diag = torch.diagonal(s, dim1=-2, dim2=-1)  # (R, l)
-        gain = torch.where(diag > tol, (s * s).sum(-2) / diag.clamp_min(tiny), torch.zeros_like(diag))
+        energy = (s * s).sum(-2) if m is None else (s * torch.bmm(m, s)).sum(-2)  # (R, l): s_jᵀ M s_j
+        gain = torch.where(diag > tol, energy / diag.clamp_min(tiny), torch.zeros_like(diag))
         pooled = torch.zeros(num_groups, candidates.shape[1], dtype=cov.dtype).index_add_(
             0, groups, gain.gather(-1, candidates))  # (G, c): gains summed over each group's rows
         # A candidate is unavailable to a group once it maps to an already chosen entry of any of its rows.
@@ -115,7 +122,10 @@ def greedy_select(cov: torch.Tensor, k: int, groups: torch.Tensor | None = None,
         ok = pivot > tol.unsqueeze(-1)
         update = col @ col.transpose(-1, -2) / torch.where(ok, pivot, torch.ones_like(pivot))
         s = s - torch.where(ok, update, torch.zeros_like(update))
-    residual = torch.diagonal(s, dim1=-2, dim2=-1).clamp_min(0).sum(-1)  # (R,)
+    if m is None:
+        residual = torch.diagonal(s, dim1=-2, dim2=-1).clamp_min(0).sum(-1)  # (R,)
+    else:
+        residual = (m * s).sum((-1, -2)).clamp_min(0)  # (R,): Tr(M S), both symmetric
     return torch.sort(picks, dim=-1).values.reshape(*lead, k), residual.reshape(lead)
 
 
@@ -147,6 +157,34 @@ def family_constraint(n: int, family: str, block_rows: int | None = None) -> tup
         return torch.arange(n) // _block_rows(n, block_rows), keys
     offsets = (torch.arange(n)[:, None] + torch.arange(n)[None, :]) % n  # bands: (row, offset) -> key
     return torch.zeros(n, dtype=torch.long), offsets
+
+
+def objective_metric(objective: str, n: int, mean: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The metric M ``(n, n, n)`` (one n×n per query row) of an objective ``E[eᵀ M e]`` on a row's score error e
+    (docs/method.md#choices-the-paper-leaves-open):
+
+    - ``"paper"``: ``None``, i.e. M = I: the squared error of all n scores alike (the paper's eq. 8);
+    - ``"shift"``: M = I − 11ᵀ/n: the error modulo a constant added to the row, which the softmax ignores;
+    - ``"fisher"``: M_i = diag(p_i) − p_i p_iᵀ with p_i = softmax(μ_i), μ_i the mean score row: the Fisher metric
+      of the softmax, so that ½ eᵀ M_i e is the KL divergence between the exact and the reconstructed attention
+      of query i to second order. It is shift invariant and weights each key by the probability it receives
+      [ours: p from the mean scores, not the mean of per-input probabilities, which the covariance cannot give].
+
+    For every such M the optimal R for a given P is the same (the linear MMSE estimator minimises the error
+    covariance in the positive semi-definite order), so an objective changes which P the greedy picks, not R.
+    """
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}.")
+    if objective == "paper":
+        return None
+    if objective == "shift":
+        eye = torch.eye(n, dtype=torch.float64)
+        return (eye - torch.full((n, n), 1.0 / n, dtype=torch.float64)).expand(n, n, n)
+    if mean is None:
+        raise ValueError("objective='fisher' needs the mean scores; pass mean=<(n, n) tensor> with a covariance "
+                         "tensor, or a ScoreCovariance.")
+    p = torch.softmax(mean.to(torch.float64), dim=-1)  # (n, n): row i, the attention of the mean scores
+    return torch.diag_embed(p) - p.unsqueeze(-1) * p.unsqueeze(-2)  # (n, n, n)
 
 
 def fit_pattern(cov, indices: torch.Tensor, scope: str = "per_query", *, centered: bool | None = None,
@@ -189,7 +227,8 @@ def _trace(c: torch.Tensor) -> float:
     return float(torch.diagonal(c, dim1=-2, dim2=-1).sum())
 
 
-def _greedy(c: torch.Tensor, k: int, scope: str, family: str, block_rows: int | None):
+def _greedy(c: torch.Tensor, k: int, scope: str, family: str, block_rows: int | None,
+            metric: torch.Tensor | None = None):
     """Greedy indices and residual of ``c`` (already prepared by `covariance_for`) for a scope and family."""
     if scope == "whole":
         with single_thread(c.shape[-1] <= 2048):  # small problems: see _threads
@@ -199,14 +238,15 @@ def _greedy(c: torch.Tensor, k: int, scope: str, family: str, block_rows: int | 
         raise ValueError(f"per-query covariances must be (n, n, n), got {tuple(c.shape)}.")
     groups, candidates = family_constraint(n, family, block_rows)
     with single_thread(True):
-        return greedy_select(c, k, groups, candidates)
+        return greedy_select(c, k, groups, candidates, metric=metric)
 
 
 def select_pattern(cov, k: int, scope: str = "per_query", *, family: str = "per_query",
                    block_rows: int | None = None, centered: bool | None = None, bias: bool | None = None,
                    mean: torch.Tensor | None = None, ridge: float = 1e-6, layer: int | None = None,
-                   head: int | None = None, metadata: dict[str, Any] | None = None) -> AttentionPattern:
-    """P chosen for ``k`` (greedy within ``family``) and its optimal R, as an `AttentionPattern`.
+                   head: int | None = None, metadata: dict[str, Any] | None = None,
+                   objective: str = "paper") -> AttentionPattern:
+    """P chosen for ``k`` (greedy within ``family``, for ``objective``) and its optimal R, as an `AttentionPattern`.
 
     Args:
         cov: `ScoreCovariance` (or a covariance tensor, see `fit_pattern`).
@@ -216,6 +256,10 @@ def select_pattern(cov, k: int, scope: str = "per_query", *, family: str = "per_
             the module docstring): ``"per_query"`` (none), ``"columns"``, ``"blocks"`` (``block_rows``),
             ``"bands"``, ``"windows"``.
         centered, bias, mean, ridge, layer, head: as in `fit_pattern`.
+        objective: the error the greedy minimises (`objective_metric`): ``"paper"`` (all scores alike),
+            ``"shift"`` (modulo a per-row constant) or ``"fisher"`` (weighted by the attention probabilities).
+            ``metadata["objective_normalized_error"]`` is that error of the result over its value with no exact
+            score; ``metadata["normalized_error"]`` stays the paper's, so patterns of any objective compare.
 
     Returns:
         The pattern; ``metadata["normalized_error"]`` is the predicted error Σε / Tr(C_a) of its R, and
@@ -233,11 +277,19 @@ def select_pattern(cov, k: int, scope: str = "per_query", *, family: str = "per_
     if scope == "whole" and l > 4096 and k > 512:
         logger.warning("Whole-matrix greedy over %d pairs with k=%d: each step costs O(l²); this may take long", l, k)
     meta: dict[str, Any] = {"method": "greedy" if family == "per_query" else f"greedy_{family}", "k": k}
+    if objective != "paper" and scope != "per_query":
+        raise ValueError(f"objective={objective!r} is defined for per-query rows; use scope='per_query'.")
+    metric = objective_metric(objective, c.shape[0], prepared[1]) if scope == "per_query" else None
     if family == "windows":
         indices = window_indices(c.shape[0], k)
     else:
-        indices, residual = _greedy(c, k, scope, family, block_rows)
-        meta["greedy_normalized_error"] = float(residual.sum()) / _trace(c)
+        indices, residual = _greedy(c, k, scope, family, block_rows, metric)
+        if metric is None:
+            meta["greedy_normalized_error"] = float(residual.sum()) / _trace(c)
+        else:
+            meta["objective_normalized_error"] = float(residual.sum()) / float((metric * c).sum())
+    if objective != "paper":
+        meta["objective"] = objective
     if family != "per_query":
         meta["family"] = family
     if family == "blocks":
