@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test test-fast demo related bench clean
+.PHONY: setup test test-fast demo related bench objectives clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,11 @@ test-fast: setup
 
 demo: setup
 	$(VENV)/bin/hf-partial-attention demo --out runs/demo
+
+# Paper vs shift-invariant vs Fisher selection objectives on the demo's MiniLM analysis (results/objectives/).
+objectives: setup
+	test -f runs/demo/covariance.safetensors || $(VENV)/bin/hf-partial-attention demo --out runs/demo
+	$(VENV)/bin/hf-partial-attention objectives runs/demo --k 8 16 --out results/objectives
 
 related: setup
 	$(PY) -m research all --out results/related

@@ -113,5 +113,6 @@ def objectives_markdown(result: dict) -> str:
         lines.append(f"- k = {k}: lowest embedding error with `{best['objective']}` (1 − cos {best['one_minus_cos']:.4f}, "
                      f"{'' if best['vs_paper'] is None else format(best['vs_paper'], '.2f') + '× '}the paper "
                      f"objective's); goal of halving it {'met' if met else 'not met'}.")
-    lines.append(f"\nWall time {result['seconds']} s.\n")
+    lines.append(f"\nWall time {result['seconds']} s. Reproduce: `make objectives` (runs `make demo` first if needed, then "
+                 "`hf-partial-attention objectives runs/demo --k 8 16 --out results/objectives`).\n")
     return "\n".join(lines)
