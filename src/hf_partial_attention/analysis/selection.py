@@ -34,7 +34,7 @@ from .spectra import eigh_desc, top_eigh
 logger = logging.getLogger(__name__)
 
 __all__ = ["FAMILIES", "OBJECTIVES", "covariance_for", "greedy_select", "family_constraint", "window_indices",
-           "objective_metric", "fit_pattern", "select_pattern", "error_curve"]
+           "objective_metric", "fit_pattern", "select_pattern", "select_patterns", "error_curve"]
 
 FAMILIES = ("per_query", "columns", "blocks", "bands", "windows")
 OBJECTIVES = ("paper", "shift", "fisher")
@@ -65,7 +65,7 @@ def covariance_for(cov: ScoreCovariance | torch.Tensor, scope: str, centered: bo
 
 def greedy_select(cov: torch.Tensor, k: int, groups: torch.Tensor | None = None,
                   candidates: torch.Tensor | None = None, rel_tol: float = 1e-10,
-                  metric: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  metric: torch.Tensor | None = None, order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy P minimising the reconstruction error, optionally under a sharing constraint.
 
     Starting from ``S = C``, each step adds ``j* = argmax_j ‖S[:, j]‖² / S[j, j]`` (the entry whose exact value
@@ -84,6 +84,10 @@ def greedy_select(cov: torch.Tensor, k: int, groups: torch.Tensor | None = None,
         metric: optional ``(..., l, l)`` positive semi-definite M: the error measured is ``E[eᵀ M e]`` instead of
             ``E[‖e‖²]`` (`objective_metric`); a step then adds ``argmax_j S[:, j]ᵀ M S[:, j] / S[j, j]``.
 
+        order: return the picks in the order the greedy took them and the residual after every step instead
+            (``(..., k)`` each): the greedy is nested, so the first k' picks are its answer for k' (one run gives
+            Fig. 9's whole curve and the patterns of every k' ≤ k).
+
     Returns:
         ``(indices, residual)``: sorted ``(..., k)`` int64 and ``Tr(M S)`` ``(...)`` (``Tr(S)`` without a metric),
         the error of the optimal R.
@@ -91,8 +95,8 @@ def greedy_select(cov: torch.Tensor, k: int, groups: torch.Tensor | None = None,
     lead, l = cov.shape[:-2], cov.shape[-1]
     if not 1 <= k <= l:
         raise ValueError(f"k must be in [1, {l}] for covariances of size {l}, got k={k}.")
-    s = cov.reshape(-1, l, l).clone()  # (R, l, l)
-    r = s.shape[0]
+    c = cov.reshape(-1, l, l)  # (R, l, l), read only: S = C − L Lᵀ is never formed
+    r = c.shape[0]
     rows = torch.arange(r)
     groups = rows if groups is None else groups.to(torch.int64)
     candidates = torch.arange(l).expand(r, l) if candidates is None else candidates.to(torch.int64)
@@ -104,10 +108,19 @@ def greedy_select(cov: torch.Tensor, k: int, groups: torch.Tensor | None = None,
     chosen = torch.zeros(r, l, dtype=torch.bool)
     picks = torch.empty(r, k, dtype=torch.long)
     tiny = torch.finfo(cov.dtype).tiny
-    tol = rel_tol * torch.diagonal(s, dim1=-2, dim2=-1).amax(-1, keepdim=True).clamp_min(tiny)  # (R, 1)
+    # The residual S = C − L Lᵀ (L: the steps' normalised columns) is tracked through its diagonal and the
+    # energies ‖S[:, j]‖²_M; each step then costs one product of C with a vector, not an update of all of S.
+    diag = torch.diagonal(c, dim1=-2, dim2=-1).clone()  # (R, l)
+    tol = rel_tol * diag.amax(-1, keepdim=True).clamp_min(tiny)  # (R, 1)
+    if m is not None:
+        energy = (c * torch.bmm(m, c)).sum(-2)  # (R, l): S_jᵀ M S_j
+    elif c.numel() <= 1 << 26:
+        energy = (c * c).sum(-2)  # (R, l)
+    else:  # a whole-matrix covariance (2 GiB at n = 128): no temporary of its size
+        energy = torch.cat([(c[:, :, a:a + 1024] ** 2).sum(-2) for a in range(0, l, 1024)], dim=-1)
+    basis = torch.zeros(r, l, k, dtype=cov.dtype)  # (R, l, k): L
+    path = torch.empty(r, k, dtype=cov.dtype) if order else None  # residual after each step
     for step in range(k):
-        diag = torch.diagonal(s, dim1=-2, dim2=-1)  # (R, l)
-        energy = (s * s).sum(-2) if m is None else (s * torch.bmm(m, s)).sum(-2)  # (R, l): s_jᵀ M s_j
         gain = torch.where(diag > tol, energy / diag.clamp_min(tiny), torch.zeros_like(diag))
         pooled = torch.zeros(num_groups, candidates.shape[1], dtype=cov.dtype).index_add_(
             0, groups, gain.gather(-1, candidates))  # (G, c): gains summed over each group's rows
@@ -117,15 +130,28 @@ def greedy_select(cov: torch.Tensor, k: int, groups: torch.Tensor | None = None,
         j = candidates[rows, best[groups]]  # (R,)
         picks[:, step] = j
         chosen[rows, j] = True
-        col = s[rows, :, j].unsqueeze(-1)  # (R, l, 1)
-        pivot = s[rows, j, j].view(r, 1, 1)
-        ok = pivot > tol.unsqueeze(-1)
-        update = col @ col.transpose(-1, -2) / torch.where(ok, pivot, torch.ones_like(pivot))
-        s = s - torch.where(ok, update, torch.zeros_like(update))
+        low = basis[:, :, :step]  # (R, l, t)
+        col = c[rows, :, j] - (low @ low[rows, j].unsqueeze(-1)).squeeze(-1)  # (R, l): S[:, j]
+        pivot = col[rows, j].unsqueeze(-1)  # (R, 1)
+        ok = pivot > tol
+        u = torch.where(ok, col / torch.where(ok, pivot, torch.ones_like(pivot)).sqrt(), torch.zeros_like(col))
+        w = u if m is None else torch.bmm(m, u.unsqueeze(-1)).squeeze(-1)  # (R, l): M u
+        s_w = torch.bmm(c, w.unsqueeze(-1)).squeeze(-1) - (low @ (low.transpose(-1, -2) @ w.unsqueeze(-1))).squeeze(-1)
+        # S' = S − u uᵀ:  ‖S'_j‖²_M = ‖S_j‖²_M − 2 u_j (S M u)_j + u_j² uᵀ M u
+        energy = energy - 2 * u * s_w + u * u * (u * w).sum(-1, keepdim=True)
+        diag = diag - u * u
+        basis[:, :, step] = u
+        if path is not None and m is None:
+            path[:, step] = diag.clamp_min(0).sum(-1)
     if m is None:
-        residual = torch.diagonal(s, dim1=-2, dim2=-1).clamp_min(0).sum(-1)  # (R,)
-    else:
-        residual = (m * s).sum((-1, -2)).clamp_min(0)  # (R,): Tr(M S), both symmetric
+        residual = diag.clamp_min(0).sum(-1)  # (R,): Tr(S)
+    else:  # Tr(M S) = Tr(M C) − Σ_t u_tᵀ M u_t
+        spent = (basis * torch.bmm(m, basis)).sum(-2)  # (R, k): u_tᵀ M u_t
+        residual = ((m * c).sum((-1, -2)) - spent.sum(-1)).clamp_min(0)
+        if path is not None:
+            path = ((m * c).sum((-1, -2)).unsqueeze(-1) - spent.cumsum(-1)).clamp_min(0)
+    if order:
+        return picks.reshape(*lead, k), path.reshape(*lead, k)
     return torch.sort(picks, dim=-1).values.reshape(*lead, k), residual.reshape(lead)
 
 
@@ -228,29 +254,36 @@ def _trace(c: torch.Tensor) -> float:
 
 
 def _greedy(c: torch.Tensor, k: int, scope: str, family: str, block_rows: int | None,
-            metric: torch.Tensor | None = None):
+            metric: torch.Tensor | None = None, order: bool = False):
     """Greedy indices and residual of ``c`` (already prepared by `covariance_for`) for a scope and family."""
     if scope == "whole":
         with single_thread(c.shape[-1] <= 2048):  # small problems: see _threads
-            return greedy_select(c, k)
+            return greedy_select(c, k, order=order)
     n = c.shape[0]
     if c.shape != (n, n, n):
         raise ValueError(f"per-query covariances must be (n, n, n), got {tuple(c.shape)}.")
     groups, candidates = family_constraint(n, family, block_rows)
     with single_thread(True):
-        return greedy_select(c, k, groups, candidates, metric=metric)
+        return greedy_select(c, k, groups, candidates, metric=metric, order=order)
 
 
-def select_pattern(cov, k: int, scope: str = "per_query", *, family: str = "per_query",
-                   block_rows: int | None = None, centered: bool | None = None, bias: bool | None = None,
-                   mean: torch.Tensor | None = None, ridge: float = 1e-6, layer: int | None = None,
-                   head: int | None = None, metadata: dict[str, Any] | None = None,
-                   objective: str = "paper") -> AttentionPattern:
-    """P chosen for ``k`` (greedy within ``family``, for ``objective``) and its optimal R, as an `AttentionPattern`.
+def select_pattern(cov, k: int, scope: str = "per_query", **kwargs) -> AttentionPattern:
+    """P chosen for ``k`` and its optimal R, as an `AttentionPattern`: `select_patterns` for one k."""
+    return select_patterns(cov, [k], scope, **kwargs)[k]
+
+
+def select_patterns(cov, ks, scope: str = "per_query", *, family: str = "per_query",
+                    block_rows: int | None = None, centered: bool | None = None, bias: bool | None = None,
+                    mean: torch.Tensor | None = None, ridge: float = 1e-6, layer: int | None = None,
+                    head: int | None = None, metadata: dict[str, Any] | None = None,
+                    objective: str = "paper") -> dict[int, AttentionPattern]:
+    """For each k of ``ks``: P (greedy within ``family``, for ``objective``) and its optimal R, as an
+    `AttentionPattern`, from one greedy run to the largest k (the greedy is nested: its first k picks are its
+    answer for k).
 
     Args:
         cov: `ScoreCovariance` (or a covariance tensor, see `fit_pattern`).
-        k: exact scores per query (per_query) or in total (whole, k̄ = k).
+        ks: exact scores per query (per_query) or in total (whole, k̄ = k).
         scope: ``"per_query"`` (each row i its own P_i from Q^i; k̄ = n·k) or ``"whole"`` (one P over n² pairs).
         family: with scope per_query, a constraint on P that makes its exact part a fast dense computation (see
             the module docstring): ``"per_query"`` (none), ``"columns"``, ``"blocks"`` (``block_rows``),
@@ -262,7 +295,7 @@ def select_pattern(cov, k: int, scope: str = "per_query", *, family: str = "per_
             score; ``metadata["normalized_error"]`` stays the paper's, so patterns of any objective compare.
 
     Returns:
-        The pattern; ``metadata["normalized_error"]`` is the predicted error Σε / Tr(C_a) of its R, and
+        ``{k: pattern}``; ``metadata["normalized_error"]`` is the predicted error Σε / Tr(C_a) of its R, and
         ``metadata["greedy_normalized_error"]`` the greedy residual Tr(S) / Tr(C_a) (equal up to the ridge).
     """
     if family not in FAMILIES:
@@ -272,31 +305,34 @@ def select_pattern(cov, k: int, scope: str = "per_query", *, family: str = "per_
     prepared = covariance_for(cov, scope, centered, mean, layer, head)
     c = prepared[0]
     l = c.shape[-1]
-    if not 1 <= k <= l:
-        raise ValueError(f"k must be in [1, {l}] for scope={scope!r} at this seq_len, got k={k}.")
-    if scope == "whole" and l > 4096 and k > 512:
-        logger.warning("Whole-matrix greedy over %d pairs with k=%d: each step costs O(l²); this may take long", l, k)
-    meta: dict[str, Any] = {"method": "greedy" if family == "per_query" else f"greedy_{family}", "k": k}
+    ks = sorted({int(k) for k in ks})
+    if not ks or not 1 <= ks[0] <= ks[-1] <= l:
+        raise ValueError(f"k must be in [1, {l}] for scope={scope!r} at this seq_len, got k={ks}.")
     if objective != "paper" and scope != "per_query":
         raise ValueError(f"objective={objective!r} is defined for per-query rows; use scope='per_query'.")
     metric = objective_metric(objective, c.shape[0], prepared[1]) if scope == "per_query" else None
-    if family == "windows":
-        indices = window_indices(c.shape[0], k)
-    else:
-        indices, residual = _greedy(c, k, scope, family, block_rows, metric)
-        if metric is None:
-            meta["greedy_normalized_error"] = float(residual.sum()) / _trace(c)
+    if family != "windows":
+        picks, path = _greedy(c, ks[-1], scope, family, block_rows, metric, order=True)  # (..., k_max) each
+        norm = _trace(c) if metric is None else float((metric * c).sum())
+    patterns = {}
+    for k in ks:
+        meta: dict[str, Any] = {"method": "greedy" if family == "per_query" else f"greedy_{family}", "k": k}
+        if family == "windows":
+            indices = window_indices(c.shape[0], k)
         else:
-            meta["objective_normalized_error"] = float(residual.sum()) / float((metric * c).sum())
-    if objective != "paper":
-        meta["objective"] = objective
-    if family != "per_query":
-        meta["family"] = family
-    if family == "blocks":
-        meta["block_rows"] = _block_rows(c.shape[0], block_rows)
-    meta.update(metadata or {})
-    return fit_pattern(cov, indices, scope, centered=prepared[2], bias=bias, mean=mean, ridge=ridge,
-                       layer=layer, head=head, metadata=meta, _prepared=prepared)
+            indices = torch.sort(picks[..., :k], dim=-1).values
+            key = "greedy_normalized_error" if metric is None else "objective_normalized_error"
+            meta[key] = float(path[..., k - 1].sum()) / norm
+        if objective != "paper":
+            meta["objective"] = objective
+        if family != "per_query":
+            meta["family"] = family
+        if family == "blocks":
+            meta["block_rows"] = _block_rows(c.shape[0], block_rows)
+        meta.update(metadata or {})
+        patterns[k] = fit_pattern(cov, indices, scope, centered=prepared[2], bias=bias, mean=mean, ridge=ridge,
+                                  layer=layer, head=head, metadata=meta, _prepared=prepared)
+    return patterns
 
 
 def error_curve(cov, ks, scope: str = "per_query", *, centered: bool | None = None, layer: int | None = None,
@@ -319,7 +355,8 @@ def error_curve(cov, ks, scope: str = "per_query", *, centered: bool | None = No
         vals, _ = top_eigh(c, max(ks))
         eigen = [max(0.0, 1.0 - float(vals[:k].sum()) / total) for k in ks]
         k_bar = list(ks)
-    greedy = [float(_greedy(c, k, scope, "per_query", None)[1].sum()) / total for k in ks]
+    _, path = _greedy(c, max(ks), scope, "per_query", None, order=True)  # one nested run for every k
+    greedy = [float(path[..., k - 1].sum()) / total for k in ks]
     out = {"k": ks, "k_bar": k_bar, "greedy": greedy, "eigen": eigen, "scope": scope, "seq_len": n}
     if d_head is not None:
         out["relative_cost"] = [score_cost(n, k, d_head, scope).total / dense_cost(n, d_head) for k in ks]
