@@ -23,6 +23,7 @@ import math
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from ..cost import dense_cost, score_cost
 from ..pattern import AttentionPattern
@@ -120,7 +121,8 @@ def greedy_select(cov: torch.Tensor, k: int, groups: torch.Tensor | None = None,
         energy = torch.cat([(c[:, :, a:a + 1024] ** 2).sum(-2) for a in range(0, l, 1024)], dim=-1)
     basis = torch.zeros(r, l, k, dtype=cov.dtype)  # (R, l, k): L
     path = torch.empty(r, k, dtype=cov.dtype) if order else None  # residual after each step
-    for step in range(k):
+    # a progress bar where a run takes minutes (whole-matrix covariances at n = 128: 0.1 s a step)
+    for step in tqdm(range(k), desc=f"greedy (l={l})", disable=l < 4096, leave=False, unit="step"):
         gain = torch.where(diag > tol, energy / diag.clamp_min(tiny), torch.zeros_like(diag))
         pooled = torch.zeros(num_groups, candidates.shape[1], dtype=cov.dtype).index_add_(
             0, groups, gain.gather(-1, candidates))  # (G, c): gains summed over each group's rows
