@@ -175,3 +175,39 @@ def test_auto_implementation_choice():
     assert auto_implementation(PatternLayout.from_indices(blocks), head_dim=1) == "fused"
     assert auto_implementation(PatternLayout.from_indices(per_query), head_dim=4) == "fused"
     assert auto_implementation(PatternLayout.from_indices(per_query), head_dim=2) == "dense"
+
+
+def test_frozen_r_builds_w_once_and_notices_changes(monkeypatch):
+    """W = [I | R] is reused while R is frozen and rebuilt when R (or P) changes; values equal a fresh build."""
+    import hf_partial_attention.partial_attention as pa
+    from hf_partial_attention import AttentionPattern, PartialBertConfig, PartialBertModel
+
+    builds = []
+    original = pa.reconstruction_matrix
+    monkeypatch.setattr(pa, "reconstruction_matrix", lambda *a: builds.append(1) or original(*a))
+    torch.manual_seed(0)
+    config = PartialBertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                               intermediate_size=37, partial_seq_len=16, partial_k=4, reconstruction="fixed",
+                               partial_implementation="fused")
+    model = PartialBertModel(config).eval()
+    ids = torch.randint(1, 99, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        first = model(input_ids=ids).last_hidden_state
+        assert len(builds) == 1  # one shared R, two partial layers: built once
+        model(input_ids=ids)
+        assert len(builds) == 1  # reused
+        model.encoder.partial_pattern.reconstruction.mul_(0.5)  # R changed in place
+        changed = model(input_ids=ids).last_hidden_state
+        assert len(builds) == 2 and not torch.equal(changed, first)
+    torch.manual_seed(0)
+    fresh = PartialBertModel(config).eval()  # the same weights, its own W built from the changed R
+    fresh.set_pattern(AttentionPattern(model.encoder.partial_pattern.indices, model.encoder.partial_pattern.reconstruction))
+    with torch.no_grad():
+        assert torch.equal(fresh(input_ids=ids).last_hidden_state, changed)
+    common = PartialBertModel(PartialBertConfig(
+        vocab_size=99, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37,
+        partial_seq_len=16, partial_k=4, reconstruction="common", partial_implementation="fused")).train()
+    builds.clear()
+    common(input_ids=ids).last_hidden_state.sum().backward()  # trainable R with autograd: never cached
+    common(input_ids=ids)
+    assert len(builds) == 4 and common.encoder.partial_pattern.reconstruction.grad is not None

@@ -11,6 +11,7 @@ keys). Masked keys then receive no probability, as in dense attention.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -77,14 +78,38 @@ class PatternLayout(NamedTuple):
         return cls(indices, complement_indices(indices, n), inverse_permutation(indices, n), block_rows(indices))
 
 
-def reconstruction_matrix(indices: torch.Tensor, reconstruction: torch.Tensor, complement: torch.Tensor) -> torch.Tensor:
+def reconstruction_matrix(layout: "PatternLayout", reconstruction: torch.Tensor) -> torch.Tensor:
     """W ``(n, k, n)`` with ``W[i, m, P_i[m]] = 1`` and ``W[i, :, P̄_i[j]] = R_i[j, :]``: row i of the scores is
-    ``exact_i @ W_i``, in key order. Differentiable in R."""
-    n, k = indices.shape
-    w = torch.zeros(n, k, n, dtype=reconstruction.dtype, device=reconstruction.device)
-    w = w.scatter(-1, complement.unsqueeze(1).expand(n, k, n - k), reconstruction.transpose(1, 2))  # (n, k, n)
-    eye = torch.eye(k, dtype=w.dtype, device=w.device).expand(n, k, k)
-    return w.scatter(-1, indices.unsqueeze(1).expand(n, k, k), eye)
+    ``exact_i @ W_i``, in key order. Differentiable in R.
+
+    Built as ``[I | R_iᵀ]`` (the order cat(P_i, P̄_i)) gathered into key order by the inverse permutation: the
+    same values as scattering R into zeros, at a fraction of the time (the scatter took 75 ms at n = 512, k = 32).
+    """
+    n, k = layout.indices.shape
+    eye = torch.eye(k, dtype=reconstruction.dtype, device=reconstruction.device).expand(n, k, k)
+    both = torch.cat([eye, reconstruction.transpose(1, 2)], dim=-1)  # (n, k, n) in the order cat(P_i, P̄_i)
+    return both.gather(-1, layout.inverse_permutation.unsqueeze(1).expand(n, k, n))  # (n, k, n) in key order
+
+
+# W of frozen R tensors (fixed R, or any R in inference without autograd), by the R tensor's id (tensors compare
+# elementwise, so no weak-key dict), dropped when R is freed and rebuilt when R or P changes (their version counters
+# and storage) or another dtype is asked for.
+_FROZEN_W: dict[int, tuple] = {}
+
+
+def _reconstruction_matrix_for(layout: "PatternLayout", reconstruction: torch.Tensor, dtype: torch.dtype):
+    """`reconstruction_matrix`, reused across calls while R is frozen (not under torch.compile, which traces it)."""
+    if torch.compiler.is_compiling() or (reconstruction.requires_grad and torch.is_grad_enabled()):
+        return reconstruction_matrix(layout, reconstruction.to(dtype))
+    stamp = (reconstruction.data_ptr(), reconstruction._version, layout.indices.data_ptr(), layout.indices._version,
+             dtype, reconstruction.device, torch.is_inference_mode_enabled())  # inference tensors stay inside
+    key = id(reconstruction)
+    cached = _FROZEN_W.get(key)
+    if cached is None or cached[0]() is not reconstruction or cached[1] != stamp:
+        w = reconstruction_matrix(layout, reconstruction.detach().to(dtype))
+        ref = weakref.ref(reconstruction, lambda _, key=key: _FROZEN_W.pop(key, None))
+        cached = _FROZEN_W[key] = (ref, stamp, w)
+    return cached[2]
 
 
 def _masked_keys(attention_mask: torch.Tensor | None, t: int, dtype: torch.dtype):
@@ -232,7 +257,7 @@ def _fused_kernel(module, query, key, value, attention_mask, layout, reconstruct
     b, h, t, k = exact.shape
     n = layout.indices.shape[0]
     complement = layout.complement
-    w = reconstruction_matrix(layout.indices, reconstruction.to(exact.dtype), complement)  # (n, k, n)
+    w = _reconstruction_matrix_for(layout, reconstruction, exact.dtype)  # (n, k, n)
     bias_full = None
     if bias is not None:
         bias_full = torch.zeros(n, n, dtype=exact.dtype, device=exact.device).scatter(-1, complement, bias.to(exact.dtype))
