@@ -143,7 +143,8 @@ def _demo_args(p):
     p.add_argument("--fit-sequences", type=int, default=320)
     p.add_argument("--heldout-sequences", type=int, default=64)
     p.add_argument("--k", type=int, nargs="+", default=[16, 24, 32, 48])
-    p.add_argument("--convert-k", type=int, default=16, help="k of the converted checkpoint (saves work only for k < d_h)")
+    p.add_argument("--convert-k", type=int, default=16,
+                   help="k of the converted checkpoint (saves work only for k < d_h)")
     p.add_argument("--whole-seq-len", type=int, default=32)
     p.add_argument("--whole-sequences", type=int, default=640)
     _common(p)

@@ -81,9 +81,9 @@ def upload_folder(folder: str, repo_id: str, *, commit_message: str | None = Non
     repo_id = api.create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
     if revision is not None and not revision.startswith("refs/pr"):
         api.create_branch(repo_id=repo_id, branch=revision, token=token, exist_ok=True)
-    operations = [CommitOperationAdd(path_in_repo=os.path.relpath(os.path.join(root, name), folder).replace(os.sep, "/"),
-                                     path_or_fileobj=os.path.join(root, name))
-                  for root, _, names in os.walk(folder) for name in sorted(names)]
+    files = [os.path.join(root, name) for root, _, names in os.walk(folder) for name in sorted(names)]
+    operations = [CommitOperationAdd(path_in_repo=os.path.relpath(path, folder).replace(os.sep, "/"),
+                                     path_or_fileobj=path) for path in files]
     logger.info("Uploading %d files of %s to %s", len(operations), folder, repo_id)
     return api.create_commit(repo_id=repo_id, operations=operations, commit_message=commit_message or "Upload model",
                              commit_description=commit_description, token=token, revision=revision,

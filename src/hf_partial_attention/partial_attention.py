@@ -260,7 +260,8 @@ def _fused_kernel(module, query, key, value, attention_mask, layout, reconstruct
     w = _reconstruction_matrix_for(layout, reconstruction, exact.dtype)  # (n, k, n)
     bias_full = None
     if bias is not None:
-        bias_full = torch.zeros(n, n, dtype=exact.dtype, device=exact.device).scatter(-1, complement, bias.to(exact.dtype))
+        bias_full = torch.zeros(n, n, dtype=exact.dtype, device=exact.device)
+        bias_full = bias_full.scatter(-1, complement, bias.to(exact.dtype))  # (n, n) in key order
     scores = _fused_scores(exact, w, bias_full, t).view(t, b, h, t)  # (T, B, H, T)
     if additive is not None:
         scores = scores + additive.permute(2, 0, 1, 3)  # (T, B|1, 1|H, T)

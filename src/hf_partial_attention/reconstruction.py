@@ -78,7 +78,7 @@ def solve_reconstruction(
 
 
 def _solve_blocks(c_pp: torch.Tensor, c_cp: torch.Tensor, c_cc_trace: torch.Tensor, ridge: float):
-    """``R = C_P̄P C_PP⁻¹`` and ``Tr(C_P̄P̄) − Tr(R C_PP̄)`` from the blocks of C (never an explicit inverse)."""
+    """``R = C_P̄P C_PP⁻¹`` and ``Tr(C_P̄P̄) − Tr(R C_PP̄)`` from the blocks of C (no explicit inverse)."""
     k = c_pp.shape[-1]
     lam = _ridge(c_pp, ridge)
     eye = torch.eye(k, dtype=c_pp.dtype, device=c_pp.device)

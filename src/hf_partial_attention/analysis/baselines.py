@@ -5,9 +5,10 @@ See docs/method.md#equal-cost-baselines-and-error-measures.
 At a per-query budget of k exact scores per row:
 
 - ``greedy``: the paper's greedy P_i with optimal R_i;
-- ``band+R``, ``random+R``, ``landmark+R``: P_i a band of diagonals (the k keys nearest query i, `reconstruction.nearest_keys`), a uniformly
-  random subset, or the same k evenly spaced key columns for every query (Nyström-style landmarks), each with
-  its own optimal R_i: same cost as greedy, so only the choice of P differs;
+- ``band+R``, ``random+R``, ``landmark+R``: P_i a band of diagonals (the k keys nearest query i,
+  `reconstruction.nearest_keys`), a uniformly random subset, or the same k evenly spaced key columns for every
+  query (Nyström-style landmarks), each with its own optimal R_i: same cost as greedy, so only the choice of P
+  differs;
 - ``band only``: no reconstruction, the band widened to the equal cost ``k_eq = k + (n−k)·k/d_h``; the
   scores outside it are filled with their training mean;
 - ``Nyström CUR``: m evenly spaced landmark rows and columns and ``A[:, L] A[L, L]⁺ A[L, :]`` (truncated

@@ -98,8 +98,8 @@ def objectives_markdown(result: dict) -> str:
              f"{result['heldout_windows']} held-out windows (other documents); converted without retraining. "
              "Score errors are predicted from the covariance (normalised); 1 − cos is the mean over windows of one "
              "minus the cosine between mean-pooled embeddings of the converted and the original model; layer errors "
-             "are ‖h' − h‖ / ‖h‖ of each layer's hidden states. 'vs paper' = 1 − cos over the paper objective's at the "
-             "same k (goal: ≤ 0.5).", "",
+             "are ‖h' − h‖ / ‖h‖ of each layer's hidden states. 'vs paper' = 1 − cos over the paper objective's "
+             "at the same k (goal: ≤ 0.5).", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in result["rows"]:
         vs = "–" if r["vs_paper"] is None else f"{r['vs_paper']:.2f}"
@@ -110,9 +110,10 @@ def objectives_markdown(result: dict) -> str:
     for k in sorted({r["k"] for r in result["rows"]}):
         best = min((r for r in result["rows"] if r["k"] == k), key=lambda r: r["one_minus_cos"])
         met = best["vs_paper"] is not None and best["vs_paper"] <= 0.5
-        lines.append(f"- k = {k}: lowest embedding error with `{best['objective']}` (1 − cos {best['one_minus_cos']:.4f}, "
-                     f"{'' if best['vs_paper'] is None else format(best['vs_paper'], '.2f') + '× '}the paper "
-                     f"objective's); goal of halving it {'met' if met else 'not met'}.")
-    lines.append(f"\nWall time {result['seconds']} s. Reproduce: `make objectives` (runs `make demo` first if needed, then "
-                 "`hf-partial-attention objectives runs/demo --k 8 16 --out results/objectives`).\n")
+        ratio = "" if best["vs_paper"] is None else format(best["vs_paper"], ".2f") + "× "
+        lines.append(f"- k = {k}: lowest embedding error with `{best['objective']}` "
+                     f"(1 − cos {best['one_minus_cos']:.4f}, {ratio}the paper objective's); "
+                     f"goal of halving it {'met' if met else 'not met'}.")
+    lines.append(f"\nWall time {result['seconds']} s. Reproduce: `make objectives` (runs `make demo` first if "
+                 "needed, then `hf-partial-attention objectives runs/demo --k 8 16 --out results/objectives`).\n")
     return "\n".join(lines)

@@ -106,7 +106,8 @@ def _derive(name: str, d: dict, base: str) -> list[str]:
 
 def _demo(d: dict) -> list[str]:
     out = ["## Conversion and sentence embeddings", "",
-           f"Checkpoint `{os.path.basename(os.path.normpath(d['convert']['checkpoint']))}/` (PartialBert, per-query pattern k = {d['convert']['k']}, "
+           f"Checkpoint `{os.path.basename(os.path.normpath(d['convert']['checkpoint']))}/` "
+           f"(PartialBert, per-query pattern k = {d['convert']['k']}, "
            f"n = {d['convert']['seq_len']}, partial layers {d['convert']['partial_layers']}, last layer exact) "
            f"reloaded with `AutoModel` as `{d['convert'].get('reloaded_class')}` "
            f"(max |Δ| vs the in-memory model {_fmt(d['convert'].get('reload_max_abs_diff'))}).", "",

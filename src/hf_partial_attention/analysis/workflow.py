@@ -149,7 +149,8 @@ def analyze(model: Any, texts: Any = None, out: str = "runs/analysis", *, tokeni
         save_file({"input_ids": windows}, os.path.join(out, HELDOUT_FILE), metadata={"model": cov.metadata["model"]})
         held = windows.shape[0]
     summary = spectra_summary(cov, os.path.join(out, "figures"), max_k=max_k)
-    summary.update(model=cov.metadata.get("model_id") or display_name(cov.metadata.get("model", "")), num_sequences=cov.num_sequences, count=cov.count,
+    summary.update(model=cov.metadata.get("model_id") or display_name(cov.metadata.get("model", "")),
+                   num_sequences=cov.num_sequences, count=cov.count,
                    heldout_sequences=held, scopes=list(cov.scopes), granularity=cov.granularity,
                    head_dim=cov.metadata.get("head_dim"), num_layers=cov.metadata.get("num_layers"),
                    num_heads=cov.metadata.get("num_heads"), centered=cov.centered,

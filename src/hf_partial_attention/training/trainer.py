@@ -1,4 +1,6 @@
-"""`PartialAttentionTrainer`: `transformers.Trainer` for models with partial attention (docs/method.md#training-with-partial-attention-built-in).
+"""`PartialAttentionTrainer`: `transformers.Trainer` for models with partial attention.
+
+See docs/method.md#training-with-partial-attention-built-in.
 
 What it adds to `Trainer`:
 
