@@ -19,11 +19,14 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from hf_partial_attention.analysis.collect import load_model_and_tokenizer, run_windows
+from hf_partial_attention.analysis.collect import display_name, load_model_and_tokenizer, run_windows
 from hf_partial_attention.analysis.covariance import ScoreCovariance
 from hf_partial_attention.analysis.evaluation import ErrorMeter, LinearReconstructor
 from hf_partial_attention.analysis.selection import FAMILIES, select_pattern
 from hf_partial_attention.analysis.workflow import COVARIANCE_FILE, HELDOUT_FILE
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import command_line  # noqa: E402
 
 KERNEL = {"per_query": "QKᵀ then select (every row its own keys)", "columns": "one GEMM (keys shared by all rows)",
           "blocks": "one GEMM per block of 32 rows", "windows": "one GEMM per block (block-local windows)",
@@ -60,15 +63,15 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append({"family": family, "k": k, "exact kernel": KERNEL[family], "predicted": p.normalized_error,
                      "heldout": measured[(family, k)]["normalized_error"],
                      "heldout_shift": measured[(family, k)]["normalized_error_shift"]})
-    result = {"command": "python benchmarks/families.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "model": cov.metadata.get("model", ""), "seq_len": n, "fit_windows": cov.num_sequences,
+    result = {"command": command_line("families.py", argv if argv is not None else sys.argv[1:]),
+              "model": cov.metadata.get("model_id") or display_name(cov.metadata.get("model", "")), "seq_len": n, "fit_windows": cov.num_sequences,
               "heldout_windows": int(windows.shape[0]), "rows": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "families.json").write_text(json.dumps(result, indent=1))
     lines = ["# Pattern families: reconstruction error on real scores", "",
              f"Command: `{result['command']}`  ",
-             f"Model: `{Path(result['model']).name or result['model']}` (MiniLM-L6 when run on runs/demo), n = {n}; "
+             f"Model: `{result['model']}`, n = {n}; "
              f"fitted on {result['fit_windows']} windows, measured on {result['heldout_windows']} held-out windows of "
              "other documents. Normalised error = MSE / Tr of the held-out covariance; 'mod shift' ignores a per-row "
              "constant (softmax does).", "",

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cases import PATTERNS, AttentionInputs, mac_ratio, mlm_models, pattern_indices, peer_modules  # noqa: E402
-from timing import forward_and_backward, interleaved_medians, no_grad, saved_bytes  # noqa: E402
+from timing import command_line, forward_and_backward, interleaved_medians, no_grad, saved_bytes  # noqa: E402
 
 from hf_partial_attention.partial_attention import IMPLEMENTATIONS  # noqa: E402
 
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     spec = QUICK if args.quick else FULL
     repeats = args.repeats or spec["repeats"]
-    result = {"command": "python benchmarks/run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    result = {"command": command_line("run.py", argv if argv is not None else sys.argv[1:]),
               "machine": machine(), "attention": [], "breakdown": {}, "peers": [], "model": []}
     for shape in spec["shapes"]:
         result["attention"] += attention_rows(shape, repeats, skip_gather_over=2**27)

@@ -10,6 +10,20 @@ from typing import Callable
 import torch
 
 
+def command_line(script: str, argv: list[str]) -> str:
+    """The command that made a result, as results record it: without ``--out DIR`` (a path of the machine that ran
+    it; the numbers do not depend on it)."""
+    args, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--out":
+            skip = True
+        elif not arg.startswith("--out="):
+            args.append(arg)
+    return " ".join(["python", f"benchmarks/{script}", *args])
+
+
 def saved_bytes(fn: Callable[[], torch.Tensor]) -> int:
     """Bytes of the tensors autograd saves for backward in one forward of ``fn`` (training activation memory)."""
     total = 0

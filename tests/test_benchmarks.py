@@ -65,6 +65,8 @@ def test_quick_benchmark_writes_tables_and_targets(tmp_path):
 
     # the report's target lines show these numbers, with "met" decided against the stated goal
     text = (tmp_path / "results.md").read_text()
+    # results name no path of the machine that made them: the command is recorded without --out
+    assert saved["command"] == "python benchmarks/run.py --quick --repeats 1" and str(tmp_path) not in text
     assert "## Targets" in text and "whole model, training step" in text
     lines = text.splitlines()
     for r in saved["model"]:
