@@ -38,3 +38,14 @@ def tiny_bert_dir(tmp_path_factory, minilm_path):
     BertModel(config).save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture
+def one_torch_thread():
+    """One torch thread for the test, the previous setting restored after it (never changed for the session)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

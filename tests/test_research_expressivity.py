@@ -22,13 +22,8 @@ from research.expressivity import (
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These small problems run fastest on one thread; the previous setting is restored for the other modules."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# These small problems run fastest on one thread (conftest.one_torch_thread restores the setting afterwards).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @settings(max_examples=25, deadline=None)
