@@ -112,7 +112,7 @@ def run_paper(out: str = "runs/paper", results_dir: str | None = "results/paper"
     derive(out, whole_ks, "whole", baselines=False, batch_size=batch_size, progress=progress,
            section=f"derive_whole_n{seq_len}")
     derive(out, query_ks, "per_query", baselines=False, batch_size=batch_size, progress=progress,
-           section=f"derive_per_query_n{seq_len}")
+           section=f"derive_per_query_n{seq_len}", curve_scopes=("per_query",))  # the whole curve is drawn above
     seconds["greedy patterns, error curves, held-out errors (Fig. 8, 9)"] = time.perf_counter() - t
     model_obj, tok = load_model_and_tokenizer(model)
     t = time.perf_counter()

@@ -338,9 +338,12 @@ def select_patterns(cov, ks, scope: str = "per_query", *, family: str = "per_que
 
 
 def error_curve(cov, ks, scope: str = "per_query", *, centered: bool | None = None, layer: int | None = None,
-                head: int | None = None, d_head: int | None = None) -> dict[str, list]:
+                head: int | None = None, d_head: int | None = None,
+                patterns: dict[int, AttentionPattern] | None = None) -> dict[str, list]:
     """Fig. 9: greedy error and the eigenvector reference for each k, normalised by Tr(C_a).
 
+    ``patterns``: the unconstrained greedy's patterns of these ks from `select_patterns` on the same covariance,
+    whose ``greedy_normalized_error`` is the curve's value (the greedy is then not run a second time).
     Returns lists keyed ``k``, ``k_bar`` (n·k per-query, k whole), ``greedy``, ``eigen`` and, when ``d_head``
     is given, ``relative_cost`` (multiply-adds over dense QKᵀ, `..cost.score_cost`).
     """
@@ -357,8 +360,11 @@ def error_curve(cov, ks, scope: str = "per_query", *, centered: bool | None = No
         vals, _ = top_eigh(c, max(ks))
         eigen = [max(0.0, 1.0 - float(vals[:k].sum()) / total) for k in ks]
         k_bar = list(ks)
-    _, path = _greedy(c, max(ks), scope, "per_query", None, order=True)  # one nested run for every k
-    greedy = [float(path[..., k - 1].sum()) / total for k in ks]
+    if patterns is not None:
+        greedy = [patterns[k].metadata["greedy_normalized_error"] for k in ks]
+    else:
+        _, path = _greedy(c, max(ks), scope, "per_query", None, order=True)  # one nested run for every k
+        greedy = [float(path[..., k - 1].sum()) / total for k in ks]
     out = {"k": ks, "k_bar": k_bar, "greedy": greedy, "eigen": eigen, "scope": scope, "seq_len": n}
     if d_head is not None:
         out["relative_cost"] = [score_cost(n, k, d_head, scope).total / dense_cost(n, d_head) for k in ks]

@@ -170,13 +170,14 @@ def _curve_ks(scope: str, n: int, ks) -> list[int]:
 
 def derive(out: str, ks, scope: str = "per_query", *, evaluate: bool = True, baselines: bool = True,
            centered: bool | None = None, batch_size: int = 8, progress: bool = True, seed: int = 0,
-           section: str | None = None, family: str = "per_query") -> dict:
+           section: str | None = None, family: str = "per_query", curve_scopes=None) -> dict:
     """Greedy patterns for each k from ``out/covariance.safetensors`` (Fig. 8–9), saved as `AttentionPattern`
     files, and, with held-out windows present, their measured error beside the equal-cost baselines.
 
     ``family`` (per_query scope): a constrained greedy whose exact part is a fast dense computation
     (``"columns"``, ``"blocks"``, ``"windows"``, ``"bands"``; see `selection`); files are then named
-    ``per_query_<family>_k<k>.safetensors`` and the unconstrained greedy's curve stays as the reference."""
+    ``per_query_<family>_k<k>.safetensors`` and the unconstrained greedy's curve stays as the reference.
+    ``curve_scopes``: the scopes whose error curves (Fig. 9) are drawn; default every collected scope."""
     if family != "per_query" and scope != "per_query":
         raise ValueError(f"family={family!r} constrains per-query patterns; use scope='per_query'.")
     start = time.perf_counter()
@@ -187,11 +188,16 @@ def derive(out: str, ks, scope: str = "per_query", *, evaluate: bool = True, bas
     n, d_head = cov.seq_len, cov.metadata.get("head_dim")
     ks = sorted({int(k) for k in ks})
     os.makedirs(os.path.join(out, "patterns"), exist_ok=True)
-    curves = [error_curve(cov, _curve_ks(s, n, ks if s == scope else []), s, d_head=d_head, centered=centered)
-              for s in cov.scopes]
+    curve_ks = {s: _curve_ks(s, n, ks if s == scope else []) for s in (curve_scopes or cov.scopes)}
+    # The unconstrained greedy is nested: one run gives this scope's patterns and its curve.
+    same_run = family == "per_query" and scope in curve_ks
+    fitted = select_patterns(cov, sorted(set(ks) | set(curve_ks[scope] if same_run else [])), scope, family=family,
+                             centered=centered)
+    curves = [error_curve(cov, ks_s, s, d_head=d_head, centered=centered,
+                          patterns=fitted if same_run and s == scope else None) for s, ks_s in curve_ks.items()]
     patterns, rows = {}, []
     tag = scope if family == "per_query" else f"{scope}_{family}"
-    for k, pattern in select_patterns(cov, ks, scope, family=family, centered=centered).items():
+    for k, pattern in ((k, fitted[k]) for k in ks):
         path = os.path.join(out, "patterns", f"{tag}_k{k}.safetensors")
         pattern.save(path)
         patterns[k] = pattern
