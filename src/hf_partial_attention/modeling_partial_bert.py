@@ -37,7 +37,7 @@ from transformers.models.bert.modeling_bert import (
 
 from .configuration_partial_bert import PartialBertConfig
 from .conversion import PARTIAL_FIELDS, copy_weights, initial_pattern, load_source, partial_config
-from .partial_attention import PatternLayout, attention_function_name, check_implementation, resolve_implementation
+from .partial_attention import PatternLayout, attention_function_name, check_implementation
 from .partial_pattern import PartialBertPattern, default_pattern, init_bias, initial_for, r_tensor
 from .pattern import AttentionPattern
 
@@ -88,9 +88,9 @@ class PartialBertSelfAttention(BertSelfAttention):
         query = self.query(hidden_states).view(*hidden_shape).transpose(1, 2)  # (B, H, T, D)
         key = self.key(hidden_states).view(*hidden_shape).transpose(1, 2)  # (B, H, T, D)
         value = self.value(hidden_states).view(*hidden_shape).transpose(1, 2)  # (B, H, T, D)
-        kernel = resolve_implementation(self.config.partial_implementation, self.partial_tensors()[0],
-                                        self.attention_head_size)
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS[attention_function_name(kernel)]
+        # "partial_auto" picks its kernel from P inside the call (one read of the layer's P and R per call)
+        name = attention_function_name(self.config.partial_implementation)
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS[name]
         out, probs = attention_interface(self, query, key, value, attention_mask, scaling=self.scaling,
                                          dropout=self.dropout.p if self.training else 0.0)
         return out.reshape(*input_shape, -1).contiguous(), probs  # (B, T, H·D)

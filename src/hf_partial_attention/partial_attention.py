@@ -338,7 +338,7 @@ def attention_function_name(implementation: str) -> str:
 
 
 def _interface_function(implementation: str) -> Callable:
-    kernel = PARTIAL_KERNELS[implementation]
+    """The `AttentionInterface` function of a kernel; ``"auto"`` picks one per call from the layer's P."""
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         # P and R belong to the layer: a partial layer exposes them through `partial_tensors()`.
@@ -349,6 +349,7 @@ def _interface_function(implementation: str) -> Callable:
                 f"(got {type(module).__name__}); set attn_implementation to 'sdpa' or 'eager' for exact layers."
             )
         layout, reconstruction, bias = tensors()
+        kernel = PARTIAL_KERNELS[resolve_implementation(implementation, layout, query.shape[-1])]
         return kernel(module, query, key, value, attention_mask, layout, reconstruction, bias,
                       module.scaling if scaling is None else scaling, dropout)
 
@@ -359,7 +360,7 @@ def _interface_function(implementation: str) -> Callable:
 def register_attention_functions() -> None:
     """Register every kernel with transformers' `AttentionInterface` (and a mask builder for its name, so a mask
     is never silently dropped); safe to call more than once."""
-    for name in PARTIAL_KERNELS:
+    for name in PARTIAL_IMPLEMENTATIONS:  # every kernel, and "auto"
         AttentionInterface.register(attention_function_name(name), _interface_function(name))
         AttentionMaskInterface.register(attention_function_name(name), sdpa_mask)
 
