@@ -77,3 +77,22 @@ def test_quick_benchmark_writes_tables_and_targets(tmp_path):
             f"{'yes' if slowest <= 1.5 else 'no'} |") in lines
     table = [line for line in lines if line.startswith(f"| {N} | {B} | ") and line.count("|") == 10]
     assert len(table) == len(att)
+
+
+def test_frozen_w_benchmark_times_what_it_names(tmp_path, monkeypatch):
+    """The cached case builds W once, the rebuilt case on every call; the table's ratios are ms / eager ms."""
+    import hf_partial_attention.partial_attention as pa
+
+    sys.path.insert(0, str(BENCH))
+    import frozen_w
+
+    builds = []
+    original = pa.reconstruction_matrix
+    monkeypatch.setattr(pa, "reconstruction_matrix", lambda *a: builds.append(1) or original(*a))
+    result = frozen_w.main(["--quick", "--repeats", "3", "--out", str(tmp_path)])
+    # warm-up + 3 repeats: the rebuilt case builds 4 times, the cached case once
+    assert len(builds) == 4 + 1
+    row = result["rows"][0]
+    text = (tmp_path / "frozen_w.md").read_text()
+    ratio = row["ms"]["fused, W cached"] / row["ms"]["dense_eager"]
+    assert f"{ratio:.2f}x |" in text and result["command"] == "python benchmarks/frozen_w.py --quick --repeats 3"
