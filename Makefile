@@ -28,7 +28,7 @@ test-fast: setup
 demo: setup
 	$(VENV)/bin/hf-partial-attention demo --out runs/demo
 
-# The analysis at the paper's scale (whole matrix at n = 128; 26 min and 13.3 GiB on 2 cores) -> results/paper/.
+# The analysis at the paper's scale (whole matrix at n = 128; about 20-26 min and 13.3 GiB on 2 cores) -> results/paper/.
 paper: setup
 	$(VENV)/bin/hf-partial-attention paper --out runs/paper --results results/paper
 

@@ -11,8 +11,8 @@ Steps, each a section of ``results.json`` / ``report.md`` (figures in ``figures/
 4. across datasets (Fig. 4): installed packages' READMEs projected on the pydoc eigenspace;
 5. across training: the Table-1 study's checkpoints on the original eigenspace, when that study has run.
 
-Measured on 2 cores (results/paper/report.md): 26 min wall, 13.3 GiB peak resident memory, under the 16 GiB this
-machine class allows; the greedy's one product of C with a vector per step keeps step 2 at about 0.1 s a step.
+Measured on 2 cores: a fresh run took 26 min wall and 13.3 GiB peak resident memory (under 16 GiB) before a second
+greedy run of step 2 was removed (about 6 min); the committed report is a rerun that resumed the saved covariance; the greedy's one product of C with a vector per step keeps step 2 at about 0.1 s a step.
 """
 
 from __future__ import annotations
