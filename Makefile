@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test test-fast demo paper related bench objectives clean
+.PHONY: setup test test-fast demo paper related bench objectives table1 clean
 
 setup: $(STAMP)
 
@@ -36,6 +36,10 @@ paper: setup
 objectives: setup
 	test -f runs/demo/covariance.safetensors || $(VENV)/bin/hf-partial-attention demo --out runs/demo
 	$(VENV)/bin/hf-partial-attention objectives runs/demo --k 8 16 --out results/objectives
+
+# Table 1 on the real MiniLM (about 90 min on 2 cores; resumable: run it again after a kill) -> results/table1/.
+table1: setup
+	$(VENV)/bin/hf-partial-attention table1 --output_dir results/table1 --run_dir runs/table1
 
 related: setup
 	$(PY) -m research all --out results/related

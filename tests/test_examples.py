@@ -183,21 +183,3 @@ def test_exact_baseline_runs_through_the_script(tmp_path):
     check_train_loss(str(tmp_path), results["train_loss"], vocab_size(str(tmp_path)))
     with open(os.path.join(tmp_path, "config.json")) as f:
         assert json.load(f)["model_type"] == "bert"
-
-
-@pytest.mark.slow
-def test_table1_study_smoke(tmp_path):
-    # --exact_steps 0 as in the BERT-base command of the script's docstring; --partial_init scratch
-    argv = ["--exact_steps", "0", "--partial_init", "scratch", "--arm_steps", "2", "--finetune_steps", "2",
-            "--ks", "8", "--modes", "fixed,per_layer", "--finetune_seeds", "0", "--covariance_windows", "8",
-            "--max_eval_samples", "16", "--hidden_size", "32", "--intermediate_size", "37",
-            "--num_hidden_layers", "2", "--train_tokenizer_vocab_size", "500", "--max_mlm_eval_windows", "16",
-            "--max_seq_length", "32", "--output_dir", str(tmp_path / "out"), "--run_dir", str(tmp_path / "run"),
-            "--cards_dir", str(tmp_path / "cards")]
-    report = load_example("table1_study").main(argv)
-    assert set(report["arms"]) == {"exact", "k8_fixed", "k8_per_layer", "exact_no_pretraining"}
-    assert report["arms"]["k8_fixed"]["r_drift"] == 0.0
-    text = open(tmp_path / "out" / "table1.md").read()
-    assert "python examples/table1_study.py --exact_steps 0 --partial_init scratch" in text
-    assert "| k8_per_layer | 8 | per_layer |" in text
-    validate_card_metadata(ModelCard.load(tmp_path / "cards" / "out-k8_fixed" / "README.md"))

@@ -214,6 +214,28 @@ register_command("objectives", "paper vs shift-invariant vs Fisher selection obj
                  _objectives_args, _run_objectives)
 register_command("paper", "the analysis at the paper's scale: whole matrix at n = 128 (make paper)",
                  _paper_args, _run_paper)
+def _table1_args(p):
+    p.add_argument("study_args", nargs=argparse.REMAINDER,
+                   help="the study's own flags (StudyArguments; `hf-partial-attention table1 -h` lists them)")
+
+
+def _run_table1(args) -> int:
+    from transformers import HfArgumentParser
+
+    from .studies import StudyArguments, run_table1
+
+    parser = HfArgumentParser(StudyArguments, prog="hf-partial-attention table1",
+                              description="Table 1 on the real MiniLM: conversion vs training with partial attention "
+                                          "(resumable; make table1)")
+    (study,) = parser.parse_args_into_dataclasses(args.study_args)
+    logging.getLogger("hf_partial_attention").setLevel(logging.INFO)
+    report = run_table1(study, args.study_args)
+    logging.getLogger(__name__).info("Wrote %s", os.path.join(study.output_dir, "table1.md"))
+    return 0 if report else 1
+
+
+register_command("table1", "Table 1 on the real MiniLM: conversion loses, training with partial attention "
+                 "recovers? (resumable; make table1)", _table1_args, _run_table1)
 register_command("demo", "the whole analysis on the real MiniLM and pydoc text (make demo)", _demo_args, _run_demo)
 
 
@@ -226,6 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["table1"]:  # its flags (and -h) are the study's dataclass, parsed by HfArgumentParser
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        return _run_table1(argparse.Namespace(study_args=argv[1:]))
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")

@@ -137,7 +137,7 @@ def run_paper(out: str = "runs/paper", results_dir: str | None = "results/paper"
         "Across training (Fig. 3's checkpoints): " + (
             f"the Table-1 study's checkpoints are in `{table1_dir}`; project them with "
             "`spectra.projection_energy` on this run's eigenvectors." if os.path.isdir(table1_dir) else
-            f"skipped: the Table-1 study has not run here (no `{table1_dir}`); run `examples/table1_study.py` "
+            f"skipped: the Table-1 study has not run here (no `{table1_dir}`); run `hf-partial-attention table1` "
             "first."),
         "Cost axis of Fig. 9: k̄, the number of exactly computed scores per score matrix (per-query k̄ = n·k); "
         "the multiply-add cost of each setting is in the error-curve tables (`relative_cost`).",

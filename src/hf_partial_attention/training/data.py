@@ -208,11 +208,16 @@ def load_mnli(data_args, cache_dir: str | None = None, token: str | None = None)
 
 
 def tokenize_pairs(raw, tokenizer, max_length: int, first: str = "premise", second: str = "hypothesis",
-                   num_proc: int | None = None, load_from_cache_file: bool = True):
-    """Tokenize sentence pairs, truncated and padded to exactly `max_length` (partial attention's n)."""
+                   num_proc: int | None = None, load_from_cache_file: bool = True, pad: bool = True):
+    """Tokenize sentence pairs, truncated to `max_length` (partial attention's n) and, with `pad`, padded to it.
+
+    ``pad=False`` leaves each pair at its own length for a padding collator (``DataCollatorWithPadding``):
+    partial attention runs inputs shorter than n (keys beyond the input score zero), at less cost.
+    """
 
     def encode(batch: dict[str, list]) -> dict[str, list]:
-        return tokenizer(batch[first], batch[second], truncation=True, max_length=max_length, padding="max_length")
+        return tokenizer(batch[first], batch[second], truncation=True, max_length=max_length,
+                         padding="max_length" if pad else False)
 
     columns = next(iter(raw.values())).column_names
     return raw.map(encode, batched=True, num_proc=num_proc, load_from_cache_file=load_from_cache_file,

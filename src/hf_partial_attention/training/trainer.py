@@ -46,6 +46,20 @@ def is_reconstruction_parameter(name: str) -> bool:
     return name.rsplit(".", 1)[-1] in _R_NAMES
 
 
+def masked_only_mlm_loss(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``{"loss"}``: an MLM model's mean cross-entropy over its labelled positions, with the vocabulary logits
+    computed at those positions only (the model's own loss computes them at every position)."""
+    if not (hasattr(model, "bert") and hasattr(model, "cls")):
+        raise TypeError(f"mlm_logits_at_masked_only needs a BERT MLM model with .bert and .cls, got "
+                        f"{type(model).__name__}; unset --mlm_logits_at_masked_only.")
+    labels = inputs["labels"]  # (B, T)
+    body = {k: v for k, v in inputs.items() if k != "labels"}
+    hidden = model.bert(**body).last_hidden_state  # (B, T, hidden)
+    chosen = labels != -100  # (B, T)
+    logits = model.cls(hidden[chosen])  # (M, vocab): the M labelled positions only
+    return {"loss": torch.nn.functional.cross_entropy(logits.float(), labels[chosen])}
+
+
 class _CollatorEpoch(TrainerCallback):
     """Tells a collator with an ``epoch`` attribute (`MlmCollator`) which epoch starts."""
 
@@ -136,7 +150,10 @@ class PartialAttentionTrainer(Trainer):
         """
         if self.label_smoother is not None or self.compute_loss_func is not None:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        outputs = model(**inputs)
+        if getattr(self.args, "mlm_logits_at_masked_only", False) and inputs.get("labels") is not None:
+            outputs = masked_only_mlm_loss(self.accelerator.unwrap_model(model), inputs)
+        else:
+            outputs = model(**inputs)
         if isinstance(outputs, dict) and "loss" not in outputs:
             raise ValueError(f"The model returned no loss (keys {list(outputs.keys())}); pass labels.")
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]

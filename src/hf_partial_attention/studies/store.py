@@ -1,0 +1,58 @@
+"""A study's resumable state: one JSON result per finished job, written atomically, under ``run_dir``.
+
+A job counts as done when its JSON exists, so a killed run, started again with the same arguments, skips what
+it finished and redoes only the job it was in. The arguments that shape results are stored beside the jobs and
+checked on resume: continuing a run with different arguments would mix two studies in one table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+__all__ = ["JobStore"]
+
+
+class JobStore:
+    """Finished jobs of one study run (``<run_dir>/jobs/<name>.json``)."""
+
+    def __init__(self, run_dir: str | os.PathLike, arguments: dict[str, Any]):
+        self.run_dir = os.fspath(run_dir)
+        self.jobs_dir = os.path.join(self.run_dir, "jobs")
+        os.makedirs(self.jobs_dir, exist_ok=True)
+        path = os.path.join(self.run_dir, "arguments.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                stored = json.load(f)
+            changed = {k: (stored.get(k), v) for k, v in arguments.items() if stored.get(k) != v}
+            if changed:
+                raise ValueError(
+                    f"run_dir={self.run_dir!r} holds a run with other arguments {changed} (stored, given); resume "
+                    "it with the stored arguments, or start a new study with another --run_dir.")
+        else:
+            self._write(path, arguments)
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.jobs_dir, f"{name}.json")
+
+    @staticmethod
+    def _write(path: str, value: Any) -> None:
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(value, f, indent=1)
+        os.replace(tmp, path)  # atomic: a kill leaves either the old state or the finished job, never half a file
+
+    def done(self, name: str) -> bool:
+        return os.path.exists(self._path(name))
+
+    def load(self, name: str) -> dict[str, Any]:
+        with open(self._path(name)) as f:
+            return json.load(f)
+
+    def save(self, name: str, result: dict[str, Any]) -> dict[str, Any]:
+        self._write(self._path(name), result)
+        return result
+
+    def model_dir(self, name: str) -> str:
+        return os.path.join(self.run_dir, "models", name)

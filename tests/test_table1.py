@@ -1,0 +1,153 @@
+"""The Table-1 study: its statistics by hand, the masked-only MLM loss, and a tiny study killed and resumed."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+from huggingface_hub import ModelCard
+from transformers import BertConfig, BertForMaskedLM
+
+from hf_partial_attention.cli import main as cli_main
+from hf_partial_attention.model_card import validate_card_metadata
+from hf_partial_attention.studies import table1_steps
+from hf_partial_attention.studies.table1_stats import (
+    accuracy_difference, accuracy_summary, paired_loss_difference, verdicts,
+)
+from hf_partial_attention.training.trainer import masked_only_mlm_loss
+
+
+def test_paired_loss_difference_by_hand():
+    a = {"loss_sums": [3.0, 4.0], "token_counts": [1, 3]}
+    b = {"loss_sums": [1.0, 1.0], "token_counts": [1, 3]}
+    diff, se = paired_loss_difference(a, b)
+    # diff = (7 - 2) / 4; residuals 2 - 1.25 = 0.75 and 3 - 3.75 = -0.75; se = sqrt(2 * 1.125) / 4
+    assert diff == pytest.approx(1.25) and se == pytest.approx(0.375)
+    with pytest.raises(ValueError, match="same windows"):
+        paired_loss_difference(a, {"loss_sums": [1.0, 1.0], "token_counts": [2, 2]})
+
+
+def test_accuracy_statistics_by_hand():
+    runs_a = [{"accuracy": 0.5, "correct": "1100"}, {"accuracy": 0.75, "correct": "1110"}]
+    runs_b = [{"accuracy": 0.25, "correct": "1000"}, {"accuracy": 0.25, "correct": "1000"}]
+    summary = accuracy_summary(runs_a)
+    assert summary["mean"] == pytest.approx(0.625) and summary["sd"] == pytest.approx(math.sqrt(0.03125))
+    assert summary["binomial_se"] == pytest.approx(math.sqrt(0.625 * 0.375 / 4))
+    diff, se = accuracy_difference(runs_a, runs_b)
+    # seeds: 0.03125 / 2; examples: d = [0, 1, .5, 0], var(d) = .6875 / 3, / 4
+    assert diff == pytest.approx(0.375) and se == pytest.approx(math.sqrt(0.015625 + 0.6875 / 12))
+
+
+def _window(sums, counts=(10, 10, 10, 10)):
+    return {"loss_sums": list(sums), "token_counts": list(counts)}
+
+
+def test_verdicts_follow_the_numbers():
+    phase1 = _window([20, 21, 19, 20])
+    converted = _window([40, 41, 39, 42])  # +2 nats per token: conversion clearly loses
+    mlm = {"exact": _window([19, 20, 18, 19]),
+           "k8_fixed": {**_window([30, 31, 29, 31]), "converted": converted},
+           "k8_common": {**_window([22, 23, 21, 22]), "converted": converted},  # beats fixed
+           "k16_fixed": {**_window([25, 26, 24, 25]), "converted": converted},
+           "k16_common": {**_window([25, 26, 24.1, 25]), "converted": converted}}  # = fixed within noise
+    runs = [{"accuracy": 0.5, "correct": "1100"}, {"accuracy": 0.5, "correct": "1100"}]
+    ft = {arm: runs for arm in mlm}
+    v = verdicts([8, 16], ["fixed", "common"], mlm, phase1, ft)
+    assert v["a"]["verdict"] == "supported"
+    assert v["b"]["verdict"] == "supported"
+    assert v["c"]["verdict"] == "partly supported"  # k = 8 yes, k = 16 not distinguishable
+    assert v["d"]["verdict"] == "not run"  # no per_layer arms
+    mlm["k8_common"] = {**_window([35, 36, 34, 36]), "converted": converted}  # now worse than fixed
+    assert verdicts([8, 16], ["fixed", "common"], mlm, phase1, ft)["c"]["verdict"] == "mixed"
+
+
+def test_masked_only_mlm_loss_equals_the_models_own_loss():
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=20, max_position_embeddings=16)
+    model = BertForMaskedLM(config).eval()
+    ids = torch.randint(5, 50, (3, 8))
+    labels = torch.full_like(ids, -100)
+    labels[0, 2], labels[1, 5], labels[2, 0], labels[2, 7] = 7, 9, 11, 13
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    inputs = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    ours = masked_only_mlm_loss(model, inputs)["loss"]
+    ours.backward()
+    grad = model.bert.encoder.layer[0].attention.self.query.weight.grad.clone()
+    model.zero_grad()
+    theirs = model(**inputs).loss
+    theirs.backward()
+    torch.testing.assert_close(ours, theirs)
+    torch.testing.assert_close(grad, model.bert.encoder.layer[0].attention.self.query.weight.grad)
+    with pytest.raises(TypeError, match="mlm_logits_at_masked_only"):
+        masked_only_mlm_loss(model.bert, inputs)
+
+
+TINY = ["--max_seq_length", "32", "--ks", "8,16", "--phase1_steps", "2", "--arm_steps", "3",
+        "--pretrain_batch_size", "4", "--pretrain_learning_rate", "1e-3", "--covariance_windows", "8",
+        "--mlm_eval_windows", "8", "--finetune_steps", "2", "--finetune_batch_size", "4", "--finetune_seeds", "0,1",
+        "--max_finetune_eval", "40", "--timing_batch_size", "2", "--timing_repeats", "1", "--progress", "false"]
+
+
+@pytest.mark.slow
+def test_tiny_table1_study_killed_and_resumed(tmp_path, monkeypatch):
+    """The whole study at tiny sizes on the real MiniLM: a run killed in fine-tuning continues where it stopped."""
+    argv = ["table1", *TINY, "--output_dir", str(tmp_path / "out"), "--run_dir", str(tmp_path / "run"),
+            "--cards_dir", str(tmp_path / "cards")]
+    real_finetune, real_train = table1_steps.finetune, table1_steps.train_mlm
+    calls = {"finetune": 0, "train_mlm": 0}
+
+    def dying_finetune(*args, **kwargs):
+        calls["finetune"] += 1
+        if calls["finetune"] == 3:
+            raise KeyboardInterrupt("killed")
+        return real_finetune(*args, **kwargs)
+
+    monkeypatch.setattr(table1_steps, "finetune", dying_finetune)
+    with pytest.raises(KeyboardInterrupt):
+        cli_main(argv)
+    jobs = tmp_path / "run" / "jobs"
+    done = {p.name: p.read_bytes() for p in jobs.iterdir()}
+    assert {"phase1.json", "patterns.json", "mlm_exact.json", "ft_exact_s0.json", "ft_exact_s1.json"} <= set(done)
+    assert "ft_k8_fixed_s0.json" not in done and not list(jobs.glob("*.tmp"))
+
+    def counting(name, real):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+        return wrapper
+
+    calls.update(finetune=0, train_mlm=0)
+    monkeypatch.setattr(table1_steps, "finetune", counting("finetune", real_finetune))
+    monkeypatch.setattr(table1_steps, "train_mlm", counting("train_mlm", real_train))
+    assert cli_main(argv) == 0
+    assert calls == {"train_mlm": 0, "finetune": 8 * 2 - 2}  # 8 arms x 2 seeds, 2 finished before the kill
+    assert all((jobs / name).read_bytes() == data for name, data in done.items())  # finished jobs untouched
+
+    report = json.loads((tmp_path / "out" / "table1.json").read_text())
+    rows = report["rows"]
+    assert list(rows) == ["exact", "k8_fixed", "k8_common", "k8_per_layer", "k16_fixed", "k16_common",
+                          "k16_per_layer", "k8_converted"]
+    assert rows["k8_fixed"]["r_drift"] == 0.0 and rows["k8_common"]["r_drift"] > 0
+    assert rows["k8_fixed"]["mlm_loss"] != rows["k8_common"]["mlm_loss"]  # R trained or not changes the model
+    assert rows["k8_converted"]["mlm_loss_converted"] == rows["k8_common"]["mlm_loss_converted"]
+    # QKᵀ saving by hand at n = 32, d_h = 32, k = 8: 1 - (8*32 + 24*8) / (32*32) = 0.5625, over 5 of 6 layers
+    assert rows["k8_fixed"]["qk_saving_partial_layers"] == pytest.approx(0.5625)
+    assert rows["k8_fixed"]["qk_saving_model"] == pytest.approx(0.5625 * 5 / 6)
+    assert report["model"] == "sentence-transformers/all-MiniLM-L6-v2"
+    assert set(report["timing"]["ms"]) >= {"exact/eager", "exact/sdpa", "k8_fixed/eager", "k16_common/sdpa"}
+    text = (tmp_path / "out" / "table1.md").read_text()
+    assert "hf-partial-attention table1 --max_seq_length 32" in text and "| k16_per_layer | 16 | per_layer |" in text
+    assert "site-packages" not in text  # the model is named by its Hub id, not by where it lies here
+    card = ModelCard.load(tmp_path / "cards" / "table1-k8_common" / "README.md")
+    validate_card_metadata(card)
+    result = card.data.eval_results[0]
+    assert result.metric_type == "accuracy"
+    assert result.metric_value == pytest.approx(round(rows["k8_common"]["accuracy"]["values"][0], 4))
+    assert "greedy P and optimal R" in card.text and str(tmp_path) not in card.content
+
+    with pytest.raises(ValueError, match="other arguments"):  # resuming with other arguments would mix studies
+        cli_main([*argv[:-6], "--arm_steps", "4", *argv[-6:]])
+    assert os.path.exists(tmp_path / "run" / "arguments.json")
