@@ -96,3 +96,24 @@ def test_frozen_w_benchmark_times_what_it_names(tmp_path, monkeypatch):
     text = (tmp_path / "frozen_w.md").read_text()
     ratio = row["ms"]["fused, W cached"] / row["ms"]["dense_eager"]
     assert f"{ratio:.2f}x |" in text and result["command"] == "python benchmarks/frozen_w.py --quick --repeats 3"
+
+
+def test_gpu_benchmark_dry_run(tmp_path):
+    """benchmarks/gpu.py at tiny shapes on CPU (Triton's interpreter): every step runs, ratios are its own times."""
+    from benchmarks import gpu
+
+    result = gpu.main(["--dry-run", "--out", str(tmp_path)])
+    assert result["check_max_abs_error"] < 1e-5  # the kernel equals the reference before anything is timed
+    rows = result["rows"]
+    sdpa = next(r for r in rows if r["method"] == "sdpa")
+    eager = next(r for r in rows if r["method"] == "eager")
+    partial = [r for r in rows if r["method"] == "triton"]
+    assert {r["family"] for r in partial} == {"blocks", "per_query"}
+    for r in partial:
+        assert r["forward_vs_sdpa"] == pytest.approx(r["forward_ms"] / sdpa["forward_ms"])
+        assert r["train_vs_sdpa"] == pytest.approx(r["train_ms"] / sdpa["train_ms"])
+        assert r["forward_vs_eager"] == pytest.approx(r["forward_ms"] / eager["forward_ms"])
+        n, b, k = r["n"], r["batch"], r["k"]
+        assert r["flop_forward"] == 2 * b * result["heads"] * n * (k * 16 + n * k + n * 16)  # d = 16 in the dry run
+    text = (tmp_path / "gpu_dry_run.md").read_text()
+    assert "| 32 | 1 | 8 | per_query | triton |" in text

@@ -18,7 +18,7 @@ from hf_partial_attention import (
     PartialBertModel,
 )
 from hf_partial_attention import partial_pattern
-from hf_partial_attention.partial_attention import PARTIAL_KERNELS, attention_function_name
+from hf_partial_attention.partial_attention import IMPLEMENTATIONS, PARTIAL_KERNELS, attention_function_name
 
 TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37,
             partial_seq_len=16, partial_k=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -57,7 +57,7 @@ def test_every_kernel_in_the_model_equals_the_reference(mode, structured, bias):
     """Outputs and gradients (q/k/v weights and R) of the whole model, each kernel against "gather"."""
     ids, mask = _batch()
     results = {}
-    for kernel in PARTIAL_KERNELS:
+    for kernel in IMPLEMENTATIONS:  # the triton kernel: tests/test_triton_kernel.py (float32, interpreter)
         torch.manual_seed(0)
         config = PartialBertConfig(**TINY, reconstruction=mode, partial_use_bias=bias)
         model = PartialBertModel(config).double()

@@ -272,16 +272,47 @@ def _fused_kernel(module, query, key, value, attention_mask, layout, reconstruct
     return out.transpose(1, 2).contiguous(), probs
 
 
+def _triton_kernel(module, query, key, value, attention_mask, layout, reconstruction, bias, scaling, dropout):
+    """The fused Triton kernel (`triton_kernel`): the n×n scores never reach memory; GPUs, or CPU under
+    ``TRITON_INTERPRET=1``. Returns no attention map (like SDPA)."""
+    from .triton_kernel import triton_partial_attention
+
+    if module.training and dropout > 0:
+        raise ValueError(f"partial_implementation='triton' has no attention dropout (got p={dropout} in training); "
+                         "set config.attention_probs_dropout_prob=0, or use partial_implementation='fused'.")
+    t = query.shape[2]
+    n, k = layout.indices.shape
+    if t > n:
+        raise ValueError(f"Input length {t} exceeds the partial attention length n={n} (config.partial_seq_len); "
+                         f"truncate inputs to {n} tokens or use a pattern derived for a longer n.")
+    additive, masked = _masked_keys(attention_mask, t, torch.float32)
+    masked_at_p = None
+    if masked is not None:
+        masked = nn.functional.pad(masked, (0, n - t), value=True)  # (B|1, 1|H, T, n)
+        masked_at_p = masked.gather(-1, layout.indices[:t].expand(*masked.shape[:2], t, k))  # (B|1, 1|H, T, k)
+        additive = additive if additive.stride(-1) == 1 else additive.contiguous()
+    w = _reconstruction_matrix_for(layout, reconstruction, torch.float32)  # (n, k, n), float32 whatever the input
+    bias_full = None
+    if bias is not None:
+        bias_full = torch.zeros(n, n, dtype=torch.float32, device=query.device)
+        bias_full = bias_full.scatter(-1, layout.complement, bias.float())  # (n, n) in key order
+    out = triton_partial_attention(query, key, value, w, bias_full, additive, masked_at_p, layout.indices, scaling)
+    return out.transpose(1, 2).contiguous(), None  # (B, T, H, D)
+
+
 # The kernels, by name (`config.partial_implementation`, or "auto": see `auto_implementation`).
 # gather: only the k scores per query, assembled by scatter (the reference).
 # dense: QKᵀ then select P, assembled by scatter.
 # fused: see `_fused_kernel`.
+# triton: see `_triton_kernel` (GPU; `auto` never picks it).
 PARTIAL_KERNELS: dict[str, Callable] = {
     "gather": _scatter_kernel("gather"),
     "dense": _scatter_kernel("dense"),
     "fused": _fused_kernel,
+    "triton": _triton_kernel,
 }
-IMPLEMENTATIONS = tuple(PARTIAL_KERNELS)
+# The kernels that run on any device in PyTorch alone (and in float64): the ones tested against each other.
+IMPLEMENTATIONS = tuple(name for name in PARTIAL_KERNELS if name != "triton")
 
 
 def check_implementation(name: str) -> None:
