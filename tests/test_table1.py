@@ -192,3 +192,33 @@ def test_tokenize_pairs_without_padding_keeps_each_length():
     lengths = [len(x) for x in tokenize_pairs(raw, tok, 32, pad=False)["train"]["input_ids"]]
     assert lengths == [len(tok("A short one.", "Yes.")["input_ids"]), 32]
     assert [len(x) for x in tokenize_pairs(raw, tok, 32)["train"]["input_ids"]] == [32, 32]
+
+
+@pytest.mark.slow
+def test_tiny_table1_study_by_the_mnli_flags(tmp_path):
+    """The GPU command's path (--task mnli, its own text, no phase 1), here with local MNLI-format files."""
+    import random
+
+    from hf_partial_attention.analysis.corpus import pydoc_paragraphs
+
+    rng = random.Random(0)
+    paragraphs = [p for doc in pydoc_paragraphs()[:40] for p in doc]
+    text = tmp_path / "text.txt"
+    text.write_text("\n".join(paragraphs))
+    for split, count in (("train", 64), ("validation", 24)):
+        rows = [{"premise": rng.choice(paragraphs)[:80], "hypothesis": rng.choice(paragraphs)[:40],
+                 "label": ["entailment", "neutral", "contradiction"][i % 3]} for i in range(count)]
+        (tmp_path / f"{split}.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    argv = ["table1", *TINY, "--task", "mnli", "--pretrain_train_file", str(text), "--finetune_train_file",
+            str(tmp_path / "train.jsonl"), "--finetune_validation_file", str(tmp_path / "validation.jsonl"),
+            "--phase1_steps", "0", "--ks", "8", "--modes", "fixed", "--no_recovery_ks", "", "--finetune_seeds", "0",
+            "--output_dir", str(tmp_path / "out"), "--run_dir", str(tmp_path / "run"),
+            "--cards_dir", str(tmp_path / "cards")]
+    assert cli_main(argv) == 0
+    report = json.loads((tmp_path / "out" / "table1.json").read_text())
+    assert list(report["rows"]) == ["exact", "k8_fixed"]
+    assert report["sizes"]["pairs"] == {"train": 64, "validation": 24}
+    assert report["labels"] == ["entailment", "neutral", "contradiction"]
+    assert report["phase1_train_losses"] == []  # --phase1_steps 0: the start model is converted as it is
+    card = ModelCard.load(tmp_path / "cards" / "table1-k8_fixed" / "README.md")
+    assert card.data.eval_results[0].dataset_name == "MNLI"
