@@ -61,18 +61,18 @@ _INTERPRETED = _interpreting()
 if triton is not None:
     @triton.jit
     def _exact(q_ptr, k_ptr, idx_ptr, msel_ptr, rows, row_ok, m_ok, T, scale, sq_t, sk_t, si_n, sms_t, sms_m,
-               HAS_MSEL: tl.constexpr, D: tl.constexpr):
+               HAS_MSEL: tl.constexpr, D: tl.constexpr, KP: tl.constexpr):
         """Exact scores at P of BLOCK_M rows: (BLOCK_M, KP), and the gathered keys (BLOCK_M, KP, D)."""
         d = tl.arange(0, D)
         q = tl.load(q_ptr + rows[:, None] * sq_t + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-        idx = tl.load(idx_ptr + rows[:, None] * si_n + tl.arange(0, m_ok.shape[0])[None, :],
+        idx = tl.load(idx_ptr + rows[:, None] * si_n + tl.arange(0, KP)[None, :],
                       mask=row_ok[:, None] & m_ok[None, :], other=0)
         key_ok = row_ok[:, None] & m_ok[None, :] & (idx < T)  # keys beyond the input are zero
         ksel = tl.load(k_ptr + idx[:, :, None] * sk_t + d[None, None, :], mask=key_ok[:, :, None],
                        other=0.0).to(tl.float32)
         s = tl.sum(q[:, None, :] * ksel, axis=2) * scale
         if HAS_MSEL:  # masked keys enter R with score zero
-            ms = tl.load(msel_ptr + rows[:, None] * sms_t + tl.arange(0, m_ok.shape[0])[None, :] * sms_m,
+            ms = tl.load(msel_ptr + rows[:, None] * sms_t + tl.arange(0, KP)[None, :] * sms_m,
                          mask=row_ok[:, None] & m_ok[None, :], other=0)
             s = tl.where(ms != 0, 0.0, s)
         else:
@@ -107,7 +107,7 @@ if triton is not None:
         row_ok, m_ok = rows < T, tl.arange(0, KP) < k
         base = bh * s_bh  # q, k, v, o are contiguous (B, H, T, D)
         _, _, _, _, s, _ = _exact(q_ptr + base, k_ptr + base, idx_ptr, msel_ptr + b * sms_b + h * sms_h, rows,
-                                  row_ok, m_ok, T, scale, D, D, si_n, sms_t, sms_m, HAS_MSEL, D)
+                                  row_ok, m_ok, T, scale, D, D, si_n, sms_t, sms_m, HAS_MSEL, D, KP)
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, D), tl.float32)
@@ -143,7 +143,7 @@ if triton is not None:
         row_ok, m_ok = rows < T, tl.arange(0, KP) < k
         base = bh * s_bh
         q, idx, key_ok, ksel, s, ms = _exact(q_ptr + base, k_ptr + base, idx_ptr, msel_ptr + b * sms_b + h * sms_h,
-                                             rows, row_ok, m_ok, T, scale, D, D, si_n, sms_t, sms_m, HAS_MSEL, D)
+                                             rows, row_ok, m_ok, T, scale, D, D, si_n, sms_t, sms_m, HAS_MSEL, D, KP)
         d = tl.arange(0, D)
         m = tl.arange(0, KP)
         do = tl.load(do_ptr + base + rows[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
