@@ -123,3 +123,18 @@ def test_sentence_order_task():
     unrelated = [e for e in all_variants if e["label"] == 2 and e["premise"] == "First sentence here."][0]
     assert unrelated["hypothesis"] in ("Another document talks.", "About other things entirely.")
     assert len(sentence_order_examples(docs, seed=0)) == 3
+
+
+def test_next_sentence_task():
+    from hf_partial_attention.training.pair_task import next_sentence_examples
+
+    docs = [["First sentence here. Second one follows it. A third sentence ends."],
+            ["Another document talks. About other things entirely."]]
+    examples = next_sentence_examples(docs, seed=0, all_variants=True)
+    assert len(examples) == 3 * 2 and sorted({e["label"] for e in examples}) == [0, 1]
+    following = [(e["premise"], e["hypothesis"]) for e in examples if e["label"] == 0]
+    assert following == [("First sentence here.", "Second one follows it."),
+                         ("Second one follows it.", "A third sentence ends."),
+                         ("Another document talks.", "About other things entirely.")]
+    unrelated = [e for e in examples if e["label"] == 1 and e["premise"] == "First sentence here."][0]
+    assert unrelated["hypothesis"] in ("Another document talks.", "About other things entirely.")

@@ -54,7 +54,7 @@ class StudyArguments:
         "help": "Hub text dataset for MLM (default: Python's own English prose, offline)."})
     pretrain_dataset_config_name: str | None = None
     pretrain_train_file: str | None = None
-    task: str = field(default="sentence_order", metadata={"choices": ("sentence_order", "mnli")})
+    task: str = field(default="next_sentence", metadata={"choices": ("next_sentence", "sentence_order", "mnli")})
     finetune_dataset_name: str = "nyu-mll/glue"
     finetune_dataset_config_name: str = "mnli"
     finetune_train_file: str | None = None
@@ -259,6 +259,8 @@ def _finetune_arm(a, store, data, arm, seed, convert) -> dict:
         build = lambda: PartialBertForSequenceClassification.from_pretrained(  # noqa: E731
             store.model_dir(f"mlm_{arm}"), num_labels=labels, partial_implementation="auto")
     model = seeded(seed, build)
+    # MLM checkpoints have no pooler: every arm gets the start model's pretrained one (the same weights for all)
+    model.bert.pooler.load_state_dict(data.pooler)
     out = store.model_dir(f"ft_{arm}_s{seed}")
     result = finetune(model, data.tokenizer, data.pairs["train"], data.pairs["validation"], out, a.finetune_steps,
                       a.finetune_batch_size, a.finetune_learning_rate, seed, bf16=a.bf16,

@@ -15,6 +15,7 @@ from typing import Any
 __all__ = ["StudyData", "load_study_data", "split_documents", "TASK_DESCRIPTION"]
 
 TASK_DESCRIPTION = {
+    "next_sentence": "next-sentence prediction (next / unrelated) on CPython's English prose",
     "sentence_order": "sentence order (next / previous / unrelated) on CPython's English prose",
     "mnli": "MNLI",
 }
@@ -30,6 +31,7 @@ class StudyData:
     labels: tuple[str, ...]
     corpus: str
     sizes: dict
+    pooler: dict  # the start model's pooler weights (fine-tuning heads start from them)
 
 
 def split_documents(documents: list, train_every: int) -> tuple[list, list]:
@@ -48,7 +50,9 @@ def load_study_data(a) -> StudyData:
     from ..analysis.demo import resolve_model
     from ..training import MlmDataArguments, MnliDataArguments, group_into_windows, load_mnli, load_text_datasets
     from ..training import tokenize_pairs
-    from ..training.pair_task import PAIR_LABELS, sentence_order_examples, stdlib_docstring_documents
+    from ..training.pair_task import (
+        NEXT_SENTENCE_LABELS, PAIR_LABELS, next_sentence_examples, sentence_order_examples, stdlib_docstring_documents,
+    )
 
     path, hub_id = resolve_model(a.model_name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -76,10 +80,10 @@ def load_study_data(a) -> StudyData:
     else:
         if prose is None:
             prose = split_documents(pydoc_paragraphs() + stdlib_docstring_documents(), a.train_every)
-        pairs_raw = DatasetDict(
-            train=Dataset.from_list(sentence_order_examples(prose[0], seed=a.seed, all_variants=True)),
-            validation=Dataset.from_list(sentence_order_examples(prose[1], seed=a.seed + 1)))
-        labels = PAIR_LABELS
+        make, labels = ((next_sentence_examples, NEXT_SENTENCE_LABELS) if a.task == "next_sentence" else
+                        (sentence_order_examples, PAIR_LABELS))
+        pairs_raw = DatasetDict(train=Dataset.from_list(make(prose[0], seed=a.seed, all_variants=True)),
+                                validation=Dataset.from_list(make(prose[1], seed=a.seed + 1)))
     if a.max_finetune_eval:
         pairs_raw["validation"] = pairs_raw["validation"].select(range(min(a.max_finetune_eval,
                                                                            len(pairs_raw["validation"]))))
@@ -87,4 +91,17 @@ def load_study_data(a) -> StudyData:
     lengths = [len(x) for x in pairs["validation"]["input_ids"]]
     pairs["validation"] = pairs["validation"].add_column("length", lengths).sort("length").remove_columns("length")
     sizes = {"mlm_windows": {k: len(v) for k, v in windows.items()}, "pairs": {k: len(v) for k, v in pairs.items()}}
-    return StudyData(path, hub_id or a.model_name_or_path, tokenizer, windows, pairs, labels, corpus, sizes)
+    pooler = _start_pooler(path)
+    return StudyData(path, hub_id or a.model_name_or_path, tokenizer, windows, pairs, labels, corpus, sizes, pooler)
+
+
+def _start_pooler(path: str) -> dict:
+    """The pooler of the start model (a freshly initialised one, logged, if its checkpoint has none)."""
+    import logging
+
+    from transformers import BertModel
+
+    model, info = BertModel.from_pretrained(path, output_loading_info=True)
+    if any(key.startswith("pooler.") for key in info["missing_keys"]):
+        logging.getLogger(__name__).warning("%s has no pooler weights: fine-tuning starts from a new one.", path)
+    return {k: v.clone() for k, v in model.pooler.state_dict().items()}

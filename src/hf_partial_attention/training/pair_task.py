@@ -21,9 +21,11 @@ import random
 import re
 import sysconfig
 
-__all__ = ["PAIR_LABELS", "stdlib_docstring_documents", "split_sentences", "sentence_order_examples"]
+__all__ = ["PAIR_LABELS", "NEXT_SENTENCE_LABELS", "stdlib_docstring_documents", "split_sentences",
+           "sentence_order_examples", "next_sentence_examples"]
 
 PAIR_LABELS = ("next", "previous", "unrelated")
+NEXT_SENTENCE_LABELS = ("next", "unrelated")  # BERT's next-sentence prediction
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z(\"'])")
 _SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "ensurepip", "turtledemo",
               "__pycache__", "tkinter"}
@@ -68,7 +70,15 @@ def split_sentences(paragraph: str, min_words: int = 3) -> list[str]:
     return [s for s in _SENTENCE_END.split(paragraph) if len(s.split()) >= min_words]
 
 
-def sentence_order_examples(documents: list[list[str]], seed: int = 0, all_variants: bool = False) -> list[dict]:
+def next_sentence_examples(documents: list[list[str]], seed: int = 0, all_variants: bool = False) -> list[dict]:
+    """Next-sentence prediction (2 classes, as in BERT's pretraining): ``next`` (A, B) with B following A in its
+    paragraph, ``unrelated`` (A, C) with C a sentence of another document. Same draws as
+    `sentence_order_examples`, without the ``previous`` class."""
+    return sentence_order_examples(documents, seed, all_variants, classes=(0, 2))
+
+
+def sentence_order_examples(documents: list[list[str]], seed: int = 0, all_variants: bool = False,
+                            classes: tuple[int, ...] = (0, 1, 2)) -> list[dict]:
     """Examples ``{"premise", "hypothesis", "label"}`` from every consecutive sentence pair of every paragraph.
 
     Args:
@@ -76,6 +86,7 @@ def sentence_order_examples(documents: list[list[str]], seed: int = 0, all_varia
         seed: the draws of labels and unrelated sentences.
         all_variants: emit all three labels per pair (training: more signal from little text) instead of
             one label drawn per pair (evaluation: independent examples, balanced in expectation).
+        classes: the labels of `PAIR_LABELS` to emit; the emitted labels are renumbered 0, 1, ... in this order.
     """
     if len(documents) < 2:
         raise ValueError(f"Need at least 2 documents for 'unrelated' pairs, got {len(documents)}.")
@@ -88,7 +99,8 @@ def sentence_order_examples(documents: list[list[str]], seed: int = 0, all_varia
             for a, b in zip(sents, sents[1:]):
                 other = rng.choice([i for i in range(len(sentences)) if i != d and sentences[i]])
                 c = rng.choice(sentences[other])
-                variants = [(a, b, 0), (b, a, 1), (a, c, 2)]
+                every = [(a, b, 0), (b, a, 1), (a, c, 2)]
+                variants = [(p, h, classes.index(label)) for p, h, label in every if label in classes]
                 for premise, hypothesis, label in (variants if all_variants else [rng.choice(variants)]):
                     examples.append({"premise": premise, "hypothesis": hypothesis, "label": label})
     return examples
