@@ -51,13 +51,17 @@ def test_verdicts_follow_the_numbers():
            "k8_common": {**_window([22, 23, 21, 22]), "converted": converted},  # beats fixed
            "k16_fixed": {**_window([25, 26, 24, 25]), "converted": converted},
            "k16_common": {**_window([25, 26, 24.1, 25]), "converted": converted}}  # = fixed within noise
-    runs = [{"accuracy": 0.5, "correct": "1100"}, {"accuracy": 0.5, "correct": "1100"}]
+    runs = [{"accuracy": 0.5, "correct": "10" * 20}, {"accuracy": 0.5, "correct": "01" * 20}]
     ft = {arm: runs for arm in mlm}
     v = verdicts([8, 16], ["fixed", "common"], mlm, phase1, ft)
     assert v["a"]["verdict"] == "supported"
-    assert v["b"]["verdict"] == "supported"
+    assert v["b"]["verdict"] == "partly supported"  # k8_fixed: gap 2.05 -> 1.125 nats, 45 % recovered (< half)
     assert v["c"]["verdict"] == "partly supported"  # k = 8 yes, k = 16 not distinguishable
     assert v["d"]["verdict"] == "not run"  # no per_layer arms
+    worse = [{"accuracy": 0.0, "correct": "0" * 40}, {"accuracy": 0.025, "correct": "0" * 39 + "1"}]
+    v = verdicts([8, 16], ["fixed", "common"], mlm, phase1, {**ft, "k8_common": worse})
+    assert v["b"]["verdict"].endswith("the accuracy is not recovered (1 of 4 arms below the exact arm by more than "
+                                      "twice the standard error)")
     mlm["k8_common"] = {**_window([35, 36, 34, 36]), "converted": converted}  # now worse than fixed
     assert verdicts([8, 16], ["fixed", "common"], mlm, phase1, ft)["c"]["verdict"] == "mixed"
 
