@@ -13,7 +13,7 @@ import torch
 
 from ..cost import score_cost
 from .table1_data import TASK_DESCRIPTION
-from .table1_stats import accuracy_summary, mlm_loss, verdicts
+from .table1_stats import MIN_EFFECT_NATS, accuracy_summary, mlm_loss, verdicts
 
 __all__ = ["write_report", "render"]
 
@@ -135,7 +135,8 @@ def render(report: dict) -> str:
         "on the same held-out windows and masks for every arm. R drift: ‖R − R₀‖/‖R₀‖ after phase 2.", "",
         "## Verdicts", "",
         "A difference counts when it exceeds twice its standard error (MLM: paired over held-out windows; "
-        "accuracy: seeds and examples). MLM losses decide; accuracies are shown beside them.", "",
+        f"accuracy: seeds and examples) and {MIN_EFFECT_NATS} nats (MLM) or 1 point (accuracy). MLM losses decide; "
+        "accuracies are shown beside them.", "",
         *verdict_lines, "",
         f"## Cost: measured time at B = {t['batch']}, n = {t['n']} (medians of {t['repeats']} interleaved repeats)",
         "", "Partial models run the `auto` kernel in their partial layers and the named attention in the exact "

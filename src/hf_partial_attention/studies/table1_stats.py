@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["mlm_loss", "paired_loss_difference", "accuracy_summary", "accuracy_difference", "verdicts"]
+__all__ = ["mlm_loss", "paired_loss_difference", "accuracy_summary", "accuracy_difference", "verdicts",
+           "MIN_EFFECT_NATS"]
 
 
 def mlm_loss(result: dict[str, list[float]]) -> float:
@@ -63,9 +64,15 @@ def accuracy_difference(runs_a: list[dict], runs_b: list[dict]) -> tuple[float, 
     return sa["mean"] - sb["mean"], math.sqrt(seed_var + example_var)
 
 
-def _verdict(diff: float, se: float, better_when_negative: bool = True) -> str:
+# Smallest MLM-loss difference (nats per token) that counts as an effect: below it two arms are the same model
+# for practical purposes, however small the standard error (R that barely moves gives 1e-4-nat differences that
+# are many standard errors wide).
+MIN_EFFECT_NATS = 0.01
+
+
+def _verdict(diff: float, se: float, better_when_negative: bool = True, floor: float = MIN_EFFECT_NATS) -> str:
     """'supported' / 'contradicted' / 'not distinguishable' for a claim that `diff` is below (or above) zero."""
-    if abs(diff) <= 2 * se or abs(diff) < 1e-9:  # (a zero difference with a zero error decides nothing)
+    if abs(diff) <= max(2 * se, floor):
         return "not distinguishable"
     return "supported" if (diff < 0) == better_when_negative else "contradicted"
 
@@ -116,7 +123,7 @@ def verdicts(ks: list[int], modes: list[str], mlm: dict[str, dict], phase1: dict
         vote = _verdict(shrink, se)
         votes.append("partly supported" if vote == "supported" and not recovered >= 0.5 else vote)
         acc = accuracy_difference(finetune[arm], finetune["exact"])
-        if acc[0] < -2 * acc[1]:
+        if acc[0] < -max(2 * acc[1], 0.01):  # more than twice its error, and more than one point
             acc_lost.append(arm)
         lines.append(f"{arm}: MLM gap to exact {before:.4f} → {after:.4f} nats ({100 * recovered:.0f} % recovered; "
                      f"change {_fmt(shrink, se)}); accuracy − exact {_fmt(*acc, 'acc')}")
