@@ -182,8 +182,9 @@ def _kernels():
     return triton, forward, backward
 
 
-def _pow2(x: int, low: int = 16) -> int:
-    return max(low, 1 << (int(x) - 1).bit_length())
+def _pow2(x: int) -> int:
+    """The next power of two (tl.arange needs one): the kernels mask the padded key slots."""
+    return 1 << (int(x) - 1).bit_length()
 
 
 def _strides(t: torch.Tensor | None, dims: int) -> list[int]:
@@ -209,7 +210,7 @@ class _TritonPartial(torch.autograd.Function):
                   t, heads, kk, scaling, t * d, idx.stride(0), w.stride(0), w.stride(1),
                   bias_full.stride(0) if bias_full is not None else 0, *_strides(add_mask, 4)[:3],
                   *_strides(msel, 4), HAS_BIAS=bias_full is not None, HAS_MASK=add_mask is not None,
-                  HAS_MSEL=msel is not None, D=d, KP=_pow2(kk, 1), BLOCK_M=block_m, BLOCK_N=block_n,
+                  HAS_MSEL=msel is not None, D=d, KP=_pow2(kk), BLOCK_M=block_m, BLOCK_N=block_n,
                   DOT_F32=_INTERPRETED)
         ctx.save_for_backward(q, k, v, w, bias_full, add_mask, msel, idx, out, lse)
         ctx.scaling, ctx.blocks = scaling, blocks
@@ -234,7 +235,7 @@ class _TritonPartial(torch.autograd.Function):
                   t, heads, idx.shape[1], ctx.scaling, t * d, idx.stride(0), w.stride(0), w.stride(1),
                   bias_full.stride(0) if bias_full is not None else 0, *_strides(add_mask, 4)[:3],
                   *_strides(msel, 4), HAS_BIAS=bias_full is not None, HAS_MASK=add_mask is not None,
-                  HAS_MSEL=msel is not None, D=d, KP=_pow2(idx.shape[1], 1), BLOCK_M=block_m, BLOCK_N=block_n)
+                  HAS_MSEL=msel is not None, D=d, KP=_pow2(idx.shape[1]), BLOCK_M=block_m, BLOCK_N=block_n)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dw.to(w.dtype),
                 dbias.to(bias_full.dtype) if bias_full is not None else None, None, None, None, None, None)
 

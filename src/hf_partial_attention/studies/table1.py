@@ -89,9 +89,11 @@ class StudyArguments:
     progress: bool = True
 
     def __post_init__(self):
-        for name in ("phase1_steps", "arm_steps", "finetune_steps", "covariance_windows", "mlm_eval_windows"):
+        for name in ("phase1_steps", "covariance_windows", "mlm_eval_windows"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}.")
+        if self.arm_steps < 1:  # phase 2 is the study: every fine-tuning arm starts from its checkpoint
+            raise ValueError(f"arm_steps must be >= 1 (phase 2 trains each arm), got {self.arm_steps}.")
         if self.finetune_steps < 1 or not self.seeds:
             raise ValueError("Fine-tuning needs finetune_steps >= 1 and at least one seed in --finetune_seeds.")
         bad = [m for m in self.mode_list if m not in ("fixed", "common", "per_layer")]
@@ -224,14 +226,14 @@ def run_table1(a: StudyArguments, argv: list[str] | None = None) -> dict:
                           **mlm_window_losses(model, data.tokenizer, data.windows["validation"], a.seed))
             return result
 
-        job(f"mlm_{arm}", mlm_arm) if a.arm_steps else None
+        job(f"mlm_{arm}", mlm_arm)
 
     for arm in ft_arms:
         for seed in a.seeds:
             job(f"ft_{arm}_s{seed}", lambda arm=arm, seed=seed: _finetune_arm(a, store, data, arm, seed, convert))
     job("timing", lambda: _timing(a, data, convert))
     bar.close()
-    return write_report(a, store, data, command, pattern_of)
+    return write_report(a, store, data, command)
 
 
 def _job_names(a: StudyArguments) -> list[str]:

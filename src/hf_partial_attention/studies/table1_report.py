@@ -24,7 +24,7 @@ def _arm_k_mode(name: str) -> tuple[int | None, str]:
     return _parse_arm(name)
 
 
-def collect(a, store, data, command: str, pattern_of: dict) -> dict[str, Any]:
+def collect(a, store, data, command: str) -> dict[str, Any]:
     """Everything the report shows, from the finished jobs."""
     from .table1 import _job_names, arm_names
 
@@ -186,8 +186,8 @@ def write_cards(a, store, data, report: dict) -> list[str]:
 
 
 
-def write_report(a, store, data, command: str, pattern_of: dict) -> dict:
-    report = collect(a, store, data, command, pattern_of)
+def write_report(a, store, data, command: str) -> dict:
+    report = collect(a, store, data, command)
     os.makedirs(a.output_dir, exist_ok=True)
     with open(os.path.join(a.output_dir, "table1.json"), "w") as f:
         json.dump(report, f, indent=1)
