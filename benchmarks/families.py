@@ -30,15 +30,18 @@ from timing import command_line  # noqa: E402
 
 KERNEL = {"per_query": "QKᵀ then select (every row its own keys)", "columns": "one GEMM (keys shared by all rows)",
           "blocks": "one GEMM per block of 32 rows", "windows": "one GEMM per block (block-local windows)",
-          "bands": "QKᵀ then select (no band kernel yet)"}
+          "bands": "QKᵀ then select (no band kernel yet)",
+          "shared_blocks": "tiled: one GEMM per block for exact scores and for R (block shares P and R)"}
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("analysis_dir", help="folder with covariance.safetensors and heldout_windows.safetensors")
     parser.add_argument("--ks", type=int, nargs="+", default=[16, 24, 32])
-    parser.add_argument("--families", nargs="+", default=["per_query", "blocks", "windows", "columns", "bands"],
-                        choices=FAMILIES)
+    parser.add_argument("--families", nargs="+",
+                        default=["per_query", "blocks", "windows", "columns", "bands", "shared_blocks"], choices=FAMILIES)
+    parser.add_argument("--shared-block-rows", type=int, nargs="+", default=[32, 16],
+                        help="rows per block sharing P and R, for family shared_blocks (one row each)")
     parser.add_argument("--max-heldout", type=int, default=None, help="use at most this many held-out windows")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
@@ -51,6 +54,11 @@ def main(argv: list[str] | None = None) -> dict:
         for family in args.families:
             if family == "windows" and n % k:
                 continue  # block-local windows of k rows need k | n
+            if family == "shared_blocks":
+                for block in args.shared_block_rows:
+                    patterns[(f"shared_blocks_{block}", k)] = select_pattern(cov, k, "per_query", family=family,
+                                                                            block_rows=block)
+                continue
             patterns[(family, k)] = select_pattern(cov, k, "per_query", family=family)
     windows = load_file(str(folder / HELDOUT_FILE))["input_ids"]
     if args.max_heldout:
@@ -60,7 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
     run_windows(model, windows, meter.sink, desc="held-out")
     measured = meter.results()
     for (family, k), p in patterns.items():
-        rows.append({"family": family, "k": k, "exact kernel": KERNEL[family], "predicted": p.normalized_error,
+        rows.append({"family": family, "k": k, "exact kernel": KERNEL[family.rstrip("_0123456789")], "predicted": p.normalized_error,
                      "heldout": measured[(family, k)]["normalized_error"],
                      "heldout_shift": measured[(family, k)]["normalized_error_shift"]})
     result = {"command": command_line("families.py", argv if argv is not None else sys.argv[1:]),

@@ -10,7 +10,9 @@ same candidate at every step, and each candidate maps to a key per row (docs/met
 - ``"blocks"``: consecutive rows in blocks of ``block_rows`` (default gcd(n, 32)) share one key set;
 - ``"bands"``: diagonal offsets shared by every query, P_i = {(i + o) mod n : o ∈ O} [ours: circular at the
   edges, so every row keeps exactly k distinct keys];
-- ``"windows"``: no greedy: block-local windows, rows of block b (k rows each) compute the keys of block b.
+- ``"windows"``: no greedy: block-local windows, rows of block b (k rows each) compute the keys of block b;
+- ``"shared_blocks"``: blocks of ``block_rows`` rows share P *and* R (`shared_rows`): the greedy and eq. 7 run
+  on each block's pooled covariance, and the `tiled` kernel runs it as plain matrix products.
 
 `error_curve` gives Fig. 9's greedy error against its eigenvector reference and the cost model (`..cost`).
 Equal-cost baselines (other choices of P at the same cost) are in `baselines`, built on `fit_pattern`.
@@ -30,6 +32,7 @@ from ..pattern import AttentionPattern
 from ..reconstruction import solve_reconstruction
 from ._threads import single_thread
 from .covariance import ScoreCovariance
+from .shared_rows import fit_shared_blocks, pooled_blocks
 from .spectra import eigh_desc, top_eigh
 
 logger = logging.getLogger(__name__)
@@ -37,7 +40,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["FAMILIES", "OBJECTIVES", "covariance_for", "greedy_select", "family_constraint", "window_indices",
            "objective_metric", "fit_pattern", "select_pattern", "select_patterns", "error_curve"]
 
-FAMILIES = ("per_query", "columns", "blocks", "bands", "windows")
+FAMILIES = ("per_query", "columns", "blocks", "bands", "windows", "shared_blocks")
 OBJECTIVES = ("paper", "shift", "fisher")
 SCOPES = ("per_query", "whole")
 
@@ -173,9 +176,10 @@ def _block_rows(n: int, block_rows: int | None) -> int:
 
 def family_constraint(n: int, family: str, block_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(groups (n,), candidates (n, c))`` for `greedy_select` that make its P belong to ``family``."""
-    if family not in FAMILIES or family == "windows":
-        raise ValueError(f"family must be one of {tuple(f for f in FAMILIES if f != 'windows')} for the greedy, "
-                         f"got {family!r} (windows are fixed: see window_indices).")
+    if family not in FAMILIES or family in ("windows", "shared_blocks"):
+        raise ValueError(f"family must be one of {tuple(f for f in FAMILIES if f not in ('windows', 'shared_blocks'))}"
+                         f" for a constrained per-row greedy, got {family!r} (windows are fixed: see window_indices; "
+                         "shared_blocks run the greedy on pooled blocks: see select_patterns).")
     keys = torch.arange(n).expand(n, n)
     if family == "per_query":
         return torch.arange(n), keys
@@ -312,6 +316,10 @@ def select_patterns(cov, ks, scope: str = "per_query", *, family: str = "per_que
         raise ValueError(f"k must be in [1, {l}] for scope={scope!r} at this seq_len, got k={ks}.")
     if objective != "paper" and scope != "per_query":
         raise ValueError(f"objective={objective!r} is defined for per-query rows; use scope='per_query'.")
+    if family == "shared_blocks":
+        if objective != "paper":
+            raise ValueError(f"family='shared_blocks' selects with objective='paper' only, got {objective!r}.")
+        return _select_shared(cov, prepared, ks, block_rows, bias, ridge, layer, head, metadata)
     metric = objective_metric(objective, c.shape[0], prepared[1]) if scope == "per_query" else None
     if family != "windows":
         picks, path = _greedy(c, ks[-1], scope, family, block_rows, metric, order=True)  # (..., k_max) each
@@ -334,6 +342,29 @@ def select_patterns(cov, ks, scope: str = "per_query", *, family: str = "per_que
         meta.update(metadata or {})
         patterns[k] = fit_pattern(cov, indices, scope, centered=prepared[2], bias=bias, mean=mean, ridge=ridge,
                                   layer=layer, head=head, metadata=meta, _prepared=prepared)
+    return patterns
+
+
+def _select_shared(cov, prepared, ks, block_rows, bias, ridge, layer, head, metadata) -> dict[int, AttentionPattern]:
+    """`select_patterns` for ``family="shared_blocks"``: greedy and R on each block's pooled covariance."""
+    c, mu, centered = prepared
+    bias = centered if bias is None else bias
+    n = c.shape[0]
+    rows = _block_rows(n, block_rows)
+    with single_thread(True):
+        picks, path = greedy_select(pooled_blocks(c, rows), ks[-1], order=True)  # (n / rows, k_max) each
+    total = _trace(c)
+    patterns = {}
+    for k in ks:
+        meta: dict[str, Any] = {"method": "greedy_shared_blocks", "k": k, "family": "shared_blocks",
+                                "greedy_normalized_error": float(path[:, k - 1].sum()) / total, "scope": "per_query",
+                                "covariance": "centered" if centered else "second_moment", "ridge": ridge,
+                                "total_variance": total}
+        if isinstance(cov, ScoreCovariance):
+            meta.update(source_model=cov.metadata.get("model", ""), source_model_id=cov.metadata.get("model_id", ""),
+                        num_sequences=cov.num_sequences, layer=layer, head=head)
+        meta.update(metadata or {})
+        patterns[k] = fit_shared_blocks(c, mu, picks[:, :k], rows, bias=bias, ridge=ridge, total=total, meta=meta)
     return patterns
 
 
