@@ -382,3 +382,57 @@ def test_incremental_greedy_equals_the_explicit_update(family, objective):
         ref_idx, ref_residual = _explicit_greedy(cov, k, groups, candidates, metric)
         assert torch.equal(idx, ref_idx)
         torch.testing.assert_close(residual, ref_residual, rtol=1e-9, atol=1e-12)
+
+
+# ---------------------------------------------------------------- shared_blocks: P and R shared by blocks of rows
+def _shared_error(cov, idx, recon):
+    """Σ_i E‖a_P̄ − R_i a_P‖² from the per-row covariances, written out (no solver)."""
+    from hf_partial_attention.reconstruction import complement_indices
+
+    total = 0.0
+    for i in range(cov.shape[0]):
+        p, c = idx[i], complement_indices(idx[i], cov.shape[0])
+        ci, r = cov[i], recon[i]
+        total += float(torch.trace(ci[c][:, c]) - 2 * torch.trace(r @ ci[p][:, c]) + torch.trace(r @ ci[p][:, p] @ r.T))
+    return total
+
+
+def test_shared_blocks_share_p_and_r_and_r_is_optimal_for_the_block():
+    from hf_partial_attention.tiled_kernel import shared_rows
+
+    cov = per_query_cov(12, seed=4)
+    pattern = select_pattern(cov, 3, family="shared_blocks", block_rows=4)
+    assert shared_rows(pattern.indices, pattern.reconstruction) == 4
+    recon = pattern.reconstruction.to(torch.float64)
+    best = _shared_error(cov, pattern.indices, recon)
+    total = float(torch.diagonal(cov, dim1=-2, dim2=-1).sum())
+    assert pattern.normalized_error == pytest.approx(best / total, rel=1e-4)
+    g = torch.Generator().manual_seed(1)
+    for block in range(3):  # moving one block's shared R in any direction costs error
+        delta = torch.zeros_like(recon)
+        delta[4 * block: 4 * block + 4] = 1e-2 * torch.randn(recon.shape[1:], generator=g, dtype=torch.float64)
+        assert _shared_error(cov, pattern.indices, recon + delta) > best
+    # one R per block can only cost error against one R per row with the same P
+    assert best >= _total_error(cov, pattern.indices) - 1e-9
+
+
+def test_shared_blocks_of_one_row_are_the_per_query_greedy():
+    cov = per_query_cov(8, seed=2)
+    one = select_pattern(cov, 3, family="shared_blocks", block_rows=1)
+    ref = select_pattern(cov, 3, family="per_query")
+    assert torch.equal(one.indices, ref.indices)
+    torch.testing.assert_close(one.reconstruction, ref.reconstruction)
+
+
+def test_shared_blocks_keep_each_rows_bias():
+    cov = per_query_cov(8, seed=3)
+    mean = torch.randn(8, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    pattern = select_pattern(cov, 2, family="shared_blocks", block_rows=4, centered=True, mean=mean, bias=True)
+    from hf_partial_attention.reconstruction import complement_indices
+
+    comp = complement_indices(pattern.indices, 8)
+    r = pattern.reconstruction.to(torch.float64)
+    want = mean.gather(-1, comp) - (r @ mean.gather(-1, pattern.indices).unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(pattern.bias.to(torch.float64), want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="objective='paper'"):
+        select_pattern(cov, 2, family="shared_blocks", objective="shift")

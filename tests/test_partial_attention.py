@@ -168,13 +168,15 @@ def test_gradcheck_fused_blocks():
 
 
 def test_auto_implementation_choice():
-    from hf_partial_attention.partial_attention import auto_implementation
+    """The committed rule (auto_rule.RULE) answers for each structure with a kernel that runs it."""
+    from hf_partial_attention.auto_rule import RULE, auto_implementation
+    from hf_partial_attention.partial_attention import PARTIAL_KERNELS
 
-    blocks, _ = structured_patterns()["blocks"]
-    per_query = random_pattern(8, 2, seed=11)
-    assert auto_implementation(PatternLayout.from_indices(blocks), head_dim=1) == "fused"
-    assert auto_implementation(PatternLayout.from_indices(per_query), head_dim=4) == "fused"
-    assert auto_implementation(PatternLayout.from_indices(per_query), head_dim=2) == "dense"
+    kernels = {auto_implementation(n, k, 64, rows, shared, mode)
+               for n in (128, 512) for k in (16, 32, 64) for rows, shared in ((None, 1), (32, 1), (32, 32))
+               for mode in ("inference", "training")}
+    assert kernels <= set(PARTIAL_KERNELS) - {"triton", "gather"}
+    assert {c["kernel"] for c in RULE["cells"]} <= set(PARTIAL_KERNELS)
 
 
 def test_frozen_r_builds_w_once_and_notices_changes(monkeypatch):

@@ -12,7 +12,7 @@ from transformers import BertConfig
 
 RECONSTRUCTION_MODES = ("fixed", "common", "per_layer")
 # The kernels of `partial_attention.PARTIAL_KERNELS`, plus "auto"; named here so a config can be checked early.
-PARTIAL_IMPLEMENTATIONS = ("auto", "gather", "dense", "fused", "triton")
+PARTIAL_IMPLEMENTATIONS = ("auto", "gather", "dense", "fused", "tiled", "triton")
 # The layout of P and R in model.safetensors and of these fields; a checkpoint of a newer format is refused.
 # 1: hf-partial-attention 0.1.x (0.1.0 wrote no version: read as 1).
 CHECKPOINT_FORMAT_VERSION = 1

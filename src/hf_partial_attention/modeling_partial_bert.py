@@ -92,8 +92,22 @@ class PartialBertSelfAttention(BertSelfAttention):
         name = attention_function_name(self.config.partial_implementation)
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS[name]
         out, probs = attention_interface(self, query, key, value, attention_mask, scaling=self.scaling,
-                                         dropout=self.dropout.p if self.training else 0.0)
+                                         dropout=self.dropout.p if self.training else 0.0,
+                                         need_weights=_attention_weights_requested(self.config, kwargs))
         return out.reshape(*input_shape, -1).contiguous(), probs  # (B, T, H·D)
+
+
+def _attention_weights_requested(config, kwargs: dict) -> bool:
+    """Whether this forward returns attention maps (``output_attentions`` in the call or the config, or an active
+    transformers output recorder that collects them): only then must a kernel write the n×n probabilities."""
+    if kwargs.get("output_attentions") or getattr(config, "output_attentions", False):
+        return True
+    try:  # transformers' recorder of `output_*` (private: if it moves, keep returning the maps)
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        return True
+    collected = _active_collector.get()
+    return bool(collected) and "attentions" in collected
 
 
 def _install_partial_attention(encoder: BertEncoder, config: PartialBertConfig) -> None:

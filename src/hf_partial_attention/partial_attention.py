@@ -20,8 +20,10 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .auto_rule import auto_implementation
 from .configuration_partial_bert import PARTIAL_IMPLEMENTATIONS
 from .reconstruction import complement_indices, inverse_permutation
+from .tiled_kernel import shared_rows, tiled_attention
 
 __all__ = [
     "PatternLayout",
@@ -51,17 +53,6 @@ def block_rows(indices: torch.Tensor) -> int | None:
         if bool((blocks == blocks[:, :1]).all()):
             return rows
     return None
-
-
-def auto_implementation(layout: "PatternLayout", head_dim: int) -> str:
-    """The kernel ``partial_implementation="auto"`` runs (from benchmarks/results on a 2-core CPU).
-
-    ``fused`` was fastest for structured patterns at every k and for per-query patterns with k < head_dim;
-    with k >= head_dim a per-query pattern's [I|R] product (n·k multiply-adds per query) outweighs QKᵀ, and
-    ``dense`` was faster.
-    """
-    k = layout.indices.shape[1]
-    return "fused" if layout.block_rows is not None or k < head_dim else "dense"
 
 
 class PatternLayout(NamedTuple):
@@ -238,7 +229,8 @@ def _softmax_times_value(module, scores, additive, value, dropout):
 def _scatter_kernel(exact_impl: str):
     """Exact scores by ``exact_impl``, full rows by concatenation and one gather into key order."""
 
-    def kernel(module, query, key, value, attention_mask, layout, reconstruction, bias, scaling, dropout):
+    def kernel(module, query, key, value, attention_mask, layout, reconstruction, bias, scaling, dropout,
+               need_weights=True):
         exact, additive = _exact_masked(query, key, attention_mask, layout, scaling, exact_impl)
         scores = reconstruct_scores(exact, reconstruction.to(exact.dtype),
                                     None if bias is None else bias.to(exact.dtype), layout.inverse_permutation)
@@ -249,19 +241,24 @@ def _scatter_kernel(exact_impl: str):
     return kernel
 
 
-def _fused_kernel(module, query, key, value, attention_mask, layout, reconstruction, bias, scaling, dropout):
+def _bias_full(layout: "PatternLayout", bias: torch.Tensor | None, dtype: torch.dtype, device) -> torch.Tensor | None:
+    """The bias ``(n, n−k)`` scattered to key order ``(n, n)`` (zero at P), or None."""
+    if bias is None:
+        return None
+    n = layout.indices.shape[0]
+    full = torch.zeros(n, n, dtype=dtype, device=device)
+    return full.scatter(-1, layout.complement, bias.to(dtype))  # (n, n) in key order
+
+
+def _fused_kernel(module, query, key, value, attention_mask, layout, reconstruction, bias, scaling, dropout,
+                  need_weights=True):
     """Exact part by block GEMMs when rows share keys (else QKᵀ then select), full rows by one batched matmul
     with ``W_i = [I at P_i | R_iᵀ at P̄_i]`` (no scatter)."""
     exact_impl = "blocks" if layout.block_rows is not None else "dense"
     exact, additive = _exact_masked(query, key, attention_mask, layout, scaling, exact_impl)
     b, h, t, k = exact.shape
-    n = layout.indices.shape[0]
-    complement = layout.complement
     w = _reconstruction_matrix_for(layout, reconstruction, exact.dtype)  # (n, k, n)
-    bias_full = None
-    if bias is not None:
-        bias_full = torch.zeros(n, n, dtype=exact.dtype, device=exact.device)
-        bias_full = bias_full.scatter(-1, complement, bias.to(exact.dtype))  # (n, n) in key order
+    bias_full = _bias_full(layout, bias, exact.dtype, exact.device)
     scores = _fused_scores(exact, w, bias_full, t).view(t, b, h, t)  # (T, B, H, T)
     if additive is not None:
         scores = scores + additive.permute(2, 0, 1, 3)  # (T, B|1, 1|H, T)
@@ -272,7 +269,21 @@ def _fused_kernel(module, query, key, value, attention_mask, layout, reconstruct
     return out.transpose(1, 2).contiguous(), probs
 
 
-def _triton_kernel(module, query, key, value, attention_mask, layout, reconstruction, bias, scaling, dropout):
+def _tiled_kernel(module, query, key, value, attention_mask, layout, reconstruction, bias, scaling, dropout,
+                  need_weights=True):
+    """Exact part as in `_fused_kernel`; then `tiled_kernel.tiled_attention` over the blocks of rows that share
+    P and R (`shared_rows`; blocks of one row when none do)."""
+    exact_impl = "blocks" if layout.block_rows is not None else "dense"
+    exact, additive = _exact_masked(query, key, attention_mask, layout, scaling, exact_impl)  # (B, H, T, k)
+    rows = shared_rows(layout.indices, reconstruction)
+    w = _reconstruction_matrix_for(layout, reconstruction, exact.dtype)  # (n, k, n)
+    bias_full = _bias_full(layout, bias, exact.dtype, exact.device)
+    return tiled_attention(query, key, value, exact, additive, w, bias_full, rows, dropout=dropout,
+                           training=module.training, need_weights=need_weights)
+
+
+def _triton_kernel(module, query, key, value, attention_mask, layout, reconstruction, bias, scaling, dropout,
+                   need_weights=True):
     """The fused Triton kernel (`triton_kernel`): the n×n scores never reach memory; GPUs, or CPU under
     ``TRITON_INTERPRET=1``. Returns no attention map (like SDPA)."""
     from .triton_kernel import triton_partial_attention
@@ -292,10 +303,7 @@ def _triton_kernel(module, query, key, value, attention_mask, layout, reconstruc
         masked_at_p = masked.gather(-1, layout.indices[:t].expand(*masked.shape[:2], t, k))  # (B|1, 1|H, T, k)
         additive = additive if additive.stride(-1) == 1 else additive.contiguous()
     w = _reconstruction_matrix_for(layout, reconstruction, torch.float32)  # (n, k, n), float32 whatever the input
-    bias_full = None
-    if bias is not None:
-        bias_full = torch.zeros(n, n, dtype=torch.float32, device=query.device)
-        bias_full = bias_full.scatter(-1, layout.complement, bias.float())  # (n, n) in key order
+    bias_full = _bias_full(layout, bias, torch.float32, query.device)
     out = triton_partial_attention(query, key, value, w, bias_full, additive, masked_at_p, layout.indices, scaling)
     return out.transpose(1, 2).contiguous(), None  # (B, T, H, D)
 
@@ -304,11 +312,13 @@ def _triton_kernel(module, query, key, value, attention_mask, layout, reconstruc
 # gather: only the k scores per query, assembled by scatter (the reference).
 # dense: QKᵀ then select P, assembled by scatter.
 # fused: see `_fused_kernel`.
+# tiled: see `_tiled_kernel` (fast when blocks of rows share P and R: the shared_blocks family).
 # triton: see `_triton_kernel` (GPU; `auto` never picks it).
 PARTIAL_KERNELS: dict[str, Callable] = {
     "gather": _scatter_kernel("gather"),
     "dense": _scatter_kernel("dense"),
     "fused": _fused_kernel,
+    "tiled": _tiled_kernel,
     "triton": _triton_kernel,
 }
 # The kernels that run on any device in PyTorch alone (and in float64): the ones tested against each other.
@@ -321,10 +331,16 @@ def check_implementation(name: str) -> None:
         raise ValueError(f"partial_implementation must be one of {PARTIAL_IMPLEMENTATIONS}, got {name!r}.")
 
 
-def resolve_implementation(name: str, layout: "PatternLayout", head_dim: int) -> str:
-    """The kernel ``name`` runs: itself, or for ``"auto"`` the choice of `auto_implementation`."""
+def resolve_implementation(name: str, layout: "PatternLayout", head_dim: int,
+                           reconstruction: torch.Tensor | None = None, training: bool = False) -> str:
+    """The kernel ``name`` runs: itself, or for ``"auto"`` the choice of `auto_rule.auto_implementation` (which
+    needs R to see whether blocks of rows share it, else assumes they do not; ``training``: a backward follows)."""
     check_implementation(name)
-    return auto_implementation(layout, head_dim) if name == "auto" else name
+    if name != "auto":
+        return name
+    shared = 1 if reconstruction is None else shared_rows(layout.indices, reconstruction)
+    n, k = layout.indices.shape
+    return auto_implementation(n, k, head_dim, layout.block_rows, shared, "training" if training else "inference")
 
 
 def partial_attention_forward(
@@ -340,7 +356,8 @@ def partial_attention_forward(
     scaling: float,
     dropout: float = 0.0,
     implementation: str = "gather",
-) -> tuple[torch.Tensor, torch.Tensor]:
+    need_weights: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention with partial computation, in the calling convention of transformers' attention functions.
 
     Args:
@@ -349,14 +366,16 @@ def partial_attention_forward(
         layout: P and the index tensors derived from it (`PatternLayout.from_indices`).
         reconstruction: R, ``(n, n−k, k)``. bias: ``(n, n−k)`` or None.
         implementation: a key of `PARTIAL_KERNELS`; every kernel gives the same numbers and gradients.
+        need_weights: whether the caller uses the probabilities; ``False`` lets the ``tiled`` kernel skip writing
+            them (it then returns None for them, like SDPA; the other kernels return them anyway).
 
     Returns:
-        ``(output (B, T, H, D), probabilities (B, H, T, T))`` like ``eager_attention_forward``.
+        ``(output (B, T, H, D), probabilities (B, H, T, T) or None)`` like ``eager_attention_forward``.
     """
     if implementation not in PARTIAL_KERNELS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}.")
     return PARTIAL_KERNELS[implementation](module, query, key, value, attention_mask, layout, reconstruction, bias,
-                                           scaling, dropout)
+                                           scaling, dropout, need_weights=need_weights)
 
 
 # ---------------------------------------------------------------- transformers' attention dispatch
@@ -371,7 +390,8 @@ def attention_function_name(implementation: str) -> str:
 def _interface_function(implementation: str) -> Callable:
     """The `AttentionInterface` function of a kernel; ``"auto"`` picks one per call from the layer's P."""
 
-    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, need_weights=True,
+                  **kwargs):
         # P and R belong to the layer: a partial layer exposes them through `partial_tensors()`.
         tensors = getattr(module, "partial_tensors", None)
         if tensors is None:
@@ -380,9 +400,11 @@ def _interface_function(implementation: str) -> Callable:
                 f"(got {type(module).__name__}); set attn_implementation to 'sdpa' or 'eager' for exact layers."
             )
         layout, reconstruction, bias = tensors()
-        kernel = PARTIAL_KERNELS[resolve_implementation(implementation, layout, query.shape[-1])]
+        training = torch.is_grad_enabled() and (query.requires_grad or reconstruction.requires_grad)
+        kernel = PARTIAL_KERNELS[resolve_implementation(implementation, layout, query.shape[-1], reconstruction,
+                                                        training)]
         return kernel(module, query, key, value, attention_mask, layout, reconstruction, bias,
-                      module.scaling if scaling is None else scaling, dropout)
+                      module.scaling if scaling is None else scaling, dropout, need_weights=need_weights)
 
     attention.__name__ = f"{attention_function_name(implementation)}_attention_forward"
     return attention

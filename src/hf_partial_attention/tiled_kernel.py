@@ -1,0 +1,176 @@
+"""The ``tiled`` kernel: partial attention in cache-sized tiles, fast when blocks of rows share P and R.
+
+Part of the remote-code bundle (imports: torch and siblings only).
+
+When the r rows of a block share their key set P_b and their reconstruction R_b (`shared_rows`; the
+``shared_blocks`` pattern family is built that way), every step of a block is a plain matrix product:
+exact scores ``E_b = Q_b K_{P_b}ᵀ`` ``(r, k)``, full scores ``E_b W_b`` with ``W_b = [I | R_bᵀ]`` in key order
+``(k, n)``, softmax, ``· V``. The kernel runs them tile by tile — one block of rows for a group of (batch, head)
+pairs whose scores fit in a few MiB — so that the n×n scores of a tile are reconstructed, masked, normalised
+and multiplied by V while they are still in cache, and the full attention map is never written unless it is
+asked for (``need_weights``). On a 2-core CPU that is what turns the saved multiply-adds into time:
+reading and writing the n×n scores, not the arithmetic, bounds the other kernels.
+
+It is exact for any P and R (a block of one row is every pattern), and its numbers and gradients equal the
+reference kernel's; it is only fast when the shared blocks are large (`auto_implementation` decides).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+__all__ = ["TILE_ELEMENTS", "shared_rows", "tiled_attention"]
+
+# Scores per tile (float32: 2 MiB): large enough for efficient GEMMs, small enough to stay in a core's L2/L3
+# while the tile is reconstructed, normalised and multiplied by V (measured on a 2-core EPYC, 2 MiB L2).
+TILE_ELEMENTS = 1 << 19
+
+# shared_rows of R tensors by id, rechecked when R or P changes (version counters and storage).
+_SHARED: dict[int, tuple] = {}
+
+
+def _shared_rows(indices: torch.Tensor, reconstruction: torch.Tensor) -> int:
+    n = indices.shape[0]
+    if n < 2:
+        return 1
+    same = (indices[1:] == indices[:-1]).all(-1)  # (n-1,): row j+1 has row j's P
+    same &= (reconstruction[1:] == reconstruction[:-1]).flatten(1).all(-1)  # ... and its R
+    breaks = (~same).nonzero().flatten().add(1).tolist()  # rows that start a new (P, R)
+    for rows in sorted((r for r in range(1, n + 1) if n % r == 0), reverse=True):
+        if all(b % rows == 0 for b in breaks):
+            return rows
+    return 1
+
+
+def shared_rows(indices: torch.Tensor, reconstruction: torch.Tensor) -> int:
+    """The largest r dividing n such that each block of r consecutive rows shares one P and one R (1: none).
+
+    Cached per R tensor until R or P is modified (an optimizer step, ``copy_``), so a frozen or slowly changing
+    R is compared once, not at every call.
+    """
+    if torch.compiler.is_compiling():
+        return _shared_rows(indices, reconstruction)
+    stamp = (reconstruction.data_ptr(), reconstruction._version, indices.data_ptr(), indices._version,
+             tuple(reconstruction.shape))
+    key = id(reconstruction)
+    cached = _SHARED.get(key)
+    if cached is None or cached[0]() is not reconstruction or cached[1] != stamp:
+        with torch.no_grad():
+            rows = _shared_rows(indices, reconstruction.detach())
+        ref = weakref.ref(reconstruction, lambda _, key=key: _SHARED.pop(key, None))
+        cached = _SHARED[key] = (ref, stamp, rows)
+    return cached[2]
+
+
+class _RowSharedMatmul(torch.autograd.Function):
+    """``e_i @ w_i`` for the rows i of a block whose ``w_i`` are all equal: one GEMM with ``w_0`` forward; the
+    backward gives each row its own gradient ``Σ_bh e_iᵀ dS_i`` (the reference kernel's, not the block's sum)."""
+
+    @staticmethod
+    def forward(ctx, e, w_rows):  # e (..., r, k), w_rows (r, k, T)
+        ctx.save_for_backward(e, w_rows)
+        return torch.matmul(e, w_rows[0])  # (..., r, T)
+
+    @staticmethod
+    def backward(ctx, grad):
+        e, w_rows = ctx.saved_tensors
+        grad_e = torch.matmul(grad, w_rows[0].transpose(0, 1)) if ctx.needs_input_grad[0] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            r, k = e.shape[-2:]
+            e_rows = e.reshape(-1, r, k).transpose(0, 1)  # (r, B·H, k)
+            g_rows = grad.reshape(-1, r, grad.shape[-1]).transpose(0, 1)  # (r, B·H, T)
+            grad_w = torch.bmm(e_rows.transpose(1, 2), g_rows)  # (r, k, T)
+        return grad_e, grad_w
+
+
+def _split(tensor: torch.Tensor | None, sizes: int, dim: int, count: int) -> list:
+    """``tensor.split(sizes, dim)``, or ``count`` times the tensor itself where it broadcasts along ``dim``."""
+    if tensor is None:
+        return [None] * count
+    if tensor.shape[dim] == 1:
+        return [tensor] * count
+    return list(tensor.split(sizes, dim))
+
+
+def _tile_sizes(b: int, h: int, rows: int, t: int, tile: int) -> tuple[int, int]:
+    """(batch, heads) per tile so that a tile holds about ``tile`` scores of ``rows`` × ``t``."""
+    pairs = max(1, tile // max(rows * t, 1))
+    if pairs >= h:
+        return max(1, min(b, pairs // h)), h
+    return 1, pairs
+
+
+def tiled_attention(query, key, value, exact, additive, w_rows, bias_full, rows: int, *, dropout: float = 0.0,
+                    training: bool = False, need_weights: bool = True, tile: int | None = None):
+    """Reconstruction, mask, softmax and ·V tile by tile.
+
+    Args:
+        query, key, value: ``(B, H, T, D)`` (query and key only fix shapes here: ``exact`` holds their scores).
+        exact: ``(B, H, T, k)`` exact scores at P (scaled, zero at masked keys).
+        additive: ``None`` or the additive mask ``(B|1, 1|H, T, T)``.
+        w_rows: ``(n, k, n)`` W of every row (`partial_attention.reconstruction_matrix`); rows of one block of
+            ``rows`` must be equal (`shared_rows`).
+        bias_full: ``None`` or ``(n, n)`` bias in key order (zero at P).
+        need_weights: also return the attention probabilities ``(B, H, T, T)`` (else ``None``: they are the one
+            n×n tensor the tiles otherwise never write).
+
+    Returns:
+        ``(output (B, T, H, D), probabilities or None)``.
+    """
+    b, h, t, _ = query.shape
+    tile = TILE_ELEMENTS if tile is None else tile
+    nb = -(-t // rows)  # blocks of rows covering the input
+    bc, hc = _tile_sizes(b, h, rows, t, tile)
+    trainable_w = w_rows.requires_grad and torch.is_grad_enabled()
+    w_blocks = w_rows[:t, :, :t].split(rows, 0)  # per block (r, k, T); the last may hold fewer rows
+    bias_blocks = _split(None if bias_full is None else bias_full[:t, :t], rows, 0, nb)  # per block (r, T)
+    mask_blocks = _split(additive, rows, 2, nb)  # per block (B|1, 1|H, r, T)
+    values = [_split(vb, hc, 1, -(-h // hc)) for vb in value.split(bc, 0)]  # [b tile][h tile] (bc, hc, T, D)
+    # Without autograd the tiles write into one buffer laid out block-first (each tile a contiguous slice when it
+    # spans all heads), which the final copy to (B, T, H, D) reads once; with autograd they are concatenated.
+    direct = not torch.is_grad_enabled() or not (exact.requires_grad or value.requires_grad or trainable_w)
+    buffer = value.new_empty(nb, b, h, rows, value.shape[-1]) if direct else None  # (nb, B, H, r, D)
+    out_blocks, prob_blocks = [], []
+    for g, e_g in enumerate(exact.split(rows, 2)):  # e_g (B, H, r, k)
+        w_g = w_blocks[g]
+        out_b, prob_b = [], []
+        for i, e_b in enumerate(e_g.split(bc, 0)):
+            mask_b = _split(mask_blocks[g], bc, 0, len(values))[i] if additive is not None else None
+            out_h, prob_h = [], []
+            for j, e_t in enumerate(e_b.split(hc, 1)):  # (bc, hc, r, k)
+                scores = _RowSharedMatmul.apply(e_t, w_g) if trainable_w else torch.matmul(e_t, w_g[0])
+                if bias_blocks[g] is not None:
+                    scores = scores + bias_blocks[g]
+                if mask_b is not None:
+                    scores = scores + _split(mask_b, hc, 1, len(values[i]))[j]
+                probs = nn.functional.softmax(scores, dim=-1)
+                probs = nn.functional.dropout(probs, p=dropout, training=training)
+                if direct:
+                    rg = probs.shape[-2]
+                    target = buffer[g, i * bc: i * bc + probs.shape[0], j * hc: j * hc + probs.shape[1], :rg]
+                    if target.is_contiguous():
+                        torch.matmul(probs, values[i][j], out=target)
+                    else:
+                        target.copy_(torch.matmul(probs, values[i][j]))
+                else:
+                    out_h.append(torch.matmul(probs, values[i][j]))  # (bc, hc, r, D)
+                if need_weights:
+                    prob_h.append(probs)
+            if not direct:
+                out_b.append(torch.cat(out_h, 1) if len(out_h) > 1 else out_h[0])
+            if need_weights:
+                prob_b.append(torch.cat(prob_h, 1) if len(prob_h) > 1 else prob_h[0])
+        if not direct:
+            out_blocks.append(torch.cat(out_b, 0) if len(out_b) > 1 else out_b[0])  # (B, H, r, D)
+        if need_weights:
+            prob_blocks.append(torch.cat(prob_b, 0) if len(prob_b) > 1 else prob_b[0])
+    probs = torch.cat(prob_blocks, 2) if need_weights else None  # (B, H, T, T)
+    if direct:
+        out = buffer.permute(1, 0, 3, 2, 4).reshape(b, nb * rows, h, value.shape[-1])[:, :t]  # (B, T, H, D)
+        return out.contiguous(), probs
+    out = torch.cat(out_blocks, 2)  # (B, H, T, D)
+    return out.transpose(1, 2).contiguous(), probs

@@ -1,0 +1,174 @@
+"""The tiled kernel (blocks of rows sharing P and R) against the reference kernel, in float64, and its pieces."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import hf_partial_attention.tiled_kernel as tiled
+from hf_partial_attention.auto_rule import auto_implementation, load_rule
+from hf_partial_attention.partial_attention import PatternLayout, partial_attention_forward, resolve_implementation
+from hf_partial_attention.tiled_kernel import shared_rows
+
+DT = torch.float64
+
+
+def shared_pattern(n, k, rows, seed=0):
+    """P and R shared by every block of ``rows`` consecutive rows (random keys and values per block)."""
+    g = torch.Generator().manual_seed(seed)
+    nb = n // rows
+    p = torch.stack([torch.randperm(n, generator=g)[:k].sort().values for _ in range(nb)])  # (nb, k)
+    r = torch.randn(nb, n - k, k, generator=g, dtype=DT)
+    return p.repeat_interleave(rows, 0), r.repeat_interleave(rows, 0)
+
+
+def test_shared_rows_finds_the_largest_shared_block():
+    p, r = shared_pattern(12, 3, 4)
+    assert shared_rows(p, r) == 4
+    p2, r2 = shared_pattern(12, 3, 12)
+    assert shared_rows(p2, r2) == 12
+    r_half = r.clone()
+    r_half[2:4] += 1.0  # rows 2-3 get their own R: blocks of 2 still share
+    assert shared_rows(p, r_half) == 2
+    r_odd = r.clone()
+    r_odd[1, 0, 0] += 1e-9  # a single row differs: nothing is shared
+    assert shared_rows(p, r_odd) == 1
+    p_odd = p.clone()
+    p_odd[4:8] = p[0]  # P of block 1 = P of block 0 while R differs: still blocks of 4
+    assert shared_rows(p_odd, r) == 4
+
+
+def test_shared_rows_notices_an_in_place_change():
+    p, r = shared_pattern(8, 2, 4)
+    assert shared_rows(p, r) == 4
+    r[5].add_(1.0)  # version counter moves: the cached answer is not reused
+    assert shared_rows(p, r) == 1
+
+
+def _inputs(t, seed=1, grad=True):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(3, 2, t, 4, generator=g, dtype=DT).requires_grad_(grad) for _ in range(3))
+    return q, k, v
+
+
+def _run(impl, q, k, v, mask, p, r, bias, need_weights=True):
+    return partial_attention_forward(nn.Module().eval(), q, k, v, mask, layout=PatternLayout.from_indices(p),
+                                     reconstruction=r, bias=bias, scaling=0.4, implementation=impl,
+                                     need_weights=need_weights)
+
+
+def _mask(kind, t):
+    if kind is None:
+        return None
+    keep = torch.ones(3, 1, t, t, dtype=torch.bool)
+    keep[1, ..., t - 2:] = False  # padding of the second sequence
+    keep[2, ..., 0] = False
+    if kind == "bool":
+        return keep
+    return torch.zeros(keep.shape, dtype=DT).masked_fill(~keep, torch.finfo(DT).min)
+
+
+@pytest.mark.parametrize("rows", [8, 4, 1])
+@pytest.mark.parametrize("t", [8, 5])
+@pytest.mark.parametrize("mask_kind", [None, "bool", "additive"])
+@pytest.mark.parametrize("tile", [1 << 19, 24])  # one tile; many tiles (batch and head splits)
+def test_tiled_matches_the_reference_in_float64(rows, t, mask_kind, tile, monkeypatch):
+    monkeypatch.setattr(tiled, "TILE_ELEMENTS", tile)
+    p, r = shared_pattern(8, 3, rows, seed=rows)
+    r.requires_grad_(True)
+    bias = torch.randn(8, 5, generator=torch.Generator().manual_seed(3), dtype=DT, requires_grad=True)
+    q, k, v = _inputs(t)
+    mask = _mask(mask_kind, t)
+    results = []
+    for impl in ("gather", "tiled"):
+        out, probs = _run(impl, q, k, v, mask, p, r, bias)
+        grads = torch.autograd.grad((out * torch.linspace(-1, 1, out.numel(), dtype=DT).view_as(out)).sum()
+                                    + (probs * probs).sum(), [q, k, v, r, bias])
+        results.append((out, probs, *grads))
+    names = ["out", "probs", "dq", "dk", "dv", "dR", "dbias"]
+    for name, a, b in zip(names, *results):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("t", [8, 6])
+def test_tiled_without_autograd_and_without_weights(t, monkeypatch):
+    """The no-autograd path (tiles written into one buffer) and need_weights=False give the reference output."""
+    monkeypatch.setattr(tiled, "TILE_ELEMENTS", 40)
+    p, r = shared_pattern(8, 2, 4)
+    q, k, v = _inputs(t, grad=False)
+    mask = _mask("bool", t)
+    with torch.no_grad():
+        ref, ref_probs = _run("gather", q, k, v, mask, p, r, None)
+        out, probs = _run("tiled", q, k, v, mask, p, r, None)
+        out_nw, none = _run("tiled", q, k, v, mask, p, r, None, need_weights=False)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(probs, ref_probs, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(out_nw, ref, rtol=1e-10, atol=1e-12)
+    assert none is None
+
+
+def test_tiled_gradient_of_r_is_each_rows_own():
+    """Rows of a block share R's values, yet each row's gradient is its own (not the block's sum), as in the
+    reference: a loss on the output of one query row moves only that row's R."""
+    p, r = shared_pattern(8, 2, 4)
+    r.requires_grad_(True)
+    q, k, v = _inputs(8)
+    out, _ = _run("tiled", q, k, v, None, p, r, None)
+    (grad,) = torch.autograd.grad(out[:, 5].sum(), [r])  # query row 5 only
+    assert grad[5].abs().sum() > 0
+    assert torch.count_nonzero(grad[torch.arange(8) != 5]) == 0
+
+
+def test_tiled_in_the_model_matches_gather():
+    from hf_partial_attention import AttentionPattern, PartialBertConfig, PartialBertModel
+    from hf_partial_attention.modeling_partial_bert import initial_pattern
+
+    p, r = shared_pattern(16, 4, 8)
+    config = PartialBertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                               intermediate_size=37, partial_seq_len=16, partial_k=4, partial_implementation="tiled")
+    torch.manual_seed(0)
+    with initial_pattern(AttentionPattern(p, r.float())):
+        model = PartialBertModel(config).eval()
+    ids = torch.randint(1, 99, (2, 16), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, 11:] = 0
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, output_attentions=True)
+        model.set_partial_implementation("gather")
+        ref = model(input_ids=ids, attention_mask=mask, output_attentions=True)
+    torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.attentions[0], ref.attentions[0], rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- the auto rule
+RULE = {"machine": "test", "shared_min_rows": 4, "cells": [
+    {"structure": "shared", "n": 128, "k_over_d": 0.25, "mode": "inference", "kernel": "tiled"},
+    {"structure": "shared", "n": 128, "k_over_d": 0.25, "mode": "training", "kernel": "fused"},
+    {"structure": "per_query", "n": 128, "k_over_d": 0.25, "mode": "inference", "kernel": "fused"},
+    {"structure": "per_query", "n": 512, "k_over_d": 1.0, "mode": "inference", "kernel": "dense"},
+    {"structure": "keys_shared", "n": 128, "k_over_d": 0.5, "mode": "inference", "kernel": "dense"}]}
+
+
+def test_auto_takes_the_nearest_cell_of_the_same_structure_and_mode():
+    assert auto_implementation(128, 16, 64, 4, 4, "inference", RULE) == "tiled"
+    assert auto_implementation(128, 16, 64, 4, 4, "training", RULE) == "fused"
+    assert auto_implementation(128, 16, 64, 4, 2, "inference", RULE) == "dense"  # 2 < shared_min_rows: keys_shared
+    assert auto_implementation(128, 16, 64, None, 1, "inference", RULE) == "fused"
+    assert auto_implementation(512, 56, 64, None, 1, "inference", RULE) == "dense"  # nearer (512, 1.0)
+    assert auto_implementation(128, 16, 64, None, 1, "training", RULE) == "fused"  # no training cell: inference's
+
+
+def test_auto_rule_from_the_environment(tmp_path, monkeypatch):
+    path = tmp_path / "rule.json"
+    path.write_text(json.dumps({**RULE, "cells": [{**c, "kernel": "gather"} for c in RULE["cells"]]}))
+    monkeypatch.setenv("HF_PARTIAL_ATTENTION_AUTO_RULE", str(path))
+    p, r = shared_pattern(8, 2, 4)
+    assert resolve_implementation("auto", PatternLayout.from_indices(p), 8, r) == "gather"
+    assert load_rule()["machine"] == "test"
+    (tmp_path / "bad.json").write_text(json.dumps({"cells": [{"structure": "diagonal", "mode": "inference"}]}))
+    monkeypatch.setenv("HF_PARTIAL_ATTENTION_AUTO_RULE", str(tmp_path / "bad.json"))
+    with pytest.raises(ValueError, match="structure"):
+        load_rule()
+    monkeypatch.delenv("HF_PARTIAL_ATTENTION_AUTO_RULE")
+    assert load_rule()["cells"]  # back to the committed table
