@@ -6,29 +6,31 @@ import math
 
 import torch
 from torch import nn
-from transformers import BertConfig, BertForMaskedLM, BigBirdConfig, NystromformerConfig
+from transformers import BertConfig, BertModel, BigBirdConfig, NystromformerConfig
 from transformers.models.big_bird.modeling_big_bird import BigBirdBlockSparseAttention, BigBirdModel
 from transformers.models.bert.modeling_bert import BertSelfAttention
 from transformers.models.nystromformer.modeling_nystromformer import NystromformerSelfAttention
 
-from hf_partial_attention import AttentionPattern, PartialBertConfig, PartialBertForMaskedLM
+from hf_partial_attention import AttentionPattern, PartialBertConfig, PartialBertModel
 from hf_partial_attention.cost import forward_ratio
 from hf_partial_attention.modeling_partial_bert import PartialBertPattern, PartialBertSelfAttention, initial_pattern
-from hf_partial_attention.partial_attention import PatternLayout, partial_attention_forward
+from hf_partial_attention.partial_attention import PatternLayout, partial_attention_forward, resolve_implementation
 
-PATTERNS = ("per_query", "columns", "blocks")
+PATTERNS = ("per_query", "columns", "blocks", "shared")
+SHARED_ROWS = 32  # rows per block sharing P and R in the "shared" family (the shared_blocks patterns)
 
 
 def pattern_indices(family: str, n: int, k: int) -> torch.Tensor:
     """P for timing. Speed depends on the structure only, not on which keys: per_query uses each query's k
     nearest keys (every row its own set, like the greedy per-query pattern); columns one shared set;
-    blocks: each block of gcd(n, 32) rows shares the k keys around it (block-local windows, any k)."""
+    blocks: each block of gcd(n, 32) rows shares the k keys around it (block-local windows, any k); shared:
+    the blocks' P, with R shared by the block's rows too (`shared_r`)."""
     if family == "per_query":
         return AttentionPattern.local(n, k).indices
     if family == "columns":
         return torch.linspace(0, n - 1, k).round().long().unique().expand(n, k).clone()
-    if family == "blocks":
-        rows = math.gcd(n, 32)
+    if family in ("blocks", "shared"):
+        rows = math.gcd(n, SHARED_ROWS)
         starts = (torch.arange(0, n, rows) + rows // 2 - k // 2).clamp(0, n - k)  # (n / rows,)
         block_keys = starts[:, None] + torch.arange(k)  # (n / rows, k)
         return block_keys.repeat_interleave(rows, 0)  # (n, k)
@@ -47,11 +49,12 @@ class AttentionInputs:
         g = torch.Generator().manual_seed(seed)
         self.q, self.k, self.v = (torch.randn(b, h, n, d, generator=g).requires_grad_(requires_grad) for _ in range(3))
         self.r = (0.1 * torch.randn(n, n - k, k, generator=g)).requires_grad_(requires_grad)
+        self.r_shared = shared_r(self.r.detach(), n).requires_grad_(requires_grad)
         self.scaling = d**-0.5
         self.module = nn.Module().train(requires_grad)  # dropout 0 either way
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.q, self.k, self.v, self.r]
+        return [self.q, self.k, self.v, self.r, self.r_shared]
 
     def dense_eager(self):
         s = torch.matmul(self.q, self.k.transpose(-1, -2)) * self.scaling
@@ -61,11 +64,24 @@ class AttentionInputs:
         out = nn.functional.scaled_dot_product_attention(self.q, self.k, self.v, scale=self.scaling)
         return out.transpose(1, 2).contiguous()
 
-    def partial(self, implementation: str, indices: torch.Tensor):
+    def partial(self, implementation: str, indices: torch.Tensor, family: str = "per_query"):
+        """Partial attention of one kernel; the attention map is not asked for (as in a model's forward)."""
         layout = PatternLayout.from_indices(indices)
+        r = self.r_shared if family == "shared" else self.r
         return lambda: partial_attention_forward(
-            self.module, self.q, self.k, self.v, None, layout=layout, reconstruction=self.r,
-            scaling=self.scaling, implementation=implementation)[0]
+            self.module, self.q, self.k, self.v, None, layout=layout, reconstruction=r,
+            scaling=self.scaling, implementation=implementation, need_weights=False)[0]
+
+    def resolved(self, indices: torch.Tensor, family: str, training: bool) -> str:
+        """The kernel ``partial_implementation="auto"`` runs for this pattern."""
+        r = self.r_shared if family == "shared" else self.r
+        return resolve_implementation("auto", PatternLayout.from_indices(indices), self.q.shape[-1], r, training)
+
+
+def shared_r(r: torch.Tensor, n: int) -> torch.Tensor:
+    """R with every block of `SHARED_ROWS` rows sharing its first row's matrix."""
+    rows = math.gcd(n, SHARED_ROWS)
+    return r[::rows].repeat_interleave(rows, 0).clone()
 
 
 def peer_modules(b: int, n: int, hidden: int, heads: int, k: int, seed: int = 0) -> dict[str, callable]:
@@ -101,11 +117,20 @@ def peer_modules(b: int, n: int, hidden: int, heads: int, k: int, seed: int = 0)
     }
 
 
-def mlm_models(layers: int, hidden: int, heads: int, n: int, k: int, seed: int = 0):
-    """BertForMaskedLM and a PartialBertForMaskedLM (per-query pattern, common R) with identical weights."""
+def base_models(layers: int, hidden: int, heads: int, n: int, k: int, seed: int = 0) -> dict:
+    """BertModel (eager and SDPA) and PartialBertModels with identical weights: every layer but the last partial,
+    the "shared" pattern (P and R shared by blocks of rows; R fixed: a trained R would get per-row gradients and stop
+    being shared, see README) and, for comparison,
+    the per-query nearest-keys pattern; ``partial_implementation="auto"``, SDPA in the exact last layer."""
     torch.manual_seed(seed)
     cfg = dict(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads, intermediate_size=4 * hidden,
-               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    bert = BertForMaskedLM(BertConfig(**cfg, attn_implementation="eager"))
-    partial = PartialBertForMaskedLM.from_bert(bert, AttentionPattern.local(n, k), attn_implementation="eager")
-    return bert, partial
+               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=max(512, n))
+    bert = BertModel(BertConfig(**cfg, attn_implementation="eager"))
+    sdpa = BertModel(BertConfig(**cfg, attn_implementation="sdpa"))
+    sdpa.load_state_dict(bert.state_dict())
+    local = AttentionPattern.local(n, k)
+    shared = AttentionPattern(pattern_indices("shared", n, k), shared_r(local.reconstruction, n))
+    models = {"BertModel eager": bert, "BertModel sdpa": sdpa}
+    for name, pattern in (("PartialBert shared", shared), ("PartialBert per_query", local)):
+        models[name] = PartialBertModel.from_bert(bert, pattern, reconstruction="fixed", attn_implementation="sdpa")
+    return models

@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("analysis_dir", help="folder with covariance.safetensors and heldout_windows.safetensors")
     parser.add_argument("--ks", type=int, nargs="+", default=[16, 24, 32])
     parser.add_argument("--families", nargs="+",
-                        default=["per_query", "blocks", "windows", "columns", "bands", "shared_blocks"], choices=FAMILIES)
+                        default=["per_query", "blocks", "windows", "columns", "bands", "shared_blocks"],
+                        choices=FAMILIES)
     parser.add_argument("--shared-block-rows", type=int, nargs="+", default=[32, 16],
                         help="rows per block sharing P and R, for family shared_blocks (one row each)")
     parser.add_argument("--max-heldout", type=int, default=None, help="use at most this many held-out windows")
@@ -68,7 +69,8 @@ def main(argv: list[str] | None = None) -> dict:
     run_windows(model, windows, meter.sink, desc="held-out")
     measured = meter.results()
     for (family, k), p in patterns.items():
-        rows.append({"family": family, "k": k, "exact kernel": KERNEL[family.rstrip("_0123456789")], "predicted": p.normalized_error,
+        kernel = KERNEL[family.rstrip("_0123456789")]  # shared_blocks_32 -> shared_blocks
+        rows.append({"family": family, "k": k, "exact kernel": kernel, "predicted": p.normalized_error,
                      "heldout": measured[(family, k)]["normalized_error"],
                      "heldout_shift": measured[(family, k)]["normalized_error_shift"]})
     result = {"command": command_line("families.py", argv if argv is not None else sys.argv[1:]),

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import platform
+import subprocess
 import sys
 from pathlib import Path
 
@@ -18,17 +19,23 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cases import PATTERNS, AttentionInputs, mac_ratio, mlm_models, pattern_indices, peer_modules  # noqa: E402
+from cases import PATTERNS, AttentionInputs, base_models, mac_ratio, pattern_indices, peer_modules  # noqa: E402
 from timing import command_line, forward_and_backward, interleaved_medians, no_grad, saved_bytes  # noqa: E402
 
 from hf_partial_attention.partial_attention import IMPLEMENTATIONS  # noqa: E402
 
 logger = logging.getLogger("bench")
 
-FULL = {"shapes": [dict(b=32, h=12, n=128, d=64, ks=[16, 24, 32, 48, 64]), dict(b=8, h=12, n=512, d=64, ks=[32, 64, 128])],
-        "model": dict(layers=12, hidden=768, heads=12, b=32, n=128, k=32), "repeats": 9, "model_repeats": 3}
-QUICK = {"shapes": [dict(b=2, h=2, n=16, d=8, ks=[4, 8])], "model": dict(layers=2, hidden=32, heads=4, b=2, n=16, k=4),
+# The goals of issue 11 are read at these shapes (report.GOALS); ks include k >= d to show where the method loses.
+FULL = {"shapes": [dict(b=32, h=12, n=128, d=64, ks=[16, 32, 64]), dict(b=8, h=12, n=512, d=64, ks=[32, 64])],
+        "models": [dict(layers=12, hidden=768, heads=12, b=32, n=128, k=16, modes=["inference", "training step"]),
+                   dict(layers=12, hidden=768, heads=12, b=8, n=512, k=32, modes=["inference"])],
+        "repeats": 9, "model_repeats": 3}
+QUICK = {"shapes": [dict(b=2, h=2, n=16, d=8, ks=[4, 8]), dict(b=1, h=2, n=32, d=8, ks=[4])],
+         "models": [dict(layers=2, hidden=32, heads=4, b=2, n=16, k=4, modes=["inference", "training step"]),
+                    dict(layers=2, hidden=32, heads=4, b=1, n=32, k=4, modes=["inference"])],
          "repeats": 2, "model_repeats": 1}
+KERNELS = tuple(impl for impl in IMPLEMENTATIONS if impl != "gather")  # gather: the reference, timed where small
 
 
 def machine() -> dict:
@@ -49,22 +56,23 @@ def attention_rows(shape: dict, repeats: int, skip_gather_over: int) -> list[dic
         for mode in ("forward", "forward+backward"):
             grad = mode != "forward"
             inp = AttentionInputs(b, h, n, d, k, requires_grad=grad)
-            fns = {"dense_eager": inp.dense_eager, "sdpa": inp.sdpa}
+            fns, auto = {"dense_eager": inp.dense_eager, "sdpa": inp.sdpa}, {}
             for family in PATTERNS:
                 idx = pattern_indices(family, n, k)
-                for impl in IMPLEMENTATIONS:
-                    if impl == "gather" and b * h * n * k * d > skip_gather_over:
-                        continue  # the reference gather kernel: O(B·H·n·k·d) memory, minutes per call at scale
-                    fns[f"{impl}/{family}"] = inp.partial(impl, idx)
+                auto[family] = inp.resolved(idx, family, grad)
+                gather_ok = b * h * n * k * d <= skip_gather_over  # the reference: O(B·H·n·k·d) memory
+                for impl in (IMPLEMENTATIONS if gather_ok else KERNELS):
+                    fns[f"{impl}/{family}"] = inp.partial(impl, idx, family)
             mem = {name: saved_bytes(fn) for name, fn in fns.items()} if grad else {}
             run = {name: (forward_and_backward(fn, inp.tensors()) if grad else no_grad(fn)) for name, fn in fns.items()}
             med = interleaved_medians(run, repeats)
             for name, seconds in med.items():
                 impl, _, family = name.partition("/")
-                rows.append({"n": n, "b": b, "k": k, "mode": mode, "case": name, "implementation": impl,
+                rows.append({"n": n, "b": b, "d": d, "k": k, "mode": mode, "case": name, "implementation": impl,
                              "pattern": family or "-", "ms": 1e3 * seconds, "ratio": seconds / med["dense_eager"],
-                             "saved_MiB": mem.get(name, 0) / 2**20,
-                             "mac_ratio": mac_ratio(n, d, k, impl == "fused") if family else 1.0})
+                             "sdpa_ratio": seconds / med["sdpa"], "saved_MiB": mem.get(name, 0) / 2**20,
+                             "auto": bool(family) and auto[family] == impl,
+                             "mac_ratio": mac_ratio(n, d, k, impl in ("fused", "tiled")) if family else 1.0})
     return rows
 
 
@@ -79,7 +87,8 @@ def breakdown(shape: dict, k: int, repeats: int) -> dict:
     rows_first = exact.permute(2, 0, 1, 3).reshape(n, b * h, k)
     w = torch.randn(n, k, n)
     steps = {"dense QK^T": lambda: inp.q @ inp.k.transpose(-1, -2), "softmax": lambda: scores.softmax(-1),
-             "P·V": lambda: probs @ inp.v, "exact part (shared columns GEMM)": lambda: inp.q @ inp.k[:, :, cols].transpose(-1, -2),
+             "P·V": lambda: probs @ inp.v,
+             "exact part (shared columns GEMM)": lambda: inp.q @ inp.k[:, :, cols].transpose(-1, -2),
              "reconstruction ([I|R] batched matmul)": lambda: torch.bmm(rows_first, w),
              "dense eager total": inp.dense_eager}
     med = interleaved_medians({name: no_grad(fn) for name, fn in steps.items()}, repeats)
@@ -95,21 +104,26 @@ def peer_rows(shape: dict, k: int, repeats: int) -> list[dict]:
 
 
 def model_rows(spec: dict, repeats: int) -> list[dict]:
-    bert, partial = mlm_models(spec["layers"], spec["hidden"], spec["heads"], spec["n"], spec["k"])
+    """BertModel (eager, SDPA) and PartialBertModel (auto) side by side: inference forward, and a training step
+    (forward, backward of the mean squared last hidden state, AdamW step)."""
+    models = base_models(spec["layers"], spec["hidden"], spec["heads"], spec["n"], spec["k"])
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1000, 30000, (spec["b"], spec["n"]), generator=g)
-    labels = ids.clone()
-    opts = {m: torch.optim.AdamW(m.parameters(), lr=1e-5) for m in (bert, partial)}
+    opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-5) for name, m in models.items()}
 
-    def step(model):
+    def step(name):
+        model = models[name]
+
         def run():
             model.train()
-            opts[model].zero_grad(set_to_none=True)
-            model(input_ids=ids, labels=labels).loss.backward()
-            opts[model].step()
+            opts[name].zero_grad(set_to_none=True)
+            model(input_ids=ids).last_hidden_state.pow(2).mean().backward()
+            opts[name].step()
         return run
 
-    def infer(model):
+    def infer(name):
+        model = models[name]
+
         def run():
             model.eval()
             with torch.no_grad():
@@ -117,11 +131,29 @@ def model_rows(spec: dict, repeats: int) -> list[dict]:
         return run
 
     rows = []
-    for mode, make in (("inference forward", infer), ("training step", step)):
-        med = interleaved_medians({"BertForMaskedLM": make(bert), "PartialBertForMaskedLM": make(partial)}, repeats)
-        rows.append({"mode": mode, "bert_s": med["BertForMaskedLM"], "partial_s": med["PartialBertForMaskedLM"],
-                     "ratio": med["PartialBertForMaskedLM"] / med["BertForMaskedLM"], **spec})
+    for mode in spec["modes"]:
+        make = step if mode == "training step" else infer
+        names = [m for m in models if not (mode == "training step" and m == "PartialBert per_query")]
+        med = interleaved_medians({name: make(name) for name in names}, repeats)
+        for name in names:
+            rows.append({"mode": mode, "model": name, "s": med[name], "ratio": med[name] / med["BertModel eager"],
+                         "sdpa_ratio": med[name] / med["BertModel sdpa"],
+                         **{key: spec[key] for key in ("layers", "hidden", "heads", "b", "n", "k")}})
     return rows
+
+
+# glibc returns freed blocks above its mmap threshold (at most 32 MiB by default) to the system, so a tensor that
+# large costs fresh, zeroed pages on every call (dense attention's n×n scores: 25 MiB at B = 32, n = 128; 100 MiB
+# at B = 8, n = 512). "reuse" keeps freed blocks for reuse, as jemalloc/tcmalloc-style allocators do.
+ALLOCATORS = {"default": {}, "reuse": {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "4294967296"}}
+
+
+def allocator_setting() -> str:
+    """Which `ALLOCATORS` setting this process runs under (from its environment)."""
+    for name, env in ALLOCATORS.items():
+        if env and all(os.environ.get(key) == value for key, value in env.items()):
+            return name
+    return "default"
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -130,27 +162,39 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="tiny shapes, for tests")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--allocator", choices=tuple(ALLOCATORS), default="default",
+                        help="glibc malloc settings to run under (reuse: a child process with freed blocks kept)")
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    suffix = "" if args.allocator == "default" else f"_{args.allocator}"
+    out = Path(args.out)
+    if allocator_setting() != args.allocator:  # malloc reads its settings at start: run in a child process
+        env = {key: value for key, value in os.environ.items() if key not in ALLOCATORS["reuse"]}
+        subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv],
+                       env={**env, **ALLOCATORS[args.allocator]}, check=True)
+        return json.loads((out / f"results{suffix}.json").read_text())
     if args.threads:
         torch.set_num_threads(args.threads)
     spec = QUICK if args.quick else FULL
     repeats = args.repeats or spec["repeats"]
-    result = {"command": command_line("run.py", argv if argv is not None else sys.argv[1:]),
-              "machine": machine(), "attention": [], "breakdown": {}, "peers": [], "model": []}
+    result = {"command": command_line("run.py", argv), "machine": {**machine(), "allocator": args.allocator,
+              "allocator_env": ALLOCATORS[args.allocator]}, "attention": [], "breakdown": {}, "peers": [], "model": []}
     for shape in spec["shapes"]:
-        result["attention"] += attention_rows(shape, repeats, skip_gather_over=2**27)
+        # gather, the reference kernel (O(B·H·n·k·d) memory), only at --quick shapes
+        result["attention"] += attention_rows(shape, repeats, skip_gather_over=2**16)
         k_mid = shape["ks"][len(shape["ks"]) // 2]
         result["breakdown"][f"n={shape['n']},k={k_mid}"] = breakdown(shape, k_mid, repeats)
         result["peers"] += peer_rows(shape, k_mid, repeats)
-    result["model"] = model_rows(spec["model"], spec["model_repeats"])
-    from report import markdown  # noqa: E402  (sibling module)
+    for model_spec in spec["models"]:
+        result["model"] += model_rows(model_spec, spec["model_repeats"])
+    from report import goal_rows, markdown  # noqa: E402  (sibling module)
 
-    out = Path(args.out)
+    result["goals"] = goal_rows(result)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=1))
+    (out / f"results{suffix}.json").write_text(json.dumps(result, indent=1))
     text = markdown(result)
-    (out / "results.md").write_text(text)
+    (out / f"results{suffix}.md").write_text(text)
     sys.stdout.write(text)
     return result
 

@@ -9,8 +9,9 @@ import pytest
 from hf_partial_attention.partial_attention import IMPLEMENTATIONS
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-N, B, D, KS = 16, 2, 8, (4, 8)  # the --quick attention shape (b=2, h=2, n=16, d=8, ks=[4, 8])
-FAMILIES = ("per_query", "columns", "blocks")
+N, B, D, KS = 16, 2, 8, (4, 8)  # the --quick attention shapes: (b=2, h=2, n=16, d=8, ks=[4, 8]), (b=1, n=32, ks=[4])
+SHAPES = {(16, 2): (4, 8), (32, 1): (4,)}
+FAMILIES = ("per_query", "columns", "blocks", "shared")
 MODES = ("forward", "forward+backward")
 
 
@@ -19,64 +20,104 @@ def mac_ratio_by_hand(n, d, k, fused):
     return (k * d + (n * k if fused else (n - k) * k) + n * d) / (2 * n * d)
 
 
-def test_quick_benchmark_writes_tables_and_targets(tmp_path):
+def _import(name):
     sys.path.insert(0, str(BENCH))
     try:
-        import run
+        return __import__(name)
     finally:
         sys.path.remove(str(BENCH))
+
+
+def test_quick_benchmark_writes_tables_and_goals(tmp_path):
+    run = _import("run")
     result = run.main(["--quick", "--repeats", "1", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved == json.loads(json.dumps(result))  # the file holds what main returned
-    assert saved["machine"]["torch"] and saved["model"] and saved["peers"]
+    assert saved["machine"]["torch"] and saved["machine"]["torch_threads"] and saved["model"] and saved["peers"]
 
     # every (shape, k, mode) has each case exactly once: dense, sdpa and every implementation × pattern family
     att = saved["attention"]
     expected_cases = {"dense_eager", "sdpa"} | {f"{impl}/{fam}" for impl in IMPLEMENTATIONS for fam in FAMILIES}
     groups = {}
     for r in att:
-        groups.setdefault((r["n"], r["b"], r["k"], r["mode"]), []).append(r["case"])
-    assert set(groups) == {(N, B, k, mode) for k in KS for mode in MODES}
-    for cases in groups.values():
-        assert sorted(cases) == sorted(expected_cases)
-    # ratio = ms / ms of dense eager at the same shape and mode, recomputed from the rows
-    dense_ms = {(r["n"], r["b"], r["k"], r["mode"]): r["ms"] for r in att if r["case"] == "dense_eager"}
-    for r in att:
-        assert r["ms"] > 0
-        assert r["ratio"] == pytest.approx(r["ms"] / dense_ms[r["n"], r["b"], r["k"], r["mode"]], rel=1e-9), r
-        impl, _, family = r["case"].partition("/")
-        assert (r["implementation"], r["pattern"]) == (impl, family or "-")
-        want_mac = mac_ratio_by_hand(N, D, r["k"], impl == "fused") if family else 1.0
-        assert r["mac_ratio"] == pytest.approx(want_mac, rel=1e-12), r
-        assert (r["saved_MiB"] > 0) == (r["mode"] == "forward+backward"), r  # memory is measured with grad only
-    assert {r["ratio"] for r in att if r["case"] == "dense_eager"} == {1.0}
+        groups.setdefault((r["n"], r["b"], r["k"], r["mode"]), []).append(r)
+    assert set(groups) == {(n, b, k, mode) for (n, b), ks in SHAPES.items() for k in ks for mode in MODES}
+    for rows in groups.values():
+        assert sorted(r["case"] for r in rows) == sorted(expected_cases)
+        dense_ms = next(r["ms"] for r in rows if r["case"] == "dense_eager")
+        sdpa_ms = next(r["ms"] for r in rows if r["case"] == "sdpa")
+        for fam in FAMILIES:  # auto picks exactly one kernel per pattern
+            assert sum(r["auto"] for r in rows if r["pattern"] == fam) == 1
+        for r in rows:
+            assert r["ratio"] == pytest.approx(r["ms"] / dense_ms, rel=1e-9), r
+            assert r["sdpa_ratio"] == pytest.approx(r["ms"] / sdpa_ms, rel=1e-9), r
+            impl, _, family = r["case"].partition("/")
+            assert (r["implementation"], r["pattern"]) == (impl, family or "-")
+            want_mac = mac_ratio_by_hand(r["n"], D, r["k"], impl in ("fused", "tiled")) if family else 1.0
+            assert r["mac_ratio"] == pytest.approx(want_mac, rel=1e-12), r
+            assert (r["saved_MiB"] > 0) == (r["mode"] == "forward+backward"), r  # memory is measured with grad only
 
-    # peers: ratio to BERT eager at the middle k; the whole model: PartialBert seconds / BERT seconds
-    bert_ms = [r["ms"] for r in saved["peers"] if r["case"] == "bert_eager"]
-    assert len(bert_ms) == 1 and "partial_fused_columns" in {r["case"] for r in saved["peers"]}
-    for r in saved["peers"]:
-        assert (r["n"], r["b"], r["k"]) == (N, B, KS[1])
-        assert r["ratio"] == pytest.approx(r["ms"] / bert_ms[0], rel=1e-9), r
-    assert [r["mode"] for r in saved["model"]] == ["inference forward", "training step"]
+    # the whole model: each model's seconds over BertModel eager's and SDPA's at the same shape and mode
+    by_run = {}
     for r in saved["model"]:
-        assert r["ratio"] == pytest.approx(r["partial_s"] / r["bert_s"], rel=1e-9), r
-    assert set(saved["breakdown"]) == {f"n={N},k={KS[1]}"}
-    assert saved["breakdown"][f"n={N},k={KS[1]}"]["dense QK^T"] == 1.0  # the unit
+        by_run.setdefault((r["n"], r["mode"]), {})[r["model"]] = r
+    assert set(by_run) == {(16, "inference"), (16, "training step"), (32, "inference")}
+    for (n, mode), models in by_run.items():
+        assert {"BertModel eager", "BertModel sdpa", "PartialBert shared"} <= set(models)
+        for r in models.values():
+            assert r["ratio"] == pytest.approx(r["s"] / models["BertModel eager"]["s"], rel=1e-9)
+            assert r["sdpa_ratio"] == pytest.approx(r["s"] / models["BertModel sdpa"]["s"], rel=1e-9)
 
-    # the report's target lines show these numbers, with "met" decided against the stated goal
+    # the goals: read from the rows above (recomputed here), met against the stated bound
+    goals = {g["goal"]: g for g in saved["goals"]}
+    structured = [r for r in att if r["n"] == 16 and r["k"] == 4 and r["mode"] == "forward"
+                  and r["pattern"] in ("columns", "blocks", "shared")]
+    first = goals["attention fwd, n=16, k=4, fastest structured / eager"]
+    assert first["measured"] == min(r["ratio"] for r in structured)
+    slowest = goals["slowest configuration `auto` picks, any k < d / eager"]
+    assert slowest["measured"] == max(r["ratio"] for r in att if r["auto"] and r["k"] < D)
+    train = goals["model training step, n=16, k=4 / BertModel eager"]
+    assert train["measured"] == by_run[16, "training step"]["PartialBert shared"]["ratio"]
+    for g in saved["goals"]:
+        assert g["met"] == (g["measured"] <= g["bound"])
+
     text = (tmp_path / "results.md").read_text()
     # results name no path of the machine that made them: the command is recorded without --out
     assert saved["command"] == "python benchmarks/run.py --quick --repeats 1" and str(tmp_path) not in text
-    assert "## Targets" in text and "whole model, training step" in text
     lines = text.splitlines()
-    for r in saved["model"]:
-        goal, met = ("<= 1.0", r["ratio"] <= 1.0) if r["mode"] == "training step" else ("< 1.0", r["ratio"] < 1.0)
-        assert f"| whole model, {r['mode']} | {r['ratio']:.2f}x | {goal} | {'yes' if met else 'no'} |" in lines
-    slowest = max(r["ratio"] for r in att if r["implementation"] == "fused")
-    assert (f"| slowest default (fused) configuration, any k, n, mode | {slowest:.2f}x | <= 1.5 | "
-            f"{'yes' if slowest <= 1.5 else 'no'} |") in lines
-    table = [line for line in lines if line.startswith(f"| {N} | {B} | ") and line.count("|") == 10]
+    assert (f"| model training step, n=16, k=4 / BertModel eager | {train['measured']:.2f}x | {train['eager']:.2f}x | "
+            f"{train['sdpa']:.2f}x | <= 0.95 | {'yes' if train['met'] else 'no'} | PartialBert shared |") in lines
+    table = [line for line in lines if line.count("|") == 12 and line.split("|")[4].strip() in MODES]
     assert len(table) == len(att)
+
+
+def test_auto_rule_is_refitted_from_timings(tmp_path):
+    """fit_auto: each cell's fastest kernel; --write replaces the table of auto_rule.py, which then decides."""
+    import importlib.util
+
+    from hf_partial_attention.auto_rule import auto_implementation
+
+    fit_auto = _import("fit_auto")
+    rows = [{"pattern": "shared", "implementation": impl, "n": 128, "d": 64, "k": 16, "mode": "forward", "ms": ms,
+             "ratio": ms / 10} for impl, ms in (("dense", 9.0), ("fused", 7.0), ("tiled", 8.0), ("gather", 1.0))]
+    rows += [{**rows[0], "mode": "forward+backward", "implementation": "tiled", "ms": 1.0}]
+    cells = fit_auto.fit(rows)
+    assert [(c["mode"], c["kernel"]) for c in cells] == [("inference", "fused"), ("training", "tiled")]  # no gather
+    rule_file = tmp_path / "auto_rule.py"
+    rule_file.write_text((BENCH.parent / "src" / "hf_partial_attention" / "auto_rule.py").read_text())
+    rule = fit_auto.main(["--quick", "--repeats", "1", "--write", "--rule-file", str(rule_file),
+                          "--out", str(tmp_path / "rule.json")])
+    assert json.loads((tmp_path / "rule.json").read_text()) == rule
+    spec = importlib.util.spec_from_file_location("fitted_rule", rule_file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    kept = [{key: value for key, value in c.items() if key != "ratio_to_eager"} for c in rule["cells"]]
+    assert module.RULE == {**rule, "cells": kept}
+    assert {(c["n"], c["k_over_d"]) for c in rule["cells"]} == {(16, 0.25), (16, 0.5), (16, 1.0)}
+    for cell in rule["cells"]:  # the written table decides exactly as fitted
+        k = int(cell["k_over_d"] * 8)
+        rows_, shared = {"shared": (16, 16), "keys_shared": (16, 1), "per_query": (None, 1)}[cell["structure"]]
+        assert auto_implementation(16, k, 8, rows_, shared, cell["mode"], module.RULE) == cell["kernel"]
 
 
 def test_frozen_w_benchmark_times_what_it_names(tmp_path, monkeypatch):

@@ -123,8 +123,8 @@ def _gather_scores(query, key, indices, scaling, rows):
 
 def _dense_scores(query, key, indices, scaling, rows):
     b, h, t, _ = query.shape
-    full = torch.matmul(query, key.transpose(-1, -2)) * scaling  # (B, H, T, n)
-    return full.gather(-1, indices[:t].expand(b, h, t, indices.shape[1]))
+    full = torch.matmul(query, key.transpose(-1, -2))  # (B, H, T, n); scaled after the selection (n·k, not n²)
+    return full.gather(-1, indices[:t].expand(b, h, t, indices.shape[1])) * scaling
 
 
 def _block_scores(query, key, indices, scaling, rows):
