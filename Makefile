@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test test-fast demo paper related bench objectives table1 clean
+.PHONY: setup test test-fast demo paper related bench bench-quick fit-auto objectives table1 clean
 
 setup: $(STAMP)
 
@@ -44,8 +44,19 @@ table1: setup
 related: setup
 	$(PY) -m research all --out results/related
 
+# Timings of issue 11's goals under glibc's default malloc and with freed blocks reused (about 25 min on 2 cores);
+# `make bench-quick` is the tiny version (seconds). Run on a quiet machine.
 bench: setup
 	$(PY) benchmarks/run.py --out benchmarks/results
+	$(PY) benchmarks/run.py --allocator reuse --out benchmarks/results
+
+bench-quick: setup
+	$(PY) benchmarks/run.py --quick --out runs/bench-quick
+	$(PY) benchmarks/run.py --quick --allocator reuse --out runs/bench-quick
+
+# Refit the kernel choice of partial_implementation="auto" on this machine (about 7 min): rewrites auto_rule.py.
+fit-auto: setup
+	$(PY) benchmarks/fit_auto.py --write
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info src/*.egg-info .pytest_cache

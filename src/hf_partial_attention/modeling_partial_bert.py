@@ -153,8 +153,8 @@ class PartialBertPreTrainedModel(BertPreTrainedModel):
                 init_bias(module.reconstruction_bias, pattern)
 
     def set_partial_implementation(self, implementation: str) -> None:
-        """Switch the kernel of the partial layers at run time: ``"auto"``, ``"gather"``, ``"dense"`` or ``"fused"``
-        (all give the same numbers). Like ``attn_implementation`` it is a setting of this process, never read
+        """Switch the kernel of the partial layers at run time: ``"auto"``, ``"gather"``, ``"dense"``, ``"fused"``,
+        ``"tiled"`` or ``"triton"`` (all give the same numbers). Like ``attn_implementation`` it is a setting of this process, never read
         from a checkpoint; exact layers keep ``config._attn_implementation``."""
         check_implementation(implementation)
         self.config.partial_implementation = implementation

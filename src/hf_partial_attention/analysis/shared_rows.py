@@ -1,4 +1,4 @@
-"""The ``shared_blocks`` family: consecutive rows in blocks share both P and R (docs/method.md#pattern-families).
+"""The ``shared_blocks`` family: consecutive rows in blocks share both P and R (docs/method.md#greedy-choice-of-p).
 
 A block's rows then reconstruct with one matrix, so every step of the attention is a plain matrix product on
 the block (exact scores Q_b K_Pᵀ, reconstruction E_b W_b, P·V) and the `tiled` kernel runs it in cache-sized
