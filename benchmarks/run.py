@@ -62,6 +62,8 @@ def attention_rows(shape: dict, repeats: int, skip_gather_over: int) -> list[dic
                 auto[family] = inp.resolved(idx, family, grad)
                 gather_ok = b * h * n * k * d <= skip_gather_over  # the reference: O(B·H·n·k·d) memory
                 for impl in (IMPLEMENTATIONS if gather_ok else KERNELS):
+                    if impl == "tiled" and grad and family != "shared":
+                        continue  # blocks of one row: 8-13x eager with autograd (2026-12-01 run); auto never picks it
                     fns[f"{impl}/{family}"] = inp.partial(impl, idx, family)
             mem = {name: saved_bytes(fn) for name, fn in fns.items()} if grad else {}
             run = {name: (forward_and_backward(fn, inp.tensors()) if grad else no_grad(fn)) for name, fn in fns.items()}

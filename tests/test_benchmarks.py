@@ -42,11 +42,12 @@ def test_quick_benchmark_writes_tables_and_goals(tmp_path):
     for r in att:
         groups.setdefault((r["n"], r["b"], r["k"], r["mode"]), []).append(r)
     assert set(groups) == {(n, b, k, mode) for (n, b), ks in SHAPES.items() for k in ks for mode in MODES}
-    for rows in groups.values():
-        assert sorted(r["case"] for r in rows) == sorted(expected_cases)
+    for (_, _, _, mode), rows in groups.items():
+        skipped = {f"tiled/{fam}" for fam in FAMILIES if fam != "shared"} if mode == "forward+backward" else set()
+        assert sorted(r["case"] for r in rows) == sorted(expected_cases - skipped)
         dense_ms = next(r["ms"] for r in rows if r["case"] == "dense_eager")
         sdpa_ms = next(r["ms"] for r in rows if r["case"] == "sdpa")
-        for fam in FAMILIES:  # auto picks exactly one kernel per pattern
+        for fam in FAMILIES:  # auto picks exactly one kernel per pattern (a timed one)
             assert sum(r["auto"] for r in rows if r["pattern"] == fam) == 1
         for r in rows:
             assert r["ratio"] == pytest.approx(r["ms"] / dense_ms, rel=1e-9), r

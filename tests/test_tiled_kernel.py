@@ -46,9 +46,9 @@ def test_shared_rows_notices_an_in_place_change():
     assert shared_rows(p, r) == 1
 
 
-def _inputs(t, seed=1, grad=True):
+def _inputs(t, seed=1, grad=True, heads=2):
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(3, 2, t, 4, generator=g, dtype=DT).requires_grad_(grad) for _ in range(3))
+    q, k, v = (torch.randn(3, heads, t, 4, generator=g, dtype=DT).requires_grad_(grad) for _ in range(3))
     return q, k, v
 
 
@@ -172,3 +172,32 @@ def test_auto_rule_from_the_environment(tmp_path, monkeypatch):
         load_rule()
     monkeypatch.delenv("HF_PARTIAL_ATTENTION_AUTO_RULE")
     assert load_rule()["cells"]  # back to the committed table
+
+
+# ---------------------------------------------------------------- fused, in groups of (batch, head) pairs
+@pytest.mark.parametrize("t", [8, 5])
+@pytest.mark.parametrize("mask_kind", [None, "bool", "additive", "per_head"])
+@pytest.mark.parametrize("family", ["per_query", "columns"])
+def test_fused_in_groups_matches_the_reference(t, mask_kind, family, monkeypatch):
+    """Without autograd and without the attention map, fused runs groups of (batch, head) pairs (here groups of
+    two pairs: TILE_ELEMENTS = 1, 3 batches × 5 heads) into one output; the numbers are the reference kernel's."""
+    monkeypatch.setattr(tiled, "TILE_ELEMENTS", 1)
+    g = torch.Generator().manual_seed(5)
+    if family == "columns":
+        p = torch.tensor([1, 4, 6]).expand(8, 3).clone()
+    else:
+        p = torch.stack([torch.randperm(8, generator=g)[:3].sort().values for _ in range(8)])
+    r = torch.randn(8, 5, 3, generator=g, dtype=DT)
+    bias = torch.randn(8, 5, generator=g, dtype=DT)
+    q, k, v = _inputs(t, grad=False, heads=5)
+    mask = _mask("bool" if mask_kind == "per_head" else mask_kind, t)
+    if mask_kind == "per_head":  # a mask that differs per head: (B, H, T, T)
+        mask = mask.expand(3, 5, t, t).clone()
+        mask[:, 3, :, 1] = False
+    with torch.no_grad():
+        ref, _ = _run("gather", q, k, v, mask, p, r, bias)
+        out, none = _run("fused", q, k, v, mask, p, r, bias, need_weights=False)
+        whole, probs = _run("fused", q, k, v, mask, p, r, bias)  # the map asked for: one group, map returned
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(whole, ref, rtol=1e-10, atol=1e-12)
+    assert none is None and probs is not None

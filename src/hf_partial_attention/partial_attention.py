@@ -23,7 +23,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .auto_rule import auto_implementation
 from .configuration_partial_bert import PARTIAL_IMPLEMENTATIONS
 from .reconstruction import complement_indices, inverse_permutation
-from .tiled_kernel import shared_rows, tiled_attention
+from . import tiled_kernel
+from .tiled_kernel import _tile_sizes, shared_rows, tiled_attention
 
 __all__ = [
     "PatternLayout",
@@ -253,12 +254,41 @@ def _bias_full(layout: "PatternLayout", bias: torch.Tensor | None, dtype: torch.
 def _fused_kernel(module, query, key, value, attention_mask, layout, reconstruction, bias, scaling, dropout,
                   need_weights=True):
     """Exact part by block GEMMs when rows share keys (else QKᵀ then select), full rows by one batched matmul
-    with ``W_i = [I at P_i | R_iᵀ at P̄_i]`` (no scatter)."""
+    with ``W_i = [I at P_i | R_iᵀ at P̄_i]`` (no scatter).
+
+    Without autograd and without a request for the attention map, it runs on groups of (batch, head) pairs
+    whose n×n tensors hold about `tiled_kernel.TILE_ELEMENTS` values each, written into one output: the same
+    numbers, without allocating B·H·n² values at once (which glibc serves with fresh pages on every call)."""
+    grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad
+                                        or reconstruction.requires_grad or (bias is not None and bias.requires_grad))
+    w = _reconstruction_matrix_for(layout, reconstruction, query.dtype)  # (n, k, n)
+    bias_full = _bias_full(layout, bias, query.dtype, query.device)
+    if grad or need_weights:
+        return _fused_group(module, query, key, value, attention_mask, layout, w, bias_full, scaling, dropout)
+    b, h, t, d = query.shape
+    k = layout.indices.shape[1]
+    # Every group reads all of W (n·k·n values): where W does not stay in cache (over 8 MiB), groups hold at least
+    # 8·k pairs so that reading W costs at most an eighth of the scores they write.
+    pairs = 8 * k if w.numel() * w.element_size() > 8 * 2**20 else 2
+    bc, hc = _tile_sizes(b, h, t, t, max(tiled_kernel.TILE_ELEMENTS, pairs * t * t))
+    out = value.new_empty(b, t, h, d)  # (B, T, H, D)
+    for b0 in range(0, b, bc):
+        for h0 in range(0, h, hc):
+            group = (slice(b0, b0 + bc), slice(h0, h0 + hc))
+            mask = None
+            if attention_mask is not None:  # (B|1, 1|H, T, T): slice the dimensions that do not broadcast
+                mask = attention_mask[tuple(g if size > 1 else slice(None)
+                                            for g, size in zip(group, attention_mask.shape[:2]))]
+            out[b0:b0 + bc, :, h0:h0 + hc] = _fused_group(module, query[group], key[group], value[group], mask,
+                                                          layout, w, bias_full, scaling, dropout)[0]
+    return out, None
+
+
+def _fused_group(module, query, key, value, attention_mask, layout, w, bias_full, scaling, dropout):
+    """`_fused_kernel` on one group of (batch, head) pairs: ``(output (B, T, H, D), probabilities (B, H, T, T))``."""
     exact_impl = "blocks" if layout.block_rows is not None else "dense"
     exact, additive = _exact_masked(query, key, attention_mask, layout, scaling, exact_impl)
     b, h, t, k = exact.shape
-    w = _reconstruction_matrix_for(layout, reconstruction, exact.dtype)  # (n, k, n)
-    bias_full = _bias_full(layout, bias, exact.dtype, exact.device)
     scores = _fused_scores(exact, w, bias_full, t).view(t, b, h, t)  # (T, B, H, T)
     if additive is not None:
         scores = scores + additive.permute(2, 0, 1, 3)  # (T, B|1, 1|H, T)
