@@ -106,7 +106,8 @@ def _derive_args(p):
     p.add_argument("--scope", default="per_query", choices=["per_query", "whole"])
     p.add_argument("--family", default="per_query", choices=FAMILIES,
                    help="constrain per-query P to a family whose exact part is one dense GEMM (columns, blocks, "
-                        "windows) or shared diagonals (bands); see hf_partial_attention.analysis.selection")
+                        "windows), shared diagonals (bands), or blocks of 32 rows sharing P and R (shared_blocks: "
+                        "the tiled kernel); see hf_partial_attention.analysis.selection")
     p.add_argument("--no-evaluate", action="store_true", help="skip the held-out measurement")
     p.add_argument("--no-baselines", action="store_true", help="skip the equal-cost baselines")
     p.add_argument("--batch-size", type=int, default=8)
