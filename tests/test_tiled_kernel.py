@@ -201,3 +201,41 @@ def test_fused_in_groups_matches_the_reference(t, mask_kind, family, monkeypatch
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(whole, ref, rtol=1e-10, atol=1e-12)
     assert none is None and probs is not None
+
+
+# ---------------------------------------------------------------- training a shared R tied
+def _shared_model(tie, reconstruction="common"):
+    from hf_partial_attention import AttentionPattern, PartialBertConfig, PartialBertModel
+    from hf_partial_attention.modeling_partial_bert import initial_pattern
+
+    p, r = shared_pattern(16, 4, 8, seed=3)
+    config = PartialBertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                               intermediate_size=37, partial_seq_len=16, partial_k=4, reconstruction=reconstruction,
+                               partial_tie_shared_rows=tie, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    with initial_pattern(AttentionPattern(p, r.float())):
+        return PartialBertModel(config)
+
+
+def _loss(model):
+    ids = torch.randint(1, 99, (2, 16), generator=torch.Generator().manual_seed(1))
+    return model(input_ids=ids).last_hidden_state.pow(2).mean()
+
+
+@pytest.mark.parametrize("reconstruction", ["common", "per_layer"])
+def test_tied_rows_get_the_block_sum_and_stay_shared(reconstruction):
+    tied, free = _shared_model(True, reconstruction), _shared_model(False, reconstruction)
+    free.load_state_dict(tied.state_dict())
+    _loss(tied).backward()
+    _loss(free).backward()
+    for (name, t), f in zip(tied.reconstruction_tensors().items(), free.reconstruction_tensors().values()):
+        block_sum = f.grad.view(2, 8, *f.grad.shape[1:]).sum(1, keepdim=True).expand(2, 8, *f.grad.shape[1:])
+        torch.testing.assert_close(t.grad, block_sum.reshape(f.grad.shape), msg=name)
+    for model, want in ((tied, 8), (free, 1)):  # three AdamW steps: tied rows stay equal, free rows drift
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for _ in range(3):
+            opt.zero_grad()
+            _loss(model).backward()
+            opt.step()
+        p = model.encoder.partial_pattern.indices
+        assert {shared_rows(p, r) for r in model.reconstruction_tensors().values()} == {want}

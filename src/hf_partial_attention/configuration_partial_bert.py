@@ -44,6 +44,10 @@ class PartialBertConfig(BertConfig):
             Layers that use partial attention. Defaults to every layer but the last (the paper's setting).
         partial_use_bias (`bool`, defaults to `False`):
             Add a per-query bias b_i (n x (n-k)) to the reconstructed scores (centred fit of R).
+        partial_tie_shared_rows (`bool`, defaults to `False`):
+            When a trainable R is shared by blocks of rows (the `shared_blocks` family), train it tied: each row
+            of a block receives the block's summed gradient, so the rows stay equal (and the fast kernels apply)
+            under any elementwise optimizer. Off, every row gets its own gradient and the blocks drift apart.
         partial_default_correlation (`float`, defaults to 0.9):
             For a model built from a config alone (no pattern given), P_i is the k keys nearest to query i
             and R the optimal reconstruction under the prior covariance `rho**|j - j'|` with this rho.
@@ -81,6 +85,7 @@ class PartialBertConfig(BertConfig):
     reconstruction: str = "common"
     partial_layers: list[int] | None = None
     partial_use_bias: bool = False
+    partial_tie_shared_rows: bool = False
     partial_default_correlation: float = 0.9
     partial_implementation: str = "auto"
     partial_base_model: str | None = None

@@ -22,7 +22,7 @@ import weakref
 import torch
 from torch import nn
 
-__all__ = ["TILE_ELEMENTS", "shared_rows", "tiled_attention"]
+__all__ = ["TILE_ELEMENTS", "shared_rows", "tie_rows", "tiled_attention"]
 
 # Scores per tile (float32: 2 MiB): large enough for efficient GEMMs, small enough to stay in a core's L2/L3
 # while the tile is reconstructed, normalised and multiplied by V (measured on a 2-core EPYC, 2 MiB L2).
@@ -64,6 +64,29 @@ def shared_rows(indices: torch.Tensor, reconstruction: torch.Tensor) -> int:
         ref = weakref.ref(reconstruction, lambda _, key=key: _SHARED.pop(key, None))
         cached = _SHARED[key] = (ref, stamp, rows)
     return cached[2]
+
+
+class _TieRows(torch.autograd.Function):
+    """Identity forward; backward gives every row of a block of ``rows`` the block's summed gradient."""
+
+    @staticmethod
+    def forward(ctx, tensor, rows):
+        ctx.rows = rows
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        n = grad.shape[0]
+        blocks = grad.reshape(n // ctx.rows, ctx.rows, *grad.shape[1:])  # (n / rows, rows, ...)
+        return blocks.sum(1, keepdim=True).expand_as(blocks).reshape(grad.shape), None
+
+
+def tie_rows(reconstruction: torch.Tensor, rows: int) -> torch.Tensor:
+    """R, whose gradient is summed over each block of ``rows`` rows and given to every row of the block (the
+    gradient of one R per block): R that starts shared stays shared under elementwise optimizers."""
+    if rows <= 1 or not (reconstruction.requires_grad and torch.is_grad_enabled()):
+        return reconstruction
+    return _TieRows.apply(reconstruction, rows)
 
 
 class _RowSharedMatmul(torch.autograd.Function):
