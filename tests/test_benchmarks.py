@@ -123,14 +123,14 @@ def test_auto_rule_is_refitted_from_timings(tmp_path):
 
 def test_frozen_w_benchmark_times_what_it_names(tmp_path, monkeypatch):
     """The cached case builds W once, the rebuilt case on every call; the table's ratios are ms / eager ms."""
-    import hf_partial_attention.partial_attention as pa
+    import hf_partial_attention.partial_scores as ps
 
     sys.path.insert(0, str(BENCH))
     import frozen_w
 
     builds = []
-    original = pa.reconstruction_matrix
-    monkeypatch.setattr(pa, "reconstruction_matrix", lambda *a: builds.append(1) or original(*a))
+    original = ps.reconstruction_matrix
+    monkeypatch.setattr(ps, "reconstruction_matrix", lambda *a: builds.append(1) or original(*a))
     result = frozen_w.main(["--quick", "--repeats", "3", "--out", str(tmp_path)])
     # warm-up + 3 repeats: the rebuilt case builds 4 times, the cached case once
     assert len(builds) == 4 + 1

@@ -181,12 +181,12 @@ def test_auto_implementation_choice():
 
 def test_frozen_r_builds_w_once_and_notices_changes(monkeypatch):
     """W = [I | R] is reused while R is frozen and rebuilt when R (or P) changes; values equal a fresh build."""
-    import hf_partial_attention.partial_attention as pa
+    import hf_partial_attention.partial_scores as ps
     from hf_partial_attention import AttentionPattern, PartialBertConfig, PartialBertModel
 
     builds = []
-    original = pa.reconstruction_matrix
-    monkeypatch.setattr(pa, "reconstruction_matrix", lambda *a: builds.append(1) or original(*a))
+    original = ps.reconstruction_matrix
+    monkeypatch.setattr(ps, "reconstruction_matrix", lambda *a: builds.append(1) or original(*a))
     torch.manual_seed(0)
     config = PartialBertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
                                intermediate_size=37, partial_seq_len=16, partial_k=4, reconstruction="fixed",

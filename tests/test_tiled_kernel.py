@@ -239,3 +239,14 @@ def test_tied_rows_get_the_block_sum_and_stay_shared(reconstruction):
             opt.step()
         p = model.encoder.partial_pattern.indices
         assert {shared_rows(p, r) for r in model.reconstruction_tensors().values()} == {want}
+
+
+@pytest.mark.parametrize("impl", ["tiled", "fused"])
+def test_only_the_bias_trains(impl):
+    """q, k, v and R frozen, the bias trainable: the kernels take their autograd path (not the in-place one)."""
+    p, r = shared_pattern(8, 2, 4)
+    bias = torch.randn(8, 6, generator=torch.Generator().manual_seed(2), dtype=DT, requires_grad=True)
+    q, k, v = _inputs(8, grad=False)
+    grads = [torch.autograd.grad(_run(name, q, k, v, None, p, r, bias, need_weights=False)[0].pow(2).sum(), [bias])[0]
+             for name in ("gather", impl)]
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-10, atol=1e-12)

@@ -10,7 +10,7 @@ checkout), or write a JSON file with ``python benchmarks/fit_auto.py --out rule.
 environment variable ``HF_PARTIAL_ATTENTION_AUTO_RULE`` at it.
 
 Structures: ``"shared"`` (blocks of at least ``shared_min_rows`` rows share P and R: `tiled_kernel.shared_rows`),
-``"keys_shared"`` (blocks of rows share P, each row its own R: `partial_attention.block_rows`), ``"per_query"``.
+``"keys_shared"`` (blocks of rows share P, each row its own R: `partial_scores.block_rows`), ``"per_query"``.
 """
 
 from __future__ import annotations

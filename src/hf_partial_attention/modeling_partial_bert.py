@@ -40,7 +40,7 @@ from .conversion import PARTIAL_FIELDS, copy_weights, initial_pattern, load_sour
 from .partial_attention import PatternLayout, attention_function_name, check_implementation
 from .partial_pattern import PartialBertPattern, default_pattern, init_bias, initial_for, r_tensor
 from .pattern import AttentionPattern
-from .tiled_kernel import shared_rows, tie_rows
+from .tiled_kernel import needs_grad, shared_rows, tie_rows
 
 __all__ = [
     "PartialBertPreTrainedModel",
@@ -79,7 +79,7 @@ class PartialBertSelfAttention(BertSelfAttention):
         layout, recon, bias = self._encoder.partial_pattern()
         if "reconstruction" in self._parameters:  # per_layer
             recon, bias = self.reconstruction, self.reconstruction_bias
-        if self.config.partial_tie_shared_rows and recon.requires_grad and torch.is_grad_enabled():
+        if self.config.partial_tie_shared_rows and needs_grad(recon):
             recon = tie_rows(recon, shared_rows(layout.indices, recon))
         return layout, recon, bias
 

@@ -22,11 +22,17 @@ import weakref
 import torch
 from torch import nn
 
-__all__ = ["TILE_ELEMENTS", "shared_rows", "tie_rows", "tiled_attention"]
+__all__ = ["TILE_ELEMENTS", "needs_grad", "shared_rows", "tie_rows", "tiled_attention"]
 
 # Scores per tile (float32: 2 MiB): large enough for efficient GEMMs, small enough to stay in a core's L2/L3
 # while the tile is reconstructed, normalised and multiplied by V (measured on a 2-core EPYC, 2 MiB L2).
 TILE_ELEMENTS = 1 << 19
+
+def needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd will record an op on these tensors (grad mode on and one of them requires grad): the one
+    test the kernels use to choose between their autograd and their in-place paths."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
 
 # shared_rows of R tensors by id, rechecked when R or P changes (version counters and storage).
 _SHARED: dict[int, tuple] = {}
@@ -84,7 +90,7 @@ class _TieRows(torch.autograd.Function):
 def tie_rows(reconstruction: torch.Tensor, rows: int) -> torch.Tensor:
     """R, whose gradient is summed over each block of ``rows`` rows and given to every row of the block (the
     gradient of one R per block): R that starts shared stays shared under elementwise optimizers."""
-    if rows <= 1 or not (reconstruction.requires_grad and torch.is_grad_enabled()):
+    if rows <= 1 or not needs_grad(reconstruction):
         return reconstruction
     return _TieRows.apply(reconstruction, rows)
 
@@ -136,7 +142,7 @@ def tiled_attention(query, key, value, exact, additive, w_rows, bias_full, rows:
         query, key, value: ``(B, H, T, D)`` (query and key only fix shapes here: ``exact`` holds their scores).
         exact: ``(B, H, T, k)`` exact scores at P (scaled, zero at masked keys).
         additive: ``None`` or the additive mask ``(B|1, 1|H, T, T)``.
-        w_rows: ``(n, k, n)`` W of every row (`partial_attention.reconstruction_matrix`); rows of one block of
+        w_rows: ``(n, k, n)`` W of every row (`partial_scores.reconstruction_matrix`); rows of one block of
             ``rows`` must be equal (`shared_rows`).
         bias_full: ``None`` or ``(n, n)`` bias in key order (zero at P).
         need_weights: also return the attention probabilities ``(B, H, T, T)`` (else ``None``: they are the one
@@ -149,28 +155,28 @@ def tiled_attention(query, key, value, exact, additive, w_rows, bias_full, rows:
     tile = TILE_ELEMENTS if tile is None else tile
     nb = -(-t // rows)  # blocks of rows covering the input
     bc, hc = _tile_sizes(b, h, rows, t, tile)
-    trainable_w = w_rows.requires_grad and torch.is_grad_enabled()
+    trainable_w = needs_grad(w_rows)
     w_blocks = w_rows[:t, :, :t].split(rows, 0)  # per block (r, k, T); the last may hold fewer rows
     bias_blocks = _split(None if bias_full is None else bias_full[:t, :t], rows, 0, nb)  # per block (r, T)
     mask_blocks = _split(additive, rows, 2, nb)  # per block (B|1, 1|H, r, T)
     values = [_split(vb, hc, 1, -(-h // hc)) for vb in value.split(bc, 0)]  # [b tile][h tile] (bc, hc, T, D)
     # Without autograd the tiles write into one buffer laid out block-first (each tile a contiguous slice when it
     # spans all heads), which the final copy to (B, T, H, D) reads once; with autograd they are concatenated.
-    direct = not torch.is_grad_enabled() or not (exact.requires_grad or value.requires_grad or trainable_w)
+    direct = not needs_grad(exact, value, w_rows, bias_full)
     buffer = value.new_empty(nb, b, h, rows, value.shape[-1]) if direct else None  # (nb, B, H, r, D)
     out_blocks, prob_blocks = [], []
     for g, e_g in enumerate(exact.split(rows, 2)):  # e_g (B, H, r, k)
         w_g = w_blocks[g]
+        masks = [_split(m, hc, 1, len(values[0])) for m in _split(mask_blocks[g], bc, 0, len(values))]
         out_b, prob_b = [], []
         for i, e_b in enumerate(e_g.split(bc, 0)):
-            mask_b = _split(mask_blocks[g], bc, 0, len(values))[i] if additive is not None else None
             out_h, prob_h = [], []
             for j, e_t in enumerate(e_b.split(hc, 1)):  # (bc, hc, r, k)
                 scores = _RowSharedMatmul.apply(e_t, w_g) if trainable_w else torch.matmul(e_t, w_g[0])
                 if bias_blocks[g] is not None:
                     scores = scores + bias_blocks[g]
-                if mask_b is not None:
-                    scores = scores + _split(mask_b, hc, 1, len(values[i]))[j]
+                if masks[i][j] is not None:
+                    scores = scores + masks[i][j]
                 probs = nn.functional.softmax(scores, dim=-1)
                 probs = nn.functional.dropout(probs, p=dropout, training=training)
                 if direct:

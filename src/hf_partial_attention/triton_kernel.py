@@ -246,7 +246,7 @@ def triton_partial_attention(query, key, value, w, bias_full, additive_mask, mas
 
     Args:
         query, key, value: ``(B, H, T, D)``, D a power of two >= 16.
-        w: ``(n, k, n)`` W in key order (`partial_attention.reconstruction_matrix`); bias_full ``(n, n)`` or None.
+        w: ``(n, k, n)`` W in key order (`partial_scores.reconstruction_matrix`); bias_full ``(n, n)`` or None.
         additive_mask: ``(B|1, H|1, T, T)`` float or None; masked_at_p: ``(B|1, H|1, T, k)`` bool or None (the
             keys of P that are masked: their exact score enters R as zero).
         indices: P, ``(n, k)``. blocks: (BLOCK_M, BLOCK_N), powers of two >= 16.

@@ -244,15 +244,20 @@ def fit_pattern(cov, indices: torch.Tensor, scope: str = "per_query", *, centere
     with single_thread(scope == "per_query" or c.shape[-1] <= 2048):  # small problems: see _threads
         recon, b, err = solve_reconstruction(c, indices, mu if bias else None, ridge=ridge)
     total = _trace(c)
+    meta = {**_fit_metadata(cov, scope, centered, ridge, total, layer, head),
+            "normalized_error": float(err.sum()) / total, "k_bar": int(indices.numel()), "seq_len": n,
+            **(metadata or {})}
+    return AttentionPattern(indices, recon, b if bias else None, scope=scope, seq_len=n, metadata=meta)
+
+
+def _fit_metadata(cov, scope, centered, ridge, total, layer, head) -> dict[str, Any]:
+    """What every fitted pattern records about its fit and, for a `ScoreCovariance`, its source."""
     meta = {"scope": scope, "covariance": "centered" if centered else "second_moment", "ridge": ridge,
-            "total_variance": total, "normalized_error": float(err.sum()) / total,
-            "k_bar": int(indices.numel()), "seq_len": n}
+            "total_variance": total}
     if isinstance(cov, ScoreCovariance):
         meta.update(source_model=cov.metadata.get("model", ""), source_model_id=cov.metadata.get("model_id", ""),
-                    num_sequences=cov.num_sequences,
-                    layer=layer, head=head)
-    meta.update(metadata or {})
-    return AttentionPattern(indices, recon, b if bias else None, scope=scope, seq_len=n, metadata=meta)
+                    num_sequences=cov.num_sequences, layer=layer, head=head)
+    return meta
 
 
 def _trace(c: torch.Tensor) -> float:
@@ -356,14 +361,9 @@ def _select_shared(cov, prepared, ks, block_rows, bias, ridge, layer, head, meta
     total = _trace(c)
     patterns = {}
     for k in ks:
-        meta: dict[str, Any] = {"method": "greedy_shared_blocks", "k": k, "family": "shared_blocks",
-                                "greedy_normalized_error": float(path[:, k - 1].sum()) / total, "scope": "per_query",
-                                "covariance": "centered" if centered else "second_moment", "ridge": ridge,
-                                "total_variance": total}
-        if isinstance(cov, ScoreCovariance):
-            meta.update(source_model=cov.metadata.get("model", ""), source_model_id=cov.metadata.get("model_id", ""),
-                        num_sequences=cov.num_sequences, layer=layer, head=head)
-        meta.update(metadata or {})
+        meta = {**_fit_metadata(cov, "per_query", centered, ridge, total, layer, head),
+                "method": "greedy_shared_blocks", "k": k, "family": "shared_blocks",
+                "greedy_normalized_error": float(path[:, k - 1].sum()) / total, **(metadata or {})}
         patterns[k] = fit_shared_blocks(c, mu, picks[:, :k], rows, bias=bias, ridge=ridge, total=total, meta=meta)
     return patterns
 
