@@ -33,7 +33,7 @@ from .partial_scores import (
     reconstruct_scores,
     reconstruction_matrix,
 )
-from .tiled_kernel import _tile_sizes, needs_grad, shared_rows, tiled_attention
+from .tiled_kernel import _broadcast_slice, _tile_sizes, needs_grad, shared_rows, tiled_attention
 
 __all__ = [
     "PatternLayout",
@@ -99,10 +99,8 @@ def _fused_kernel(module, query, key, value, attention_mask, layout, reconstruct
     for b0 in range(0, b, bc):
         for h0 in range(0, h, hc):
             group = (slice(b0, b0 + bc), slice(h0, h0 + hc))
-            mask = None
-            if attention_mask is not None:  # (B|1, 1|H, T, T): slice the dimensions that do not broadcast
-                mask = attention_mask[tuple(g if size > 1 else slice(None)
-                                            for g, size in zip(group, attention_mask.shape[:2]))]
+            # (B|1, 1|H, T, T): slice the dimensions that do not broadcast
+            mask = None if attention_mask is None else attention_mask[_broadcast_slice(group, attention_mask)]
             out[b0:b0 + bc, :, h0:h0 + hc] = _fused_group(module, query[group], key[group], value[group], mask,
                                                           layout, w, bias_full, scaling, dropout)[0]
     return out, None

@@ -126,6 +126,11 @@ def _split(tensor: torch.Tensor | None, sizes: int, dim: int, count: int) -> lis
     return list(tensor.split(sizes, dim))
 
 
+def _broadcast_slice(group: tuple[slice, slice], tensor: torch.Tensor) -> tuple[slice, slice]:
+    """The (batch, head) slices of ``group`` for a tensor ``(B|1, H|1, ...)``: whole where it broadcasts."""
+    return tuple(g if size > 1 else slice(None) for g, size in zip(group, tensor.shape[:2]))
+
+
 def _tile_sizes(b: int, h: int, rows: int, t: int, tile: int) -> tuple[int, int]:
     """(batch, heads) per tile so that a tile holds about ``tile`` scores of ``rows`` × ``t``."""
     pairs = max(1, tile // max(rows * t, 1))
@@ -151,56 +156,56 @@ def tiled_attention(query, key, value, exact, additive, w_rows, bias_full, rows:
     Returns:
         ``(output (B, T, H, D), probabilities or None)``.
     """
-    b, h, t, _ = query.shape
+    b, h, t, d = query.shape
     tile = TILE_ELEMENTS if tile is None else tile
     nb = -(-t // rows)  # blocks of rows covering the input
     bc, hc = _tile_sizes(b, h, rows, t, tile)
     trainable_w = needs_grad(w_rows)
     w_blocks = w_rows[:t, :, :t].split(rows, 0)  # per block (r, k, T); the last may hold fewer rows
     bias_blocks = _split(None if bias_full is None else bias_full[:t, :t], rows, 0, nb)  # per block (r, T)
-    mask_blocks = _split(additive, rows, 2, nb)  # per block (B|1, 1|H, r, T)
-    values = [_split(vb, hc, 1, -(-h // hc)) for vb in value.split(bc, 0)]  # [b tile][h tile] (bc, hc, T, D)
-    # Without autograd the tiles write into one buffer laid out block-first (each tile a contiguous slice when it
-    # spans all heads), which the final copy to (B, T, H, D) reads once; with autograd they are concatenated.
+    # Without autograd each tile's output is copied into its place in (B, T, H, D) (the kernel's output layout);
+    # with autograd the tiles are concatenated.
     direct = not needs_grad(exact, value, w_rows, bias_full)
-    buffer = value.new_empty(nb, b, h, rows, value.shape[-1]) if direct else None  # (nb, B, H, r, D)
-    out_blocks, prob_blocks = [], []
-    for g, e_g in enumerate(exact.split(rows, 2)):  # e_g (B, H, r, k)
-        w_g = w_blocks[g]
-        masks = [_split(m, hc, 1, len(values[0])) for m in _split(mask_blocks[g], bc, 0, len(values))]
-        out_b, prob_b = [], []
-        for i, e_b in enumerate(e_g.split(bc, 0)):
-            out_h, prob_h = [], []
-            for j, e_t in enumerate(e_b.split(hc, 1)):  # (bc, hc, r, k)
+    if direct:
+        value = value.contiguous()  # once: a strided V (a model's transposed projection) would be copied per tile
+    out = value.new_empty(b, t, h, d) if direct else None  # (B, T, H, D)
+    out_b, prob_b = [], []
+    # Loop order: each group of (batch, head) pairs runs all its blocks of rows before the next group, so that the
+    # group's V and exact scores stay in cache while its blocks are reconstructed, normalised and multiplied by V.
+    for b0 in range(0, b, bc):
+        out_h, prob_h = [], []
+        for h0 in range(0, h, hc):
+            group = (slice(b0, b0 + bc), slice(h0, h0 + hc))
+            v_t = value[group]  # (bc, hc, T, D)
+            mask_blocks = _split(None if additive is None else additive[_broadcast_slice(group, additive)],
+                                 rows, 2, nb)  # per block (bc|1, hc|1, r, T)
+            out_g, prob_g = [], []
+            for g, e_t in enumerate(exact[group].split(rows, 2)):  # e_t (bc, hc, r, k)
+                w_g = w_blocks[g]
                 scores = _RowSharedMatmul.apply(e_t, w_g) if trainable_w else torch.matmul(e_t, w_g[0])
                 if bias_blocks[g] is not None:
                     scores = scores + bias_blocks[g]
-                if masks[i][j] is not None:
-                    scores = scores + masks[i][j]
-                probs = nn.functional.softmax(scores, dim=-1)
+                if mask_blocks[g] is not None:
+                    scores = scores + mask_blocks[g]
+                probs = nn.functional.softmax(scores, dim=-1)  # (bc, hc, r, T)
                 probs = nn.functional.dropout(probs, p=dropout, training=training)
+                o = torch.matmul(probs, v_t)  # (bc, hc, r, D)
                 if direct:
-                    rg = probs.shape[-2]
-                    target = buffer[g, i * bc: i * bc + probs.shape[0], j * hc: j * hc + probs.shape[1], :rg]
-                    if target.is_contiguous():
-                        torch.matmul(probs, values[i][j], out=target)
-                    else:
-                        target.copy_(torch.matmul(probs, values[i][j]))
+                    out[b0:b0 + bc, g * rows: g * rows + o.shape[2], h0:h0 + hc] = o.transpose(1, 2)
                 else:
-                    out_h.append(torch.matmul(probs, values[i][j]))  # (bc, hc, r, D)
+                    out_g.append(o)
                 if need_weights:
-                    prob_h.append(probs)
+                    prob_g.append(probs)
             if not direct:
-                out_b.append(torch.cat(out_h, 1) if len(out_h) > 1 else out_h[0])
+                out_h.append(torch.cat(out_g, 2) if len(out_g) > 1 else out_g[0])  # (bc, hc, T, D)
             if need_weights:
-                prob_b.append(torch.cat(prob_h, 1) if len(prob_h) > 1 else prob_h[0])
+                prob_h.append(torch.cat(prob_g, 2) if len(prob_g) > 1 else prob_g[0])  # (bc, hc, T, T)
         if not direct:
-            out_blocks.append(torch.cat(out_b, 0) if len(out_b) > 1 else out_b[0])  # (B, H, r, D)
+            out_b.append(torch.cat(out_h, 1) if len(out_h) > 1 else out_h[0])  # (bc, H, T, D)
         if need_weights:
-            prob_blocks.append(torch.cat(prob_b, 0) if len(prob_b) > 1 else prob_b[0])
-    probs = torch.cat(prob_blocks, 2) if need_weights else None  # (B, H, T, T)
+            prob_b.append(torch.cat(prob_h, 1) if len(prob_h) > 1 else prob_h[0])  # (bc, H, T, T)
+    probs = (torch.cat(prob_b, 0) if len(prob_b) > 1 else prob_b[0]) if need_weights else None  # (B, H, T, T)
     if direct:
-        out = buffer.permute(1, 0, 3, 2, 4).reshape(b, nb * rows, h, value.shape[-1])[:, :t]  # (B, T, H, D)
-        return out.contiguous(), probs
-    out = torch.cat(out_blocks, 2)  # (B, H, T, D)
+        return out, probs
+    out = torch.cat(out_b, 0) if len(out_b) > 1 else out_b[0]  # (B, H, T, D)
     return out.transpose(1, 2).contiguous(), probs
