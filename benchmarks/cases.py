@@ -43,18 +43,28 @@ def mac_ratio(n: int, d: int, k: int, fused: bool = False) -> float:
 
 
 class AttentionInputs:
-    """q, k, v (B, H, n, d) and R for one shape."""
+    """q, k, v (B, H, n, d) and R for one shape.
+
+    q, k and v are laid out as a model's projections give them to the attention function: ``(B, n, H, d)``
+    tensors seen as ``(B, H, n, d)`` (transposed views, not contiguous), so every kernel, eager and SDPA pay what
+    they pay in a model for that layout."""
 
     def __init__(self, b: int, h: int, n: int, d: int, k: int, requires_grad: bool, seed: int = 0):
         g = torch.Generator().manual_seed(seed)
-        self.q, self.k, self.v = (torch.randn(b, h, n, d, generator=g).requires_grad_(requires_grad) for _ in range(3))
+        # (B, n, H, d) leaves, as reshaped projections are; q/k/v are their (B, H, n, d) views
+        self.leaves = [torch.randn(b, n, h, d, generator=g).requires_grad_(requires_grad) for _ in range(3)]
         self.r = (0.1 * torch.randn(n, n - k, k, generator=g)).requires_grad_(requires_grad)
         self.r_shared = shared_r(self.r.detach(), n).requires_grad_(requires_grad)
         self.scaling = d**-0.5
         self.module = nn.Module().train(requires_grad)  # dropout 0 either way
 
+    q = property(lambda self: self.leaves[0].transpose(1, 2))  # (B, H, n, d) view
+    k = property(lambda self: self.leaves[1].transpose(1, 2))
+    v = property(lambda self: self.leaves[2].transpose(1, 2))
+
     def tensors(self) -> list[torch.Tensor]:
-        return [self.q, self.k, self.v, self.r, self.r_shared]
+        """The leaves whose gradients a backward fills (cleared between repeats)."""
+        return [*self.leaves, self.r, self.r_shared]
 
     def dense_eager(self):
         s = torch.matmul(self.q, self.k.transpose(-1, -2)) * self.scaling

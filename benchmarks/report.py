@@ -98,7 +98,8 @@ def markdown(result: dict) -> str:
     for r in result["model"]:
         lines.append(f"| {r['mode']} | {r['layers']} | {r['hidden']} | {r['b']} | {r['n']} | {r['k']} | {r['model']} | "
                      f"{r['s']:.3f} | {r['ratio']:.2f} | {r['sdpa_ratio']:.2f} |")
-    lines += ["", "## Attention function (q, k, v given; B·H·n·d inputs, H = 12)", "",
+    lines += ["", "## Attention function (q, k, v as a model gives them: (B, n, H, d) projections seen as "
+              "(B, H, n, d); H = 12)", "",
               "| n | B | k | mode | case | auto | ms | / eager | / SDPA | mac_ratio | saved for backward (MiB) |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["attention"]:

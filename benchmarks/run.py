@@ -30,7 +30,7 @@ logger = logging.getLogger("bench")
 FULL = {"shapes": [dict(b=32, h=12, n=128, d=64, ks=[16, 32, 64]), dict(b=8, h=12, n=512, d=64, ks=[32, 64])],
         "models": [dict(layers=12, hidden=768, heads=12, b=32, n=128, k=16, modes=["inference", "training step"]),
                    dict(layers=12, hidden=768, heads=12, b=8, n=512, k=32, modes=["inference"])],
-        "repeats": 9, "model_repeats": 3}
+        "repeats": 7, "model_repeats": 5}
 QUICK = {"shapes": [dict(b=2, h=2, n=16, d=8, ks=[4, 8]), dict(b=1, h=2, n=32, d=8, ks=[4])],
          "models": [dict(layers=2, hidden=32, heads=4, b=2, n=16, k=4, modes=["inference", "training step"]),
                     dict(layers=2, hidden=32, heads=4, b=1, n=32, k=4, modes=["inference"])],

@@ -29,6 +29,7 @@ from .partial_scores import (
     _masked_keys,
     _reconstruction_matrix_for,
     block_rows,
+    check_length,
     exact_partial_scores,
     reconstruct_scores,
     reconstruction_matrix,
@@ -145,9 +146,7 @@ def _triton_kernel(module, query, key, value, attention_mask, layout, reconstruc
                          "set config.attention_probs_dropout_prob=0, or use partial_implementation='fused'.")
     t = query.shape[2]
     n, k = layout.indices.shape
-    if t > n:
-        raise ValueError(f"Input length {t} exceeds the partial attention length n={n} (config.partial_seq_len); "
-                         f"truncate inputs to {n} tokens or use a pattern derived for a longer n.")
+    check_length(t, n)
     additive, masked = _masked_keys(attention_mask, t, torch.float32)
     masked_at_p = None
     if masked is not None:

@@ -79,6 +79,13 @@ def _reconstruction_matrix_for(layout: "PatternLayout", reconstruction: torch.Te
     return cached[2]
 
 
+def check_length(t: int, n: int) -> None:
+    """Refuse an input of ``t`` tokens longer than the pattern's ``n`` (P and R exist for n positions only)."""
+    if t > n:
+        raise ValueError(f"Input length {t} exceeds the partial attention length n={n} (config.partial_seq_len); "
+                         f"truncate inputs to {n} tokens or use a pattern derived for a longer n.")
+
+
 def _masked_keys(attention_mask: torch.Tensor | None, t: int, dtype: torch.dtype):
     """From a bool (True = attend) or additive float mask, return (additive mask, bool masked-out)."""
     if attention_mask is None:
@@ -178,11 +185,7 @@ def _exact_masked(query, key, attention_mask, layout, scaling, exact_impl):
     t = query.shape[2]
     indices = layout.indices
     n = indices.shape[0]
-    if t > n:
-        raise ValueError(
-            f"Input length {t} exceeds the partial attention length n={n} (config.partial_seq_len); "
-            f"truncate inputs to {n} tokens or use a pattern derived for a longer n."
-        )
+    check_length(t, n)
     additive, masked = _masked_keys(attention_mask, t, query.dtype)
     exact = exact_partial_scores(query, key, indices, scaling, exact_impl, layout.block_rows)  # (B, H, T, k)
     if masked is not None:
