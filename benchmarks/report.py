@@ -19,6 +19,11 @@ def _model(result, n, mode, name="PartialBert shared"):
     return next((r for r in result["model"] if r["n"] == n and r["mode"] == mode and r["model"] == name), None)
 
 
+def _range(row: dict, key: str) -> str:
+    """``low–high`` of a ratio's rounds, or empty for results written before ranges were recorded."""
+    return "" if not row.get(key) else f"{row[key][0]:.2f}–{row[key][1]:.2f}"
+
+
 def goal_rows(result: dict) -> list[dict]:
     """Each goal: what was measured (the row it comes from), its ratio to eager and to SDPA, and whether it is met.
 
@@ -58,7 +63,8 @@ def goal_rows(result: dict) -> list[dict]:
             what = f"{row['case']}, {row['mode']}, n={row['n']}, k={row['k']}" if name.startswith("slowest") else what
         out.append({"goal": name, "measured": value, "eager": None if row is None else row["ratio"],
                     "sdpa": None if row is None else row["sdpa_ratio"], "bound": bound, "case": what,
-                    "met": None if value is None else value <= bound})
+                    "met": None if value is None else value <= bound,
+                    "range": None if row is None else row.get(f"{key}_range")})  # model rows: rounds' low, high
     return out
 
 
@@ -86,18 +92,23 @@ def markdown(result: dict) -> str:
              "share keys and R: the `shared_blocks` family). `auto` marks the kernel `partial_implementation=\"auto\"` "
              "picks. `mac_ratio` = multiply-adds of the attention forward over dense, "
              "(k·d + (n−k)·k + n·d) / (2·n·d) (fused, tiled: n·k for the [I|R] product).", "",
-             "## Goals", "", "| goal | measured | / eager | / SDPA | goal | met | case |",
-             "|---|---|---|---|---|---|---|"]
+             "## Goals", "", "Model goals also show the range of the measured ratio over the rounds.", "",
+             "| goal | measured | (rounds) | / eager | / SDPA | goal | met | case |",
+             "|---|---|---|---|---|---|---|---|"]
     for g in goal_rows(result):
         met = "n/a" if g["met"] is None else ("yes" if g["met"] else "no")
-        lines.append(f"| {g['goal']} | {_x(g['measured'])} | {_x(g['eager'])} | {_x(g['sdpa'])} | <= {g['bound']} | "
-                     f"{met} | {g['case']} |")
+        rounds = "" if not g["range"] else f"{g['range'][0]:.2f}–{g['range'][1]:.2f}"
+        lines.append(f"| {g['goal']} | {_x(g['measured'])} | {rounds} | {_x(g['eager'])} | {_x(g['sdpa'])} | "
+                     f"<= {g['bound']} | {met} | {g['case']} |")
     lines += ["", "## Whole model (BertModel, 12 layers unless --quick; PartialBert: all layers but the last partial)",
-              "", "| mode | layers | hidden | B | n | k | model | s | / eager | / SDPA |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "", "Ratios are medians of per-round ratios (the models of a round run back to back); the range is "
+              "the lowest and highest round: the noise a single comparison would show.", "",
+              "| mode | layers | hidden | B | n | k | model | s | / eager | (range) | / SDPA | (range) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["model"]:
         lines.append(f"| {r['mode']} | {r['layers']} | {r['hidden']} | {r['b']} | {r['n']} | {r['k']} | {r['model']} | "
-                     f"{r['s']:.3f} | {r['ratio']:.2f} | {r['sdpa_ratio']:.2f} |")
+                     f"{r['s']:.3f} | {r['ratio']:.2f} | {_range(r, 'ratio_range')} | {r['sdpa_ratio']:.2f} | "
+                     f"{_range(r, 'sdpa_ratio_range')} |")
     lines += ["", "## Attention function (q, k, v as a model gives them: (B, n, H, d) projections seen as "
               "(B, H, n, d); H = 12)", "",
               "| n | B | k | mode | case | auto | ms | / eager | / SDPA | mac_ratio | saved for backward (MiB) |",

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import platform
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cases import PATTERNS, AttentionInputs, base_models, mac_ratio, pattern_indices, peer_modules  # noqa: E402
-from timing import command_line, forward_and_backward, interleaved_medians, no_grad, saved_bytes  # noqa: E402
+from timing import (command_line, forward_and_backward, interleaved_medians, interleaved_times,  # noqa: E402
+                    no_grad, paired_ratios, saved_bytes)
 
 from hf_partial_attention.partial_attention import IMPLEMENTATIONS  # noqa: E402
 
@@ -136,12 +138,25 @@ def model_rows(spec: dict, repeats: int) -> list[dict]:
     for mode in spec["modes"]:
         make = step if mode == "training step" else infer
         names = [m for m in models if not (mode == "training step" and m == "PartialBert per_query")]
-        med = interleaved_medians({name: make(name) for name in names}, repeats)
+        times = interleaved_times({name: make(name) for name in names}, repeats)
         for name in names:
-            rows.append({"mode": mode, "model": name, "s": med[name], "ratio": med[name] / med["BertModel eager"],
-                         "sdpa_ratio": med[name] / med["BertModel sdpa"],
+            # Ratios round by round (each model timed right after the others), so that a slow round slows all.
+            eager, sdpa = paired_ratios(times, name, "BertModel eager"), paired_ratios(times, name, "BertModel sdpa")
+            rows.append({"mode": mode, "model": name, "s": statistics.median(times[name]), "ratio": eager["median"],
+                         "ratio_range": [eager["low"], eager["high"]], "sdpa_ratio": sdpa["median"],
+                         "sdpa_ratio_range": [sdpa["low"], sdpa["high"]],
                          **{key: spec[key] for key in ("layers", "hidden", "heads", "b", "n", "k")}})
     return rows
+
+
+def model_rows_in_a_fresh_process(spec: dict, repeats: int, threads: int | None = None) -> list[dict]:
+    """`model_rows` in a child process (same environment, so the same allocator settings). A process that has run
+    the attention cases before times whole models differently (BertModel eager at n = 512 took 4.7 s there and
+    6.7 s in a fresh process the same hour, SDPA 4.7 s and 4.9 s): a fresh process is what a user's job is."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--model-spec", json.dumps(spec),
+               "--model-repeats", str(repeats), *(["--threads", str(threads)] if threads else [])]
+    done = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 # glibc returns freed blocks above its mmap threshold (at most 32 MiB by default) to the system, so a tensor that
@@ -166,8 +181,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--allocator", choices=tuple(ALLOCATORS), default="default",
                         help="glibc malloc settings to run under (reuse: a child process with freed blocks kept)")
+    parser.add_argument("--model-spec", default=None, help=argparse.SUPPRESS)  # internal: one model comparison
+    parser.add_argument("--model-repeats", type=int, default=None, help=argparse.SUPPRESS)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    if args.model_spec:  # the child of `model_rows_in_a_fresh_process`: rows as JSON on stdout
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        sys.stdout.write(json.dumps(model_rows(json.loads(args.model_spec), args.model_repeats)) + "\n")
+        return {}
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     suffix = "" if args.allocator == "default" else f"_{args.allocator}"
     out = Path(args.out)
@@ -189,7 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["breakdown"][f"n={shape['n']},k={k_mid}"] = breakdown(shape, k_mid, repeats)
         result["peers"] += peer_rows(shape, k_mid, repeats)
     for model_spec in spec["models"]:
-        result["model"] += model_rows(model_spec, spec["model_repeats"])
+        result["model"] += model_rows_in_a_fresh_process(model_spec, spec["model_repeats"], args.threads)
     from report import goal_rows, markdown  # noqa: E402  (sibling module)
 
     result["goals"] = goal_rows(result)

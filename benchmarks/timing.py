@@ -43,8 +43,8 @@ def saved_bytes(fn: Callable[[], torch.Tensor]) -> int:
     return total
 
 
-def interleaved_medians(cases: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, float]:
-    """Median seconds per case, running the cases round-robin so machine noise hits all of them alike."""
+def interleaved_times(cases: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, list]:
+    """Seconds of every round per case, running the cases round-robin so machine noise hits all of them alike."""
     for _ in range(warmup):
         for fn in cases.values():
             fn()
@@ -55,7 +55,18 @@ def interleaved_medians(cases: dict[str, Callable[[], object]], repeats: int, wa
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
+    return times
+
+
+def interleaved_medians(cases: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, float]:
+    """Median seconds per case of `interleaved_times`."""
+    return {name: statistics.median(values) for name, values in interleaved_times(cases, repeats, warmup).items()}
+
+
+def paired_ratios(times: dict[str, list], name: str, baseline: str) -> dict[str, float]:
+    """``name`` over ``baseline`` round by round (each pair timed back to back): median, lowest and highest."""
+    ratios = [t / base for t, base in zip(times[name], times[baseline])]
+    return {"median": statistics.median(ratios), "low": min(ratios), "high": max(ratios)}
 
 
 def forward_and_backward(fn: Callable[[], torch.Tensor], inputs: list[torch.Tensor]) -> Callable[[], None]:

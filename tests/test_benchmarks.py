@@ -86,10 +86,20 @@ def test_quick_benchmark_writes_tables_and_goals(tmp_path):
     # results name no path of the machine that made them: the command is recorded without --out
     assert saved["command"] == "python benchmarks/run.py --quick --repeats 1" and str(tmp_path) not in text
     lines = text.splitlines()
-    assert (f"| model training step, n=16, k=4 / BertModel eager | {train['measured']:.2f}x | {train['eager']:.2f}x | "
-            f"{train['sdpa']:.2f}x | <= 0.95 | {'yes' if train['met'] else 'no'} | PartialBert shared |") in lines
+    low, high = train["range"]  # one round at --quick: the range is that round's ratio
+    assert low == high == train["measured"]
+    assert (f"| model training step, n=16, k=4 / BertModel eager | {train['measured']:.2f}x | {low:.2f}–{high:.2f} | "
+            f"{train['eager']:.2f}x | {train['sdpa']:.2f}x | <= 0.95 | {'yes' if train['met'] else 'no'} | "
+            "PartialBert shared |") in lines
     table = [line for line in lines if line.count("|") == 12 and line.split("|")[4].strip() in MODES]
     assert len(table) == len(att)
+
+
+def test_model_ratios_pair_each_round_with_its_baseline():
+    """Per-round ratios (a slow round slows every model), not the ratio of the medians."""
+    timing = _import("timing")
+    times = {"partial": [2.0, 9.0, 4.0], "eager": [1.0, 3.0, 4.0]}  # rounds' ratios 2, 3, 1; medians 4 / 3
+    assert timing.paired_ratios(times, "partial", "eager") == {"median": 2.0, "low": 1.0, "high": 3.0}
 
 
 def test_auto_rule_is_refitted_from_timings(tmp_path):
