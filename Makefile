@@ -54,7 +54,7 @@ bench-quick: setup
 	$(PY) benchmarks/run.py --quick --out runs/bench-quick
 	$(PY) benchmarks/run.py --quick --allocator reuse --out runs/bench-quick
 
-# Refit the kernel choice of partial_implementation="auto" on this machine (about 7 min): rewrites auto_rule.py.
+# Refit the kernel choice of partial_implementation="auto" on this machine (about 8 min: under both allocator settings): rewrites auto_rule.py.
 fit-auto: setup
 	$(PY) benchmarks/fit_auto.py --write
 

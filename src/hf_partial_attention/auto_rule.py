@@ -4,7 +4,7 @@ Part of the remote-code bundle (imports: the standard library only).
 
 The table below was written by ``python benchmarks/fit_auto.py --write`` (``make fit-auto``) on the machine it
 names: for each cell — pattern structure, sequence length n, k / head size, inference or training — the kernel
-that was fastest there, timed side by side. At run time the cell of the same structure and mode nearest in
+whose worst ratio to eager attention, timed side by side under each allocator setting it names, was smallest. At run time the cell of the same structure and mode nearest in
 (log n, k / d) decides. On another machine, refit it (``make fit-auto`` rewrites this table in a source
 checkout), or write a JSON file with ``python benchmarks/fit_auto.py --out rule.json`` and point the
 environment variable ``HF_PARTIAL_ATTENTION_AUTO_RULE`` at it.

@@ -6,7 +6,8 @@ When the r rows of a block share their key set P_b and their reconstruction R_b 
 ``shared_blocks`` pattern family is built that way), every step of a block is a plain matrix product:
 exact scores ``E_b = Q_b K_{P_b}ᵀ`` ``(r, k)``, full scores ``E_b W_b`` with ``W_b = [I | R_bᵀ]`` in key order
 ``(k, n)``, softmax, ``· V``. The kernel runs them tile by tile — one block of rows for a group of (batch, head)
-pairs whose scores fit in a few MiB — so that the n×n scores of a tile are reconstructed, masked, normalised
+pairs whose scores fit in a few MiB, each group through all its blocks before the next so that its V stays in
+cache — so that the n×n scores of a tile are reconstructed, masked, normalised
 and multiplied by V while they are still in cache, and the full attention map is never written unless it is
 asked for (``need_weights``). On a 2-core CPU that is what turns the saved multiply-adds into time:
 reading and writing the n×n scores, not the arithmetic, bounds the other kernels.
