@@ -4,10 +4,11 @@ Part of the remote-code bundle (imports: the standard library only).
 
 The table below was written by ``python benchmarks/fit_auto.py --write`` (``make fit-auto``) on the machine it
 names: for each cell — pattern structure, sequence length n, k / head size, inference or training — the kernel
-whose worst ratio to eager attention, timed side by side under each allocator setting it names, was smallest. At run time the cell of the same structure and mode nearest in
-(log n, k / d) decides. On another machine, refit it (``make fit-auto`` rewrites this table in a source
-checkout), or write a JSON file with ``python benchmarks/fit_auto.py --out rule.json`` and point the
-environment variable ``HF_PARTIAL_ATTENTION_AUTO_RULE`` at it.
+whose ratios to eager attention, timed side by side under each allocator setting it names, had the smallest
+geometric mean. At run time the cell of the same structure and mode nearest in (log n, k / d) decides. On
+another machine, refit it (``make fit-auto`` rewrites this table in a source checkout), or write a JSON file
+with ``python benchmarks/fit_auto.py --out rule.json`` and point the environment variable
+``HF_PARTIAL_ATTENTION_AUTO_RULE`` at it.
 
 Structures: ``"shared"`` (blocks of at least ``shared_min_rows`` rows share P and R: `tiled_kernel.shared_rows`),
 ``"keys_shared"`` (blocks of rows share P, each row its own R: `partial_scores.block_rows`), ``"per_query"``.
@@ -32,6 +33,7 @@ _ENV = "HF_PARTIAL_ATTENTION_AUTO_RULE"
 RULE = {
     "machine": "AMD EPYC, 2 cores, torch 2.13.0+cpu (2 threads)",
     "command": "python benchmarks/fit_auto.py --write",
+    "allocators": ["default", "reuse"],
     "shared_min_rows": 16,
     "cells": [
         {"structure": "keys_shared", "n": 128, "k_over_d": 0.25, "mode": "inference", "kernel": "fused"},
@@ -47,11 +49,11 @@ RULE = {
         {"structure": "keys_shared", "n": 512, "k_over_d": 1.0, "mode": "inference", "kernel": "fused"},
         {"structure": "keys_shared", "n": 512, "k_over_d": 1.0, "mode": "training", "kernel": "fused"},
         {"structure": "per_query", "n": 128, "k_over_d": 0.25, "mode": "inference", "kernel": "fused"},
-        {"structure": "per_query", "n": 128, "k_over_d": 0.25, "mode": "training", "kernel": "dense"},
+        {"structure": "per_query", "n": 128, "k_over_d": 0.25, "mode": "training", "kernel": "fused"},
         {"structure": "per_query", "n": 128, "k_over_d": 0.5, "mode": "inference", "kernel": "fused"},
         {"structure": "per_query", "n": 128, "k_over_d": 0.5, "mode": "training", "kernel": "fused"},
         {"structure": "per_query", "n": 128, "k_over_d": 1.0, "mode": "inference", "kernel": "fused"},
-        {"structure": "per_query", "n": 128, "k_over_d": 1.0, "mode": "training", "kernel": "dense"},
+        {"structure": "per_query", "n": 128, "k_over_d": 1.0, "mode": "training", "kernel": "fused"},
         {"structure": "per_query", "n": 512, "k_over_d": 0.25, "mode": "inference", "kernel": "fused"},
         {"structure": "per_query", "n": 512, "k_over_d": 0.25, "mode": "training", "kernel": "fused"},
         {"structure": "per_query", "n": 512, "k_over_d": 0.5, "mode": "inference", "kernel": "fused"},
@@ -60,16 +62,16 @@ RULE = {
         {"structure": "per_query", "n": 512, "k_over_d": 1.0, "mode": "training", "kernel": "dense"},
         {"structure": "shared", "n": 128, "k_over_d": 0.25, "mode": "inference", "kernel": "fused"},
         {"structure": "shared", "n": 128, "k_over_d": 0.25, "mode": "training", "kernel": "fused"},
-        {"structure": "shared", "n": 128, "k_over_d": 0.5, "mode": "inference", "kernel": "tiled"},
+        {"structure": "shared", "n": 128, "k_over_d": 0.5, "mode": "inference", "kernel": "fused"},
         {"structure": "shared", "n": 128, "k_over_d": 0.5, "mode": "training", "kernel": "fused"},
         {"structure": "shared", "n": 128, "k_over_d": 1.0, "mode": "inference", "kernel": "fused"},
         {"structure": "shared", "n": 128, "k_over_d": 1.0, "mode": "training", "kernel": "dense"},
         {"structure": "shared", "n": 512, "k_over_d": 0.25, "mode": "inference", "kernel": "tiled"},
-        {"structure": "shared", "n": 512, "k_over_d": 0.25, "mode": "training", "kernel": "tiled"},
+        {"structure": "shared", "n": 512, "k_over_d": 0.25, "mode": "training", "kernel": "fused"},
         {"structure": "shared", "n": 512, "k_over_d": 0.5, "mode": "inference", "kernel": "tiled"},
-        {"structure": "shared", "n": 512, "k_over_d": 0.5, "mode": "training", "kernel": "tiled"},
+        {"structure": "shared", "n": 512, "k_over_d": 0.5, "mode": "training", "kernel": "fused"},
         {"structure": "shared", "n": 512, "k_over_d": 1.0, "mode": "inference", "kernel": "tiled"},
-        {"structure": "shared", "n": 512, "k_over_d": 1.0, "mode": "training", "kernel": "tiled"},
+        {"structure": "shared", "n": 512, "k_over_d": 1.0, "mode": "training", "kernel": "fused"},
     ],
 }
 # END FITTED RULE
