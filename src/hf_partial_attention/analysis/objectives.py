@@ -1,5 +1,5 @@
 """Which selection objective reaches the output: the paper's squared score error against shift-invariant and
-Fisher-weighted objectives (`selection.objective_metric`), judged by what the converted model outputs.
+Fisher-weighted objectives (`score_metrics.objective_metric`), judged by what the converted model outputs.
 
 For each k and objective: P by the greedy for that objective, R optimal (the same formula for every objective),
 the original model converted with ``from_bert`` (no retraining), then on the analysis folder's held-out windows:

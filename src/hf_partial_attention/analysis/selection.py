@@ -14,6 +14,7 @@ same candidate at every step, and each candidate maps to a key per row (docs/met
 - ``"shared_blocks"``: blocks of ``block_rows`` rows share P *and* R (`shared_rows`): the greedy and eq. 7 run
   on each block's pooled covariance, and the `tiled` kernel runs it as plain matrix products.
 
+The objective the greedy minimises is `score_metrics.objective_metric` (re-exported here).
 `error_curve` gives Fig. 9's greedy error against its eigenvector reference and the cost model (`..cost`).
 Equal-cost baselines (other choices of P at the same cost) are in `baselines`, built on `fit_pattern`.
 """
@@ -32,6 +33,7 @@ from ..pattern import AttentionPattern
 from ..reconstruction import solve_reconstruction
 from ._threads import single_thread
 from .covariance import ScoreCovariance
+from .score_metrics import OBJECTIVES, objective_metric
 from .shared_rows import fit_shared_blocks, pooled_blocks
 from .spectra import eigh_desc, top_eigh
 
@@ -41,7 +43,6 @@ __all__ = ["FAMILIES", "OBJECTIVES", "covariance_for", "greedy_select", "family_
            "objective_metric", "fit_pattern", "select_pattern", "select_patterns", "error_curve"]
 
 FAMILIES = ("per_query", "columns", "blocks", "bands", "windows", "shared_blocks")
-OBJECTIVES = ("paper", "shift", "fisher")
 SCOPES = ("per_query", "whole")
 
 
@@ -189,34 +190,6 @@ def family_constraint(n: int, family: str, block_rows: int | None = None) -> tup
         return torch.arange(n) // _block_rows(n, block_rows), keys
     offsets = (torch.arange(n)[:, None] + torch.arange(n)[None, :]) % n  # bands: (row, offset) -> key
     return torch.zeros(n, dtype=torch.long), offsets
-
-
-def objective_metric(objective: str, n: int, mean: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The metric M ``(n, n, n)`` (one n×n per query row) of an objective ``E[eᵀ M e]`` on a row's score error e
-    (docs/method.md#choices-the-paper-leaves-open):
-
-    - ``"paper"``: ``None``, i.e. M = I: the squared error of all n scores alike (the paper's eq. 8);
-    - ``"shift"``: M = I − 11ᵀ/n: the error modulo a constant added to the row, which the softmax ignores;
-    - ``"fisher"``: M_i = diag(p_i) − p_i p_iᵀ with p_i = softmax(μ_i), μ_i the mean score row: the Fisher metric
-      of the softmax, so that ½ eᵀ M_i e is the KL divergence between the exact and the reconstructed attention
-      of query i to second order. It is shift invariant and weights each key by the probability it receives
-      [ours: p from the mean scores, not the mean of per-input probabilities, which the covariance cannot give].
-
-    For every such M the optimal R for a given P is the same (the linear MMSE estimator minimises the error
-    covariance in the positive semi-definite order), so an objective changes which P the greedy picks, not R.
-    """
-    if objective not in OBJECTIVES:
-        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}.")
-    if objective == "paper":
-        return None
-    if objective == "shift":
-        eye = torch.eye(n, dtype=torch.float64)
-        return (eye - torch.full((n, n), 1.0 / n, dtype=torch.float64)).expand(n, n, n)
-    if mean is None:
-        raise ValueError("objective='fisher' needs the mean scores; pass mean=<(n, n) tensor> with a covariance "
-                         "tensor, or a ScoreCovariance.")
-    p = torch.softmax(mean.to(torch.float64), dim=-1)  # (n, n): row i, the attention of the mean scores
-    return torch.diag_embed(p) - p.unsqueeze(-1) * p.unsqueeze(-2)  # (n, n, n)
 
 
 def fit_pattern(cov, indices: torch.Tensor, scope: str = "per_query", *, centered: bool | None = None,
