@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> dict:
                      "heldout": measured[(family, k)]["normalized_error"],
                      "heldout_shift": measured[(family, k)]["normalized_error_shift"]})
     result = {"command": command_line("families.py", argv if argv is not None else sys.argv[1:]),
-              "model": cov.metadata.get("model_id") or display_name(cov.metadata.get("model", "")), "seq_len": n, "fit_windows": cov.num_sequences,
+              "model": cov.metadata.get("model_id") or display_name(cov.metadata.get("model", "")), "seq_len": n,
+              "fit_windows": cov.num_sequences,
               "heldout_windows": int(windows.shape[0]), "rows": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -85,7 +86,8 @@ def main(argv: list[str] | None = None) -> dict:
              f"fitted on {result['fit_windows']} windows, measured on {result['heldout_windows']} held-out windows of "
              "other documents. Normalised error = MSE / Tr of the held-out covariance; 'mod shift' ignores a per-row "
              "constant (softmax does).", "",
-             "| k | family | exact part computed by | predicted | held-out | held-out mod shift |", "|---|---|---|---|---|---|"]
+             "| k | family | exact part computed by | predicted | held-out | held-out mod shift |",
+             "|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["k"], r["heldout"])):
         lines.append(f"| {r['k']} | {r['family']} | {r['exact kernel']} | {r['predicted']:.4f} | {r['heldout']:.4f} | "
                      f"{r['heldout_shift']:.4f} |")

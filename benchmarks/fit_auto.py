@@ -4,8 +4,8 @@ Times every kernel that runs in PyTorch (dense, fused, tiled) on each pattern st
 of 32 rows share P and R), ``keys_shared`` (blocks share P, each row its own R), ``per_query`` — at n = 128
 (B = 32) and n = 512 (B = 8), H = 12, d = 64, k / d ∈ {0.25, 0.5, 1}, forward without autograd (inference) and
 forward + backward (training), side by side (`run.attention_rows`), under glibc's default malloc and with freed
-blocks reused (each in a child process, `run.ALLOCATORS`); in each cell the kernel with the smallest geometric mean of its
-two ratios to eager becomes the rule (about 8 min on 2 cores).
+blocks reused (each in a child process, `run.ALLOCATORS`); in each cell the kernel with the smallest geometric mean
+of its two ratios to eager becomes the rule (about 6 min on 2 cores).
 
     python benchmarks/fit_auto.py --write              # rewrite the table in src/hf_partial_attention/auto_rule.py
     python benchmarks/fit_auto.py --out rule.json      # or a JSON file: HF_PARTIAL_ATTENTION_AUTO_RULE=rule.json

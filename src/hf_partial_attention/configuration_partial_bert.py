@@ -58,8 +58,8 @@ class PartialBertConfig(BertConfig):
             scatter; the reference), `"dense"` (QK^T then select P), `"fused"` (one GEMM per block of rows sharing
             keys when the pattern has that structure, then full rows by one batched matmul with [I | R]; no
             scatter), `"tiled"` (cache-sized tiles of rows, fast when blocks of rows share P and R: the
-            `shared_blocks` family), `"triton"` (GPU) or `"auto"` (the kernel measured fastest for the pattern's
-            structure, n, k / head size and inference or training: `auto_rule`, refitted by `make fit-auto`).
+            `shared_blocks` family), `"triton"` (GPU) or `"auto"` (per pattern structure, n, k / head size and
+            inference or training, the kernel chosen from CPU timings: `auto_rule`, refitted by `make fit-auto`).
             All give the same numbers and gradients.
         partial_base_model (`str`, *optional*):
             The Hub id (or path) of the BERT checkpoint this model was converted from (`from_bert` records it);

@@ -42,6 +42,11 @@ from .partial_pattern import PartialBertPattern, default_pattern, init_bias, ini
 from .pattern import AttentionPattern
 from .tiled_kernel import needs_grad, shared_rows, tie_rows
 
+try:  # transformers' recorder of `output_*` (private), read by `_attention_weights_requested` at every forward
+    from transformers.utils.output_capturing import _active_collector
+except ImportError:
+    _active_collector = None
+
 __all__ = [
     "PartialBertPreTrainedModel",
     "PartialBertModel",
@@ -105,9 +110,7 @@ def _attention_weights_requested(config, kwargs: dict) -> bool:
     transformers output recorder that collects them): only then must a kernel write the n×n probabilities."""
     if kwargs.get("output_attentions") or getattr(config, "output_attentions", False):
         return True
-    try:  # transformers' recorder of `output_*` (private: if it moves, keep returning the maps)
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:
+    if _active_collector is None:  # the recorder moved: keep returning the maps
         return True
     collected = _active_collector.get()
     return bool(collected) and "attentions" in collected
@@ -157,8 +160,8 @@ class PartialBertPreTrainedModel(BertPreTrainedModel):
 
     def set_partial_implementation(self, implementation: str) -> None:
         """Switch the kernel of the partial layers at run time: ``"auto"``, ``"gather"``, ``"dense"``, ``"fused"``,
-        ``"tiled"`` or ``"triton"`` (all give the same numbers). Like ``attn_implementation`` it is a setting of this process, never read
-        from a checkpoint; exact layers keep ``config._attn_implementation``."""
+        ``"tiled"`` or ``"triton"`` (all give the same numbers). Like ``attn_implementation`` it is a setting of
+        this process, never read from a checkpoint; exact layers keep ``config._attn_implementation``."""
         check_implementation(implementation)
         self.config.partial_implementation = implementation
 
