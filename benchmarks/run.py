@@ -151,9 +151,9 @@ def model_rows(spec: dict, repeats: int) -> list[dict]:
 
 def model_rows_in_a_fresh_process(spec: dict, repeats: int, threads: int | None = None) -> list[dict]:
     """`model_rows` in a child process (same environment, so the same allocator settings). A process that has run
-    the attention cases before times whole models differently (BertModel eager at n = 512 took 4.7 s there and
-    6.2–6.7 s in a fresh process the same hour, SDPA 4.7 s and 4.9–5.1 s): a fresh process is what a user's job
-    is."""
+    the attention cases before times whole models differently (BertModel eager at n = 512: 4.7 s there, in
+    `make bench` at commit c793ca8, and 6.7 s in a fresh process in the committed results; SDPA 4.7 s and 5.4 s):
+    a fresh process is what a user's job is."""
     command = [sys.executable, str(Path(__file__).resolve()), "--model-spec", json.dumps(spec),
                "--model-repeats", str(repeats), *(["--threads", str(threads)] if threads else [])]
     done = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True)
