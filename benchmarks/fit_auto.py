@@ -37,10 +37,10 @@ QUICK = [dict(b=2, h=2, n=16, d=8, ks=[2, 4, 8])]
 def fit(rows: list[dict]) -> list[dict]:
     """One cell per (structure, n, k / d, mode): the kernel whose ratios to eager over the allocators timed (rows'
     ``"allocator"``; one if absent) have the smallest geometric mean. Both allocators count, because the fastest
-    kernel under one can be the slowest under the other (tiled with autograd at n = 512: 0.80x of eager under
-    glibc's defaults, 2.1x with freed blocks reused, 2026-12-01); a geometric mean, so that a large gain under one
-    is not given up for a small one under the other (tiled inference at n = 512: 0.37x and 0.90x, fused 0.76x
-    and 0.77x)."""
+    kernel under one can be the slowest under the other (tiled with autograd at n = 512, k = 32: 0.95x of eager
+    under glibc's defaults, 2.08x with freed blocks reused, in the results of 2026-12-01 before this fit); a
+    geometric mean, so that a large gain under one is not given up for a small one under the other (tiled
+    inference there: 0.45x and 0.80x, fused 0.75x and 0.74x: the worst case would pick fused)."""
     logs: dict[tuple, dict[str, list[float]]] = {}
     for r in rows:
         if r["pattern"] not in STRUCTURE_OF or r["implementation"] not in KERNELS:
