@@ -21,6 +21,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .auto_rule import auto_implementation
 from .configuration_partial_bert import PARTIAL_IMPLEMENTATIONS
 from . import tiled_kernel
+from .fused_autograd import per_query_fused_attention
 from .partial_scores import (
     PatternLayout,
     _bias_full,
@@ -31,6 +32,7 @@ from .partial_scores import (
     block_rows,
     check_length,
     exact_partial_scores,
+    masked_at_p,
     reconstruct_scores,
     reconstruction_matrix,
 )
@@ -83,12 +85,18 @@ def _fused_kernel(module, query, key, value, attention_mask, layout, reconstruct
     """Exact part by block GEMMs when rows share keys (else QKᵀ then select), full rows by one batched matmul
     with ``W_i = [I at P_i | R_iᵀ at P̄_i]`` (no scatter).
 
+    With autograd, for patterns without shared key blocks, and without a request for the attention map, it runs
+    `fused_autograd.per_query_fused_attention` (the same numbers, a backward written out by hand).
     Without autograd and without a request for the attention map, it runs on groups of (batch, head) pairs
     whose n×n tensors hold about `tiled_kernel.TILE_ELEMENTS` values each, written into one output: the same
     numbers, without allocating B·H·n² values at once (which glibc serves with fresh pages on every call)."""
+    grad = needs_grad(query, key, value, reconstruction, bias)
+    if grad and not need_weights and layout.block_rows is None:
+        return per_query_fused_attention(query, key, value, attention_mask, layout, reconstruction, bias, scaling,
+                                         dropout if module.training else 0.0), None
     w = _reconstruction_matrix_for(layout, reconstruction, query.dtype)  # (n, k, n)
     bias_full = _bias_full(layout, bias, query.dtype, query.device)
-    if need_weights or needs_grad(query, key, value, reconstruction, bias):
+    if need_weights or grad:
         return _fused_group(module, query, key, value, attention_mask, layout, w, bias_full, scaling, dropout)
     b, h, t, d = query.shape
     k = layout.indices.shape[1]
@@ -148,14 +156,13 @@ def _triton_kernel(module, query, key, value, attention_mask, layout, reconstruc
     n, k = layout.indices.shape
     check_length(t, n)
     additive, masked = _masked_keys(attention_mask, t, torch.float32)
-    masked_at_p = None
+    zero_at = None
     if masked is not None:
-        masked = nn.functional.pad(masked, (0, n - t), value=True)  # (B|1, 1|H, T, n)
-        masked_at_p = masked.gather(-1, layout.indices[:t].expand(*masked.shape[:2], t, k))  # (B|1, 1|H, T, k)
+        zero_at = masked_at_p(masked, layout.indices, t)  # (B|1, 1|H, T, k)
         additive = additive if additive.stride(-1) == 1 else additive.contiguous()
     w = _reconstruction_matrix_for(layout, reconstruction, torch.float32)  # (n, k, n), float32 whatever the input
     bias_full = _bias_full(layout, bias, torch.float32, query.device)
-    out = triton_partial_attention(query, key, value, w, bias_full, additive, masked_at_p, layout.indices, scaling)
+    out = triton_partial_attention(query, key, value, w, bias_full, additive, zero_at, layout.indices, scaling)
     return out.transpose(1, 2).contiguous(), None  # (B, T, H, D)
 
 

@@ -189,11 +189,18 @@ def _exact_masked(query, key, attention_mask, layout, scaling, exact_impl):
     additive, masked = _masked_keys(attention_mask, t, query.dtype)
     exact = exact_partial_scores(query, key, indices, scaling, exact_impl, layout.block_rows)  # (B, H, T, k)
     if masked is not None:
-        masked = nn.functional.pad(masked, (0, n - t), value=True)  # (B|1, 1|H, T, n)
-        masked_sel = masked.gather(-1, indices[:t].expand(*masked.shape[:2], t, indices.shape[1]))
-        exact = exact.masked_fill(masked_sel, 0.0)  # masked keys enter R with score zero
+        exact = exact.masked_fill(masked_at_p(masked, indices, t), 0.0)  # masked keys enter R with score zero
     return exact, additive
 
+
+def masked_at_p(masked: torch.Tensor | None, indices: torch.Tensor, t: int) -> torch.Tensor | None:
+    """The exact scores that enter R as zero, bool ``(B|1, 1|H, T, k)``: keys masked out (``masked``, bool
+    ``(B|1, 1|H, T, T)``, True = masked, or None) and keys at positions >= T; None when there are none."""
+    n, k = indices.shape
+    if masked is None:
+        return None if t == n else (indices[:t] >= t)[None, None]  # (1, 1, T, k)
+    masked = nn.functional.pad(masked, (0, n - t), value=True)  # (B|1, 1|H, T, n)
+    return masked.gather(-1, indices[:t].expand(*masked.shape[:2], t, k))
 
 
 def _bias_full(layout: "PatternLayout", bias: torch.Tensor | None, dtype: torch.dtype, device) -> torch.Tensor | None:

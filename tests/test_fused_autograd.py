@@ -1,0 +1,128 @@
+"""The fused kernel's hand-written backward (per-query patterns with autograd) against the reference, in float64."""
+
+import pytest
+import torch
+from torch import nn
+
+import hf_partial_attention.fused_autograd as fused_autograd
+from hf_partial_attention.partial_attention import PatternLayout, partial_attention_forward
+
+DT = torch.float64
+N, K = 8, 3
+
+
+def _pattern(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    p = torch.stack([torch.randperm(N, generator=g)[:K].sort().values for _ in range(N)])  # every row its own P
+    r = torch.randn(N, N - K, K, generator=g, dtype=DT)
+    bias = torch.randn(N, N - K, generator=g, dtype=DT)
+    return p, r, bias
+
+
+def _inputs(t, heads=2, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    # (B, T, H, D) leaves seen as (B, H, T, D), as a model's projections reach the attention function
+    return [torch.randn(3, t, heads, 4, generator=g, dtype=DT).requires_grad_() for _ in range(3)]
+
+
+def _mask(kind, t, heads=2):
+    if kind is None:
+        return None
+    keep = torch.ones(3, 1, t, t, dtype=torch.bool)
+    keep[1, ..., t - 2:] = False  # padding of the second sequence
+    keep[2, ..., 0] = False
+    if kind == "per_head":
+        keep = keep.expand(3, heads, t, t).clone()
+        keep[:, 1, :, 1] = False
+    if kind in ("bool", "per_head"):
+        return keep
+    return torch.zeros(keep.shape, dtype=DT).masked_fill(~keep, torch.finfo(DT).min)
+
+
+def _run(impl, leaves, mask, p, r, bias, module=None, dropout=0.0):
+    q, k, v = (x.transpose(1, 2) for x in leaves)
+    module = nn.Module().eval() if module is None else module
+    return partial_attention_forward(module, q, k, v, mask, layout=PatternLayout.from_indices(p), reconstruction=r,
+                                     bias=bias, scaling=0.4, dropout=dropout, implementation=impl,
+                                     need_weights=False)[0]
+
+
+@pytest.mark.parametrize("t", [8, 5])
+@pytest.mark.parametrize("mask_kind", [None, "bool", "additive", "per_head"])
+def test_matches_the_reference_in_values_and_gradients(t, mask_kind, monkeypatch):
+    calls = []
+    monkeypatch.setattr(fused_autograd._PerQueryFused, "apply",
+                        lambda *a, f=fused_autograd._PerQueryFused.apply: calls.append(1) or f(*a))
+    p, r, bias = _pattern()
+    r.requires_grad_(True)
+    bias.requires_grad_(True)
+    leaves = _inputs(t)
+    mask = _mask(mask_kind, t)
+    results = []
+    for impl in ("gather", "fused"):
+        out = _run(impl, leaves, mask, p, r, bias)
+        weight = torch.linspace(-1, 1, out.numel(), dtype=DT).view_as(out)
+        results.append((out, *torch.autograd.grad((out * weight).sum(), [*leaves, r, bias])))
+    assert calls == [1]  # fused took the hand-written path
+    for name, a, b in zip(["out", "dq", "dk", "dv", "dR", "dbias"], *results):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("trained", ["q", "v", "r", "bias"])
+def test_only_some_inputs_train(trained):
+    """Frozen inputs get no gradient computed; the trained one gets the reference's (R frozen: W from the cache)."""
+    p, r, bias = _pattern(2)
+    leaves = [x.detach().requires_grad_(trained == name) for x, name in zip(_inputs(6), "qkv")]
+    r.requires_grad_(trained == "r")
+    bias.requires_grad_(trained == "bias")
+    target = {"q": leaves[0], "v": leaves[2], "r": r, "bias": bias}[trained]
+    grads = [torch.autograd.grad(_run(impl, leaves, _mask("bool", 6), p, r, bias).pow(2).sum(), [target])[0]
+             for impl in ("gather", "fused")]
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-10, atol=1e-12)
+
+
+def test_gradcheck():
+    p, r, bias = _pattern(3)
+    leaves = _inputs(6, heads=1)
+    mask = _mask("additive", 6, heads=1)
+
+    def f(q, k, v, r, bias):
+        return _run("fused", [q, k, v], mask, p, r, bias)
+
+    assert torch.autograd.gradcheck(f, (*leaves, r.requires_grad_(), bias.requires_grad_()))
+
+
+def test_dropout_scales_kept_probabilities_and_its_gradient_checks():
+    """With V the identity, the output is the dropped-out attention map: each entry is either zero or the
+    reference probability / (1 - p); the backward is checked numerically with the same dropout draws."""
+    p, r, _ = _pattern(4)
+    module = nn.Module().train()
+    t = N
+    eye = torch.eye(t, dtype=DT).expand(3, 2, t, t).transpose(1, 2)  # (B, T, H, T): V = I in every head
+    q, k = _inputs(t)[:2]
+    v = eye.clone().requires_grad_()
+    probs = _run("gather", [q, k, eye], None, p, r, None).transpose(1, 2)  # (B, H, T, T) without dropout
+    torch.manual_seed(0)
+    dropped = _run("fused", [q, k, v], None, p, r, None, module=module, dropout=0.5).transpose(1, 2)
+    kept = dropped != 0
+    assert 0.3 < kept.double().mean() < 0.7
+    torch.testing.assert_close(dropped[kept], probs[kept] / 0.5, rtol=1e-10, atol=1e-12)
+
+    def f(q, k, v, r):
+        torch.manual_seed(0)  # the same dropout draws at every evaluation
+        return _run("fused", [q, k, v], None, p, r, None, module=module, dropout=0.5)
+
+    assert torch.autograd.gradcheck(f, (q, k, v, r.requires_grad_()))
+
+
+def test_weights_asked_for_or_block_patterns_keep_the_autograd_path(monkeypatch):
+    monkeypatch.setattr(fused_autograd._PerQueryFused, "apply", lambda *a: pytest.fail("hand-written path taken"))
+    p, r, _ = _pattern()
+    leaves = _inputs(8)
+    q, k, v = (x.transpose(1, 2) for x in leaves)
+    layout = PatternLayout.from_indices(p)
+    out, probs = partial_attention_forward(nn.Module().eval(), q, k, v, None, layout=layout, reconstruction=r,
+                                           scaling=0.4, implementation="fused", need_weights=True)
+    assert probs is not None
+    columns = torch.tensor([1, 4, 6]).expand(N, K).clone()
+    _run("fused", leaves, None, columns, r, None)
