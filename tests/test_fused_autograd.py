@@ -121,7 +121,7 @@ def test_weights_asked_for_or_block_patterns_keep_the_autograd_path(monkeypatch)
     leaves = _inputs(8)
     q, k, v = (x.transpose(1, 2) for x in leaves)
     layout = PatternLayout.from_indices(p)
-    out, probs = partial_attention_forward(nn.Module().eval(), q, k, v, None, layout=layout, reconstruction=r,
+    _, probs = partial_attention_forward(nn.Module().eval(), q, k, v, None, layout=layout, reconstruction=r,
                                            scaling=0.4, implementation="fused", need_weights=True)
     assert probs is not None
     columns = torch.tensor([1, 4, 6]).expand(N, K).clone()

@@ -42,32 +42,48 @@ def _scatter_to_complement(full: torch.Tensor, layout: PatternLayout, t: int, di
     return padded.gather(-1, comp)  # (n, n-k)
 
 
+# Under glibc's default malloc every fresh n×n tensor above the mmap threshold costs page faults (at n = 512,
+# B = 8, H = 12: 100 MB, ~20 ms each), so the forward and the backward each allocate one and work in it in place.
+# CPU's softmax kernels read a row before writing it, so their output may alias their input (tested in float64);
+# elsewhere they run out of place.
+def _softmax_in_place(scores: torch.Tensor) -> torch.Tensor:
+    if scores.device.type != "cpu":
+        return torch.softmax(scores, dim=-1)
+    return torch.ops.aten._softmax.out(scores, -1, False, out=scores)
+
+
+def _softmax_backward_in_place(grad: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    if grad.device.type != "cpu":
+        return torch._softmax_backward_data(grad, probs, -1, probs.dtype)
+    return torch.ops.aten._softmax_backward_data.out(grad, probs, -1, probs.dtype, grad_input=grad)
+
+
 class _PerQueryFused(torch.autograd.Function):
     """Exact scores by QKᵀ then select P, full rows by one batched matmul with W, mask, softmax, dropout, ·V."""
 
     @staticmethod
     def forward(ctx, query, key, value, reconstruction, bias, layout, additive, zero_at, scaling, dropout):
         b, h, t, d = query.shape
-        n, k = layout.indices.shape
+        k = layout.indices.shape[1]
         bh = b * h
         # Keys beyond the input (t < n) score zero: they are selected at position t-1 and zeroed with `zero_at`.
         index = layout.indices[:t].clamp(max=t - 1).expand(bh, t, k)  # (B·H, T, k)
         q3, k3 = (x.reshape(bh, t, d) for x in (query, key))  # (B·H, T, D) (copies of a model's views)
         v3 = value.reshape(bh, t, value.shape[-1])  # (B·H, T, Dv)
-        exact = torch.bmm(q3, k3.transpose(1, 2)).gather(-1, index).mul_(scaling)  # (B·H, T, k)
+        dense = torch.bmm(q3, k3.transpose(1, 2))  # (B·H, T, T): the one n×n buffer of the forward
+        exact = dense.gather(-1, index).mul_(scaling)  # (B·H, T, k)
         if zero_at is not None:
             exact.view(b, h, t, k).masked_fill_(zero_at, 0.0)  # masked keys enter R with score zero
         rows = exact.transpose(0, 1).contiguous()  # (T, B·H, k): one bmm over rows
         # A trained R changes at every step: W is built at every call (as in real training), not cached.
         w = (reconstruction_matrix(layout, reconstruction.to(query.dtype)) if reconstruction.requires_grad
              else _reconstruction_matrix_for(layout, reconstruction, query.dtype))[:t, :, :t]  # (T, k, T)
-        scores = torch.bmm(rows, w)  # (T, B·H, T)
+        scores = torch.bmm(rows, w, out=dense.view(t, bh, t))  # (T, B·H, T), in the memory of QKᵀ
         if bias is not None:
             scores += _bias_full(layout, bias, query.dtype, query.device)[:t, None, :t]
         if additive is not None:
             scores.view(t, b, h, t).add_(additive.permute(2, 0, 1, 3))  # (T, B|1, 1|H, T)
-        probs = torch.softmax(scores, dim=-1)  # (T, B·H, T)
-        del scores
+        probs = _softmax_in_place(scores)  # (T, B·H, T)
         keep = None
         if dropout > 0.0:
             keep = torch.empty_like(probs).bernoulli_(1.0 - dropout).bool()  # (T, B·H, T)
@@ -97,8 +113,7 @@ class _PerQueryFused(torch.autograd.Function):
         torch.bmm(g3, v3.transpose(1, 2), out=grad_p.transpose(0, 1))
         if keep is not None:
             grad_p.mul_(keep).div_(1.0 - ctx.dropout)
-        grad_s = torch._softmax_backward_data(grad_p, probs, -1, probs.dtype)  # (T, B·H, T)
-        del grad_p
+        grad_s = _softmax_backward_in_place(grad_p, probs)  # (T, B·H, T)
         grad_r = grad_bias = None
         if need_r:
             grad_w = torch.bmm(rows.transpose(1, 2), grad_s)  # (T, k, T)

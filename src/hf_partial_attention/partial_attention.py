@@ -153,8 +153,7 @@ def _triton_kernel(module, query, key, value, attention_mask, layout, reconstruc
         raise ValueError(f"partial_implementation='triton' has no attention dropout (got p={dropout} in training); "
                          "set config.attention_probs_dropout_prob=0, or use partial_implementation='fused'.")
     t = query.shape[2]
-    n, k = layout.indices.shape
-    check_length(t, n)
+    check_length(t, layout.indices.shape[0])
     additive, masked = _masked_keys(attention_mask, t, torch.float32)
     zero_at = None
     if masked is not None:
