@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .partial_scores import (PatternLayout, _bias_full, _masked_keys, _reconstruction_matrix_for, check_length,
-                             masked_at_p, reconstruction_matrix)
+from .partial_scores import PatternLayout, _bias_full, _masked_keys, _reconstruction_matrix_for, check_length, masked_at_p
 
 __all__ = ["per_query_fused_attention"]
 
@@ -75,9 +74,8 @@ class _PerQueryFused(torch.autograd.Function):
         if zero_at is not None:
             exact.view(b, h, t, k).masked_fill_(zero_at, 0.0)  # masked keys enter R with score zero
         rows = exact.transpose(0, 1).contiguous()  # (T, B·H, k): one bmm over rows
-        # A trained R changes at every step: W is built at every call (as in real training), not cached.
-        w = (reconstruction_matrix(layout, reconstruction.to(query.dtype)) if reconstruction.requires_grad
-             else _reconstruction_matrix_for(layout, reconstruction, query.dtype))[:t, :, :t]  # (T, k, T)
+        w = _reconstruction_matrix_for(layout, reconstruction, query.dtype,
+                                       fresh=reconstruction.requires_grad)[:t, :, :t]  # (T, k, T)
         scores = torch.bmm(rows, w, out=dense.view(t, bh, t))  # (T, B·H, T), in the memory of QKᵀ
         if bias is not None:
             scores += _bias_full(layout, bias, query.dtype, query.device)[:t, None, :t]
