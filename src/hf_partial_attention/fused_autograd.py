@@ -67,9 +67,11 @@ class _PerQueryFused(torch.autograd.Function):
         bh = b * h
         # Keys beyond the input (t < n) score zero: they are selected at position t-1 and zeroed with `zero_at`.
         index = layout.indices[:t].clamp(max=t - 1).expand(bh, t, k)  # (B·H, T, k)
-        q3, k3 = (x.reshape(bh, t, d) for x in (query, key))  # (B·H, T, D) (copies of a model's views)
+        # Copies of a model's views (as eager's matmul makes them); Kᵀ contiguous: QKᵀ ran 20 % faster than
+        # with K transposed in the GEMM (n = 512, 2-core CPU).
+        q3, k3t = query.reshape(bh, t, d), key.transpose(2, 3).reshape(bh, d, t)  # (B·H, T, D), (B·H, D, T)
         v3 = value.reshape(bh, t, value.shape[-1])  # (B·H, T, Dv)
-        dense = torch.bmm(q3, k3.transpose(1, 2))  # (B·H, T, T): the one n×n buffer of the forward
+        dense = torch.bmm(q3, k3t)  # (B·H, T, T): the one n×n buffer of the forward
         exact = dense.gather(-1, index).mul_(scaling)  # (B·H, T, k)
         if zero_at is not None:
             exact.view(b, h, t, k).masked_fill_(zero_at, 0.0)  # masked keys enter R with score zero
@@ -89,7 +91,7 @@ class _PerQueryFused(torch.autograd.Function):
         else:
             kept = probs
         out = torch.bmm(kept.transpose(0, 1), v3)  # (B·H, T, D)
-        ctx.save_for_backward(q3, k3, v3, rows, w, probs, keep, index, zero_at)
+        ctx.save_for_backward(q3, k3t, v3, rows, w, probs, keep, index, zero_at)
         ctx.layout, ctx.scaling, ctx.dropout, ctx.shape = layout, scaling, dropout, (b, h, t, d, v3.shape[-1])
         ctx.dtypes = (reconstruction.dtype, None if bias is None else bias.dtype)
         return out.view(b, h, t, -1)  # (B, H, T, Dv)
@@ -97,7 +99,7 @@ class _PerQueryFused(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        q3, k3, v3, rows, w, probs, keep, index, zero_at = ctx.saved_tensors
+        q3, k3t, v3, rows, w, probs, keep, index, zero_at = ctx.saved_tensors
         b, h, t, d, dv = ctx.shape
         bh = b * h
         need_q, need_k, need_v, need_r, need_bias = ctx.needs_input_grad[:5]
@@ -126,7 +128,7 @@ class _PerQueryFused(torch.autograd.Function):
             # The gradient of QKᵀ, (B·H, T, T), in the memory of grad_s (read for the last time above).
             grad_dense = grad_s.view(bh, t, t).zero_().scatter_add_(-1, index, grad_exact)
             if need_q:
-                grad_q = torch.bmm(grad_dense, k3).view(b, h, t, d)
+                grad_q = torch.bmm(grad_dense, k3t.transpose(1, 2)).view(b, h, t, d)
             if need_k:
                 grad_k = torch.bmm(grad_dense.transpose(1, 2), q3).view(b, h, t, d)
         return grad_q, grad_k, grad_v, grad_r, grad_bias, None, None, None, None, None
