@@ -24,7 +24,7 @@ import torch
 
 from .partial_scores import PatternLayout, _bias_full, _masked_keys, _reconstruction_matrix_for, check_length, masked_at_p
 
-__all__ = ["per_query_fused_attention"]
+__all__ = ["per_query_fused_attention", "rows_first_attention"]
 
 
 def _scatter_to_complement(full: torch.Tensor, layout: PatternLayout, t: int, dim_k: bool) -> torch.Tensor:
@@ -57,42 +57,65 @@ def _softmax_backward_in_place(grad: torch.Tensor, probs: torch.Tensor) -> torch
     return torch.ops.aten._softmax_backward_data.out(grad, probs, -1, probs.dtype, grad_input=grad)
 
 
+def _forward(query, key, value, w, bias_full, additive, zero_at, indices, scaling, dropout):
+    """The forward, without autograd: ``(B, H, T, D)`` -> ``(B·H, T, Dv)`` output and what the backward needs.
+
+    ``w``: W ``(n, k, n)``; ``bias_full``: the bias in key order ``(n, n)`` or None; ``indices``: P ``(n, k)``."""
+    b, h, t, d = query.shape
+    k = indices.shape[1]
+    bh = b * h
+    # Keys beyond the input (t < n) score zero: they are selected at position t-1 and zeroed with `zero_at`.
+    index = indices[:t].clamp(max=t - 1).expand(bh, t, k)  # (B·H, T, k)
+    # Copies of a model's views (as eager's matmul makes them); Kᵀ contiguous: QKᵀ ran 20 % faster than
+    # with K transposed in the GEMM (n = 512, 2-core CPU).
+    q3, k3t = query.reshape(bh, t, d), key.transpose(2, 3).reshape(bh, d, t)  # (B·H, T, D), (B·H, D, T)
+    v3 = value.reshape(bh, t, value.shape[-1])  # (B·H, T, Dv)
+    dense = torch.bmm(q3, k3t)  # (B·H, T, T): the one n×n buffer of the forward
+    exact = dense.gather(-1, index).mul_(scaling)  # (B·H, T, k)
+    if zero_at is not None:
+        exact.view(b, h, t, k).masked_fill_(zero_at, 0.0)  # masked keys enter R with score zero
+    rows = exact.transpose(0, 1).contiguous()  # (T, B·H, k): one bmm over rows
+    w = w[:t, :, :t]  # (T, k, T)
+    scores = torch.bmm(rows, w, out=dense.view(t, bh, t))  # (T, B·H, T), in the memory of QKᵀ
+    if bias_full is not None:
+        scores += bias_full[:t, None, :t]
+    if additive is not None:
+        scores.view(t, b, h, t).add_(additive.permute(2, 0, 1, 3))  # (T, B|1, 1|H, T)
+    probs = _softmax_in_place(scores)  # (T, B·H, T)
+    keep = None
+    if dropout > 0.0:
+        keep = torch.empty_like(probs).bernoulli_(1.0 - dropout).bool()  # (T, B·H, T)
+        kept = probs * keep / (1.0 - dropout)
+    else:
+        kept = probs
+    out = torch.bmm(kept.transpose(0, 1), v3)  # (B·H, T, Dv)
+    return out, (q3, k3t, v3, rows, w, probs, keep, index)
+
+
+def rows_first_attention(query, key, value, attention_mask, layout, w, bias_full, scaling, dropout=0.0):
+    """The same forward without autograd (inference, or a group of pairs of it): ``(B, H, T, D)`` ->
+    ``(output (B, T, H, Dv), probabilities (B, H, T, T), a view of the rows-first ones)``."""
+    t, n = query.shape[2], layout.indices.shape[0]
+    check_length(t, n)
+    additive, masked = _masked_keys(attention_mask, t, query.dtype)
+    zero_at = masked_at_p(masked, layout.indices, t)  # (B|1, 1|H, T, k) or None
+    b, h = query.shape[:2]
+    out, saved = _forward(query, key, value, w, bias_full, additive, zero_at, layout.indices, scaling, dropout)
+    probs = saved[5] if saved[6] is None else saved[5] * saved[6] / (1.0 - dropout)  # after dropout, as eager's
+    return out.view(b, h, t, -1).transpose(1, 2).contiguous(), probs.view(t, b, h, t).permute(1, 2, 0, 3)
+
+
 class _PerQueryFused(torch.autograd.Function):
     """Exact scores by QKᵀ then select P, full rows by one batched matmul with W, mask, softmax, dropout, ·V."""
 
     @staticmethod
     def forward(ctx, query, key, value, reconstruction, bias, layout, additive, zero_at, scaling, dropout):
+        w = _reconstruction_matrix_for(layout, reconstruction, query.dtype, fresh=reconstruction.requires_grad)
+        bias_full = _bias_full(layout, bias, query.dtype, query.device)
+        out, saved = _forward(query, key, value, w, bias_full, additive, zero_at, layout.indices, scaling, dropout)
+        ctx.save_for_backward(*saved, zero_at)
         b, h, t, d = query.shape
-        k = layout.indices.shape[1]
-        bh = b * h
-        # Keys beyond the input (t < n) score zero: they are selected at position t-1 and zeroed with `zero_at`.
-        index = layout.indices[:t].clamp(max=t - 1).expand(bh, t, k)  # (B·H, T, k)
-        # Copies of a model's views (as eager's matmul makes them); Kᵀ contiguous: QKᵀ ran 20 % faster than
-        # with K transposed in the GEMM (n = 512, 2-core CPU).
-        q3, k3t = query.reshape(bh, t, d), key.transpose(2, 3).reshape(bh, d, t)  # (B·H, T, D), (B·H, D, T)
-        v3 = value.reshape(bh, t, value.shape[-1])  # (B·H, T, Dv)
-        dense = torch.bmm(q3, k3t)  # (B·H, T, T): the one n×n buffer of the forward
-        exact = dense.gather(-1, index).mul_(scaling)  # (B·H, T, k)
-        if zero_at is not None:
-            exact.view(b, h, t, k).masked_fill_(zero_at, 0.0)  # masked keys enter R with score zero
-        rows = exact.transpose(0, 1).contiguous()  # (T, B·H, k): one bmm over rows
-        w = _reconstruction_matrix_for(layout, reconstruction, query.dtype,
-                                       fresh=reconstruction.requires_grad)[:t, :, :t]  # (T, k, T)
-        scores = torch.bmm(rows, w, out=dense.view(t, bh, t))  # (T, B·H, T), in the memory of QKᵀ
-        if bias is not None:
-            scores += _bias_full(layout, bias, query.dtype, query.device)[:t, None, :t]
-        if additive is not None:
-            scores.view(t, b, h, t).add_(additive.permute(2, 0, 1, 3))  # (T, B|1, 1|H, T)
-        probs = _softmax_in_place(scores)  # (T, B·H, T)
-        keep = None
-        if dropout > 0.0:
-            keep = torch.empty_like(probs).bernoulli_(1.0 - dropout).bool()  # (T, B·H, T)
-            kept = probs * keep / (1.0 - dropout)
-        else:
-            kept = probs
-        out = torch.bmm(kept.transpose(0, 1), v3)  # (B·H, T, D)
-        ctx.save_for_backward(q3, k3t, v3, rows, w, probs, keep, index, zero_at)
-        ctx.layout, ctx.scaling, ctx.dropout, ctx.shape = layout, scaling, dropout, (b, h, t, d, v3.shape[-1])
+        ctx.layout, ctx.scaling, ctx.dropout, ctx.shape = layout, scaling, dropout, (b, h, t, d, value.shape[-1])
         ctx.dtypes = (reconstruction.dtype, None if bias is None else bias.dtype)
         return out.view(b, h, t, -1)  # (B, H, T, Dv)
 

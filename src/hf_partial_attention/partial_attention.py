@@ -21,7 +21,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .auto_rule import auto_implementation
 from .configuration_partial_bert import PARTIAL_IMPLEMENTATIONS
 from . import tiled_kernel
-from .fused_autograd import per_query_fused_attention
+from .fused_autograd import per_query_fused_attention, rows_first_attention
 from .partial_scores import (
     PatternLayout,
     _bias_full,
@@ -117,6 +117,9 @@ def _fused_kernel(module, query, key, value, attention_mask, layout, reconstruct
 
 def _fused_group(module, query, key, value, attention_mask, layout, w, bias_full, scaling, dropout):
     """`_fused_kernel` on one group of (batch, head) pairs: ``(output (B, T, H, D), probabilities (B, H, T, T))``."""
+    if layout.block_rows is None and not needs_grad(query, key, value, w, bias_full):
+        return rows_first_attention(query, key, value, attention_mask, layout, w, bias_full, scaling,
+                                    dropout if module.training else 0.0)
     exact_impl = "blocks" if layout.block_rows is not None else "dense"
     exact, additive = _exact_masked(query, key, attention_mask, layout, scaling, exact_impl)
     b, h, t, k = exact.shape
