@@ -11,9 +11,12 @@ DT = torch.float64
 N, K = 8, 3
 
 
-def _pattern(seed=0):
+def _pattern(seed=0, family="per_query"):
+    """P (every row its own keys, or blocks of 4 rows sharing theirs), R of each row, bias."""
     g = torch.Generator().manual_seed(seed)
-    p = torch.stack([torch.randperm(N, generator=g)[:K].sort().values for _ in range(N)])  # every row its own P
+    rows = 1 if family == "per_query" else 4
+    p = torch.stack([torch.randperm(N, generator=g)[:K].sort().values for _ in range(N // rows)])
+    p = p.repeat_interleave(rows, 0)  # (N, K)
     r = torch.randn(N, N - K, K, generator=g, dtype=DT)
     bias = torch.randn(N, N - K, generator=g, dtype=DT)
     return p, r, bias
@@ -47,13 +50,14 @@ def _run(impl, leaves, mask, p, r, bias, module=None, dropout=0.0):
                                      need_weights=False)[0]
 
 
+@pytest.mark.parametrize("family", ["per_query", "blocks"])
 @pytest.mark.parametrize("t", [8, 5])
 @pytest.mark.parametrize("mask_kind", [None, "bool", "additive", "per_head"])
-def test_matches_the_reference_in_values_and_gradients(t, mask_kind, monkeypatch):
+def test_matches_the_reference_in_values_and_gradients(family, t, mask_kind, monkeypatch):
     calls = []
-    monkeypatch.setattr(fused_autograd._PerQueryFused, "apply",
-                        lambda *a, f=fused_autograd._PerQueryFused.apply: calls.append(1) or f(*a))
-    p, r, bias = _pattern()
+    function = fused_autograd._PerQueryFused if family == "per_query" else fused_autograd._RowsFused
+    monkeypatch.setattr(function, "apply", lambda *a, f=function.apply: calls.append(1) or f(*a))
+    p, r, bias = _pattern(family=family)
     r.requires_grad_(True)
     bias.requires_grad_(True)
     leaves = _inputs(t)
@@ -68,10 +72,11 @@ def test_matches_the_reference_in_values_and_gradients(t, mask_kind, monkeypatch
         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("family", ["per_query", "blocks"])
 @pytest.mark.parametrize("trained", ["q", "v", "r", "bias"])
-def test_only_some_inputs_train(trained):
+def test_only_some_inputs_train(trained, family):
     """Frozen inputs get no gradient computed; the trained one gets the reference's (R frozen: W from the cache)."""
-    p, r, bias = _pattern(2)
+    p, r, bias = _pattern(2, family)
     leaves = [x.detach().requires_grad_(trained == name) for x, name in zip(_inputs(6), "qkv")]
     r.requires_grad_(trained == "r")
     bias.requires_grad_(trained == "bias")
@@ -81,8 +86,9 @@ def test_only_some_inputs_train(trained):
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-10, atol=1e-12)
 
 
-def test_gradcheck():
-    p, r, bias = _pattern(3)
+@pytest.mark.parametrize("family", ["per_query", "blocks"])
+def test_gradcheck(family):
+    p, r, bias = _pattern(3, family)
     leaves = _inputs(6, heads=1)
     mask = _mask("additive", 6, heads=1)
 
@@ -92,10 +98,11 @@ def test_gradcheck():
     assert torch.autograd.gradcheck(f, (*leaves, r.requires_grad_(), bias.requires_grad_()))
 
 
-def test_dropout_scales_kept_probabilities_and_its_gradient_checks():
+@pytest.mark.parametrize("family", ["per_query", "blocks"])
+def test_dropout_scales_kept_probabilities_and_its_gradient_checks(family):
     """With V the identity, the output is the dropped-out attention map: each entry is either zero or the
     reference probability / (1 - p); the backward is checked numerically with the same dropout draws."""
-    p, r, _ = _pattern(4)
+    p, r, _ = _pattern(4, family)
     module = nn.Module().train()
     t = N
     eye = torch.eye(t, dtype=DT).expand(3, 2, t, t).transpose(1, 2)  # (B, T, H, T): V = I in every head
@@ -115,14 +122,12 @@ def test_dropout_scales_kept_probabilities_and_its_gradient_checks():
     assert torch.autograd.gradcheck(f, (q, k, v, r.requires_grad_()))
 
 
-def test_weights_asked_for_or_block_patterns_keep_the_autograd_path(monkeypatch):
-    monkeypatch.setattr(fused_autograd._PerQueryFused, "apply", lambda *a: pytest.fail("hand-written path taken"))
-    p, r, _ = _pattern()
-    leaves = _inputs(8)
-    q, k, v = (x.transpose(1, 2) for x in leaves)
-    layout = PatternLayout.from_indices(p)
-    _, probs = partial_attention_forward(nn.Module().eval(), q, k, v, None, layout=layout, reconstruction=r,
-                                           scaling=0.4, implementation="fused", need_weights=True)
-    assert probs is not None
-    columns = torch.tensor([1, 4, 6]).expand(N, K).clone()
-    _run("fused", leaves, None, columns, r, None)
+def test_weights_asked_for_keep_the_autograd_path(monkeypatch):
+    for function in (fused_autograd._PerQueryFused, fused_autograd._RowsFused):
+        monkeypatch.setattr(function, "apply", lambda *a: pytest.fail("hand-written path taken"))
+    for family in ("per_query", "blocks"):
+        p, r, _ = _pattern(family=family)
+        q, k, v = (x.transpose(1, 2) for x in _inputs(8))
+        _, probs = partial_attention_forward(nn.Module().eval(), q, k, v, None, layout=PatternLayout.from_indices(p),
+                                             reconstruction=r, scaling=0.4, implementation="fused", need_weights=True)
+        assert probs is not None

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import torch
 
-from .partial_scores import PatternLayout, _bias_full, _masked_keys, _reconstruction_matrix_for, check_length, masked_at_p
+from .partial_scores import (PatternLayout, _bias_full, _exact_masked, _masked_keys, _reconstruction_matrix_for,
+                             check_length, masked_at_p)
 
-__all__ = ["per_query_fused_attention", "rows_first_attention"]
+__all__ = ["fused_attention_with_autograd", "rows_first_attention"]
 
 
 def _scatter_to_complement(full: torch.Tensor, layout: PatternLayout, t: int, dim_k: bool) -> torch.Tensor:
@@ -57,10 +58,9 @@ def _softmax_backward_in_place(grad: torch.Tensor, probs: torch.Tensor) -> torch
     return torch.ops.aten._softmax_backward_data.out(grad, probs, -1, probs.dtype, grad_input=grad)
 
 
-def _forward(query, key, value, w, bias_full, additive, zero_at, indices, scaling, dropout):
-    """The forward, without autograd: ``(B, H, T, D)`` -> ``(B·H, T, Dv)`` output and what the backward needs.
-
-    ``w``: W ``(n, k, n)``; ``bias_full``: the bias in key order ``(n, n)`` or None; ``indices``: P ``(n, k)``."""
+def _dense_exact_rows(query, key, indices, scaling, zero_at):
+    """Exact scores by QKᵀ then select P, rows first: ``(T, B·H, k)``, the QKᵀ buffer ``(B·H, T, T)`` (free for
+    reuse) and what the backward needs."""
     b, h, t, d = query.shape
     k = indices.shape[1]
     bh = b * h
@@ -69,14 +69,22 @@ def _forward(query, key, value, w, bias_full, additive, zero_at, indices, scalin
     # Copies of a model's views (as eager's matmul makes them); Kᵀ contiguous: QKᵀ ran 20 % faster than
     # with K transposed in the GEMM (n = 512, 2-core CPU).
     q3, k3t = query.reshape(bh, t, d), key.transpose(2, 3).reshape(bh, d, t)  # (B·H, T, D), (B·H, D, T)
-    v3 = value.reshape(bh, t, value.shape[-1])  # (B·H, T, Dv)
     dense = torch.bmm(q3, k3t)  # (B·H, T, T): the one n×n buffer of the forward
     exact = dense.gather(-1, index).mul_(scaling)  # (B·H, T, k)
     if zero_at is not None:
         exact.view(b, h, t, k).masked_fill_(zero_at, 0.0)  # masked keys enter R with score zero
-    rows = exact.transpose(0, 1).contiguous()  # (T, B·H, k): one bmm over rows
-    w = w[:t, :, :t]  # (T, k, T)
-    scores = torch.bmm(rows, w, out=dense.view(t, bh, t))  # (T, B·H, T), in the memory of QKᵀ
+    return exact.transpose(0, 1).contiguous(), dense, (q3, k3t, index)  # rows (T, B·H, k): one bmm over rows
+
+
+def _rows_forward(rows, value, w, bias_full, additive, dropout, scores_out=None):
+    """Full scores from rows-first exact ones ``(T, B·H, k)``, mask, softmax, dropout, ·V, in one n×n buffer
+    (``scores_out`` when given): ``(B·H, T, Dv)`` output, probabilities ``(T, B·H, T)``, kept mask or None."""
+    b, h, t, dv = value.shape
+    bh = b * h
+    if scores_out is None:
+        scores = torch.bmm(rows, w[:t, :, :t])  # (T, B·H, T)
+    else:
+        scores = torch.bmm(rows, w[:t, :, :t], out=scores_out.view(t, bh, t))
     if bias_full is not None:
         scores += bias_full[:t, None, :t]
     if additive is not None:
@@ -88,20 +96,56 @@ def _forward(query, key, value, w, bias_full, additive, zero_at, indices, scalin
         kept = probs * keep / (1.0 - dropout)
     else:
         kept = probs
-    out = torch.bmm(kept.transpose(0, 1), v3)  # (B·H, T, Dv)
-    return out, (q3, k3t, v3, rows, w, probs, keep, index)
+    out = torch.bmm(kept.transpose(0, 1), value.reshape(bh, t, dv))  # (B·H, T, Dv)
+    return out, probs, keep
+
+
+def _rows_backward(ctx, grad_out, rows, w, value, probs, keep, need_rows, need_v, need_r, need_bias):
+    """The backward of `_rows_forward` up to the exact scores: the scores' gradient ``(T, B·H, T)`` (in a buffer
+    the caller may reuse), the rows' ``(T, B·H, k)``, V's, and R's and the bias's when they train."""
+    b, h, t, dv = value.shape
+    bh = b * h
+    v3 = value.reshape(bh, t, dv)  # (B·H, T, Dv)
+    g3 = grad_out.reshape(bh, t, dv)  # (B·H, T, Dv)
+    grad_v = None
+    if need_v:
+        kept = probs if keep is None else probs * keep / (1.0 - ctx.dropout)
+        grad_v = torch.bmm(kept.permute(1, 2, 0), g3).view(b, h, t, dv)  # (B·H, T, Dv) -> (B, H, T, Dv)
+        del kept
+    grad_p = probs.new_empty(probs.shape)  # (T, B·H, T), written through its (B·H, T, T) view
+    torch.bmm(g3, v3.transpose(1, 2), out=grad_p.transpose(0, 1))
+    if keep is not None:
+        grad_p.mul_(keep).div_(1.0 - ctx.dropout)
+    grad_s = _softmax_backward_in_place(grad_p, probs)  # (T, B·H, T)
+    grad_r = grad_bias = grad_rows = None
+    if need_r:
+        grad_w = torch.bmm(rows.transpose(1, 2), grad_s)  # (T, k, T)
+        grad_r = _scatter_to_complement(grad_w, ctx.layout, t, True).to(ctx.dtypes[0])
+    if need_bias:
+        grad_bias = _scatter_to_complement(grad_s.sum(1), ctx.layout, t, False).to(ctx.dtypes[1])
+    if need_rows:
+        grad_rows = torch.bmm(grad_s, w[:t, :, :t].transpose(1, 2))  # (T, B·H, k)
+    return grad_s, grad_rows, grad_v, grad_r, grad_bias
+
+
+def _w_and_bias(ctx, layout, reconstruction, bias, dtype, device):
+    ctx.layout = layout
+    ctx.dtypes = (reconstruction.dtype, None if bias is None else bias.dtype)
+    w = _reconstruction_matrix_for(layout, reconstruction, dtype, fresh=reconstruction.requires_grad)
+    return w, _bias_full(layout, bias, dtype, device)
 
 
 def rows_first_attention(query, key, value, attention_mask, layout, w, bias_full, scaling, dropout=0.0):
-    """The same forward without autograd (inference, or a group of pairs of it): ``(B, H, T, D)`` ->
+    """The per-query forward without autograd (inference, or a group of pairs of it): ``(B, H, T, D)`` ->
     ``(output (B, T, H, Dv), probabilities (B, H, T, T), a view of the rows-first ones)``."""
     t, n = query.shape[2], layout.indices.shape[0]
     check_length(t, n)
     additive, masked = _masked_keys(attention_mask, t, query.dtype)
     zero_at = masked_at_p(masked, layout.indices, t)  # (B|1, 1|H, T, k) or None
     b, h = query.shape[:2]
-    out, saved = _forward(query, key, value, w, bias_full, additive, zero_at, layout.indices, scaling, dropout)
-    probs = saved[5] if saved[6] is None else saved[5] * saved[6] / (1.0 - dropout)  # after dropout, as eager's
+    rows, dense, _ = _dense_exact_rows(query, key, layout.indices, scaling, zero_at)
+    out, probs, keep = _rows_forward(rows, value, w, bias_full, additive, dropout, scores_out=dense)
+    probs = probs if keep is None else probs * keep / (1.0 - dropout)  # after dropout, as eager's
     return out.view(b, h, t, -1).transpose(1, 2).contiguous(), probs.view(t, b, h, t).permute(1, 2, 0, 3)
 
 
@@ -110,62 +154,75 @@ class _PerQueryFused(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, reconstruction, bias, layout, additive, zero_at, scaling, dropout):
-        w = _reconstruction_matrix_for(layout, reconstruction, query.dtype, fresh=reconstruction.requires_grad)
-        bias_full = _bias_full(layout, bias, query.dtype, query.device)
-        out, saved = _forward(query, key, value, w, bias_full, additive, zero_at, layout.indices, scaling, dropout)
-        ctx.save_for_backward(*saved, zero_at)
-        b, h, t, d = query.shape
-        ctx.layout, ctx.scaling, ctx.dropout, ctx.shape = layout, scaling, dropout, (b, h, t, d, value.shape[-1])
-        ctx.dtypes = (reconstruction.dtype, None if bias is None else bias.dtype)
-        return out.view(b, h, t, -1)  # (B, H, T, Dv)
+        w, bias_full = _w_and_bias(ctx, layout, reconstruction, bias, query.dtype, query.device)
+        rows, dense, (q3, k3t, index) = _dense_exact_rows(query, key, layout.indices, scaling, zero_at)
+        out, probs, keep = _rows_forward(rows, value, w, bias_full, additive, dropout, scores_out=dense)
+        ctx.save_for_backward(q3, k3t, value, rows, w, probs, keep, index, zero_at)
+        ctx.scaling, ctx.dropout = scaling, dropout
+        return out.view(value.shape)  # (B, H, T, Dv)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        q3, k3t, v3, rows, w, probs, keep, index, zero_at = ctx.saved_tensors
-        b, h, t, d, dv = ctx.shape
-        bh = b * h
+        q3, k3t, value, rows, w, probs, keep, index, zero_at = ctx.saved_tensors
+        b, h, t, _ = value.shape
         need_q, need_k, need_v, need_r, need_bias = ctx.needs_input_grad[:5]
-        g3 = grad_out.reshape(bh, t, dv)  # (B·H, T, Dv)
-        grad_v = None
-        if need_v:
-            kept = probs if keep is None else probs * keep / (1.0 - ctx.dropout)
-            grad_v = torch.bmm(kept.permute(1, 2, 0), g3).view(b, h, t, dv)  # (B·H, T, Dv) -> (B, H, T, Dv)
-            del kept
-        grad_p = probs.new_empty(probs.shape)  # (T, B·H, T), written through its (B·H, T, T) view
-        torch.bmm(g3, v3.transpose(1, 2), out=grad_p.transpose(0, 1))
-        if keep is not None:
-            grad_p.mul_(keep).div_(1.0 - ctx.dropout)
-        grad_s = _softmax_backward_in_place(grad_p, probs)  # (T, B·H, T)
-        grad_r = grad_bias = None
-        if need_r:
-            grad_w = torch.bmm(rows.transpose(1, 2), grad_s)  # (T, k, T)
-            grad_r = _scatter_to_complement(grad_w, ctx.layout, t, True).to(ctx.dtypes[0])
-        if need_bias:
-            grad_bias = _scatter_to_complement(grad_s.sum(1), ctx.layout, t, False).to(ctx.dtypes[1])
+        grad_s, grad_rows, grad_v, grad_r, grad_bias = _rows_backward(ctx, grad_out, rows, w, value, probs, keep,
+                                                                      need_q or need_k, need_v, need_r, need_bias)
         grad_q = grad_k = None
         if need_q or need_k:
-            grad_exact = torch.bmm(grad_s, w.transpose(1, 2)).transpose(0, 1).mul_(ctx.scaling)  # (B·H, T, k)
+            grad_exact = grad_rows.transpose(0, 1).mul_(ctx.scaling)  # (B·H, T, k)
             if zero_at is not None:
                 grad_exact.view(b, h, t, -1).masked_fill_(zero_at, 0.0)
             # The gradient of QKᵀ, (B·H, T, T), in the memory of grad_s (read for the last time above).
-            grad_dense = grad_s.view(bh, t, t).zero_().scatter_add_(-1, index, grad_exact)
+            grad_dense = grad_s.view(b * h, t, t).zero_().scatter_add_(-1, index, grad_exact)
             if need_q:
-                grad_q = torch.bmm(grad_dense, k3t.transpose(1, 2)).view(b, h, t, d)
+                grad_q = torch.bmm(grad_dense, k3t.transpose(1, 2)).view(b, h, t, -1)
             if need_k:
-                grad_k = torch.bmm(grad_dense.transpose(1, 2), q3).view(b, h, t, d)
+                grad_k = torch.bmm(grad_dense.transpose(1, 2), q3).view(b, h, t, -1)
         return grad_q, grad_k, grad_v, grad_r, grad_bias, None, None, None, None, None
 
 
-def per_query_fused_attention(query, key, value, attention_mask, layout, reconstruction, bias, scaling,
-                              dropout=0.0):
-    """Partial attention with autograd: ``(B, H, T, D)`` -> ``(B, T, H, D)``, no attention map; for patterns
-    without shared key blocks (`partial_scores.block_rows` is None), where it is faster than autograd through
-    `partial_attention._fused_group`. ``attention_mask`` as in `partial_attention.partial_attention_forward`;
-    ``dropout``: the probability of dropping an attention probability (0 outside training)."""
+class _RowsFused(torch.autograd.Function):
+    """The same after the exact scores, which autograd computes and differentiates (block patterns: small GEMMs)."""
+
+    @staticmethod
+    def forward(ctx, exact, value, reconstruction, bias, layout, additive, dropout):
+        b, h, t, k = exact.shape
+        w, bias_full = _w_and_bias(ctx, layout, reconstruction, bias, exact.dtype, exact.device)
+        rows = exact.permute(2, 0, 1, 3).reshape(t, b * h, k)  # (T, B·H, k)
+        out, probs, keep = _rows_forward(rows, value, w, bias_full, additive, dropout)
+        ctx.save_for_backward(rows, w, value, probs, keep)
+        ctx.dropout = dropout
+        return out.view(value.shape)  # (B, H, T, Dv)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        rows, w, value, probs, keep = ctx.saved_tensors
+        b, h, t, _ = value.shape
+        need_exact, need_v, need_r, need_bias = ctx.needs_input_grad[:4]
+        _, grad_rows, grad_v, grad_r, grad_bias = _rows_backward(ctx, grad_out, rows, w, value, probs, keep,
+                                                                 need_exact, need_v, need_r, need_bias)
+        grad_exact = None if grad_rows is None else grad_rows.view(t, b, h, -1).permute(1, 2, 0, 3)  # (B, H, T, k)
+        return grad_exact, grad_v, grad_r, grad_bias, None, None, None
+
+
+def fused_attention_with_autograd(query, key, value, attention_mask, layout, reconstruction, bias, scaling,
+                                  dropout=0.0):
+    """Partial attention with autograd and a backward written out by hand: ``(B, H, T, D)`` -> ``(B, T, H, D)``,
+    no attention map. ``attention_mask`` as in `partial_attention.partial_attention_forward`; ``dropout``: the
+    probability of dropping an attention probability (0 outside training). Per-query patterns run
+    `_PerQueryFused`; patterns whose blocks of rows share keys (`partial_scores.block_rows`) get their exact
+    scores from block GEMMs under autograd, then `_RowsFused`."""
     t, n = query.shape[2], layout.indices.shape[0]
     check_length(t, n)
-    additive, masked = _masked_keys(attention_mask, t, query.dtype)
-    zero_at = masked_at_p(masked, layout.indices, t)  # (B|1, 1|H, T, k) or None
-    out = _PerQueryFused.apply(query, key, value, reconstruction, bias, layout, additive, zero_at, scaling, dropout)
+    if layout.block_rows is None:
+        additive, masked = _masked_keys(attention_mask, t, query.dtype)
+        zero_at = masked_at_p(masked, layout.indices, t)  # (B|1, 1|H, T, k) or None
+        out = _PerQueryFused.apply(query, key, value, reconstruction, bias, layout, additive, zero_at, scaling,
+                                   dropout)
+    else:
+        exact, additive = _exact_masked(query, key, attention_mask, layout, scaling, "blocks")  # (B, H, T, k)
+        out = _RowsFused.apply(exact, value, reconstruction, bias, layout, additive, dropout)
     return out.transpose(1, 2).contiguous()  # (B, T, H, D)

@@ -21,7 +21,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .auto_rule import auto_implementation
 from .configuration_partial_bert import PARTIAL_IMPLEMENTATIONS
 from . import tiled_kernel
-from .fused_autograd import per_query_fused_attention, rows_first_attention
+from .fused_autograd import fused_attention_with_autograd, rows_first_attention
 from .partial_scores import (
     PatternLayout,
     _bias_full,
@@ -85,15 +85,15 @@ def _fused_kernel(module, query, key, value, attention_mask, layout, reconstruct
     """Exact part by block GEMMs when rows share keys (else QKᵀ then select), full rows by one batched matmul
     with ``W_i = [I at P_i | R_iᵀ at P̄_i]`` (no scatter).
 
-    With autograd, for patterns without shared key blocks, and without a request for the attention map, it runs
-    `fused_autograd.per_query_fused_attention` (the same numbers, a backward written out by hand).
+    With autograd and without a request for the attention map, it runs `fused_autograd.fused_attention_with_autograd`
+    (the same numbers, a backward written out by hand).
     Without autograd and without a request for the attention map, it runs on groups of (batch, head) pairs
     whose n×n tensors hold about `tiled_kernel.TILE_ELEMENTS` values each, written into one output: the same
     numbers, without allocating B·H·n² values at once (which glibc serves with fresh pages on every call)."""
     grad = needs_grad(query, key, value, reconstruction, bias)
-    if grad and not need_weights and layout.block_rows is None:
-        return per_query_fused_attention(query, key, value, attention_mask, layout, reconstruction, bias, scaling,
-                                         dropout if module.training else 0.0), None
+    if grad and not need_weights:
+        return fused_attention_with_autograd(query, key, value, attention_mask, layout, reconstruction, bias,
+                                             scaling, dropout if module.training else 0.0), None
     w = _reconstruction_matrix_for(layout, reconstruction, query.dtype)  # (n, k, n)
     bias_full = _bias_full(layout, bias, query.dtype, query.device)
     if need_weights or grad:
