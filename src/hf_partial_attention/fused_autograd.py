@@ -1,21 +1,25 @@
-"""The ``fused`` kernel's training path for patterns whose rows do not share key sets (per-query P): one autograd
-Function whose backward is written out by hand.
+"""The ``fused`` kernel with autograd: autograd Functions whose backward is written out by hand; and its
+per-query forward without autograd.
 
 Part of the remote-code bundle (imports: torch and siblings only).
 
-Autograd through the ops of `partial_attention._fused_group` costs more than the arithmetic needs, measured on a
-2-core CPU at n = 512, B = 8, H = 12, k = 32 (fwd + bwd 1.28x of eager attention in the committed bench):
+Autograd through the ops of `partial_attention._fused_group` costs more than the arithmetic needs (per-query
+pattern, n = 512, B = 8, H = 12, k = 32: fwd + bwd 1.28x of eager attention in the bench committed before this
+module, on a 2-core CPU):
 
 - the scores are reconstructed rows first, ``(T, B·H, T)``, and the gradient of the probabilities reaches the
   softmax backward as ``(B·H, T, T)``; the softmax backward then copies one of them (an n×n pass) and works on
   mixed layouts. Here the gradient of the probabilities is written straight into the rows-first layout.
-- the gradient of the exact scores goes back to QKᵀ through a fresh zero n×n tensor (``gather``'s backward);
-  under glibc's default malloc that is a page-faulting allocation of B·H·n² values. Here the memory of the
-  scores' gradient, no longer needed by then, is zeroed and reused.
+- every step allocates its own n×n tensor; under glibc's default malloc each one above the mmap threshold costs
+  fresh pages (at n = 512, B = 8, H = 12: 100 MB, about 20 ms). Here the forward and the backward each allocate
+  one and work in it in place: reconstruction into QKᵀ's memory, softmax and its backward in place, and the
+  gradient of QKᵀ (``gather``'s backward, a zero n×n tensor) in the memory of the scores' gradient.
 - W = [I | Rᵀ] is rebuilt under autograd, and its backward scatters into another (n, k, n) zero tensor; here it is
   built without autograd and R's gradient is gathered from W's.
 
-The numbers and gradients are the reference kernel's (tested in float64 against ``gather``).
+Per-query patterns (`partial_scores.block_rows` is None) run `_PerQueryFused`, exact scores included. Patterns
+whose blocks of rows share keys get their exact scores from block GEMMs under autograd (small tensors), then
+`_RowsFused`. The numbers and gradients are the reference kernel's (tested in float64 against ``gather``).
 """
 
 from __future__ import annotations
@@ -33,13 +37,13 @@ def _scatter_to_complement(full: torch.Tensor, layout: PatternLayout, t: int, di
     ``(n, n−k)``: the entries at P̄_i, zero for rows and keys beyond the input."""
     n, k = layout.indices.shape
     comp = layout.complement  # (n, n-k)
+    if t < n:
+        padded = full.new_zeros((n, k, n) if dim_k else (n, n))
+        padded[(slice(t), slice(None), slice(t)) if dim_k else (slice(t), slice(t))] = full
+        full = padded
     if dim_k:
-        padded = full.new_zeros(n, k, n)
-        padded[:t, :, :t] = full
-        return padded.gather(-1, comp[:, None, :].expand(n, k, n - k)).transpose(1, 2)  # (n, n-k, k)
-    padded = full.new_zeros(n, n)
-    padded[:t, :t] = full
-    return padded.gather(-1, comp)  # (n, n-k)
+        return full.gather(-1, comp[:, None, :].expand(n, k, n - k)).transpose(1, 2)  # (n, n-k, k)
+    return full.gather(-1, comp)  # (n, n-k)
 
 
 # Under glibc's default malloc every fresh n×n tensor above the mmap threshold costs page faults (at n = 512,
