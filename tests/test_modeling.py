@@ -100,7 +100,7 @@ def test_reconstructible_hidden_states_give_dense_attention():
         model.reconstruction_tensors()["common"].copy_(w.expand(n, n - k, k))
     base = torch.randn(2, k, 32, dtype=torch.float64)
     hidden = torch.cat([base, w @ base], dim=1)  # (B, n, hidden)
-    out, probs = attn(hidden)
+    out, probs = attn(hidden, output_attentions=True)  # the maps are written only when asked for
     ref, ref_probs = dense(hidden)
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
     torch.testing.assert_close(probs, ref_probs, atol=1e-10, rtol=1e-10)
@@ -209,3 +209,18 @@ def test_bert_checkpoint_loads_into_partial_model(tmp_path):
     b = batch()
     with torch.no_grad():
         torch.testing.assert_close(model(**b).last_hidden_state, bert(**b).last_hidden_state, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("implementation", ["fused", "tiled"])
+def test_output_attentions_of_a_training_forward_are_the_reference_maps(implementation):
+    """``output_attentions=True`` reaches the partial layers (in the call's kwargs and through transformers' output
+    recorder): with autograd, the kernels that skip the maps unless asked (fused, tiled) return them, equal to
+    gather's."""
+    model = tiny(partial_implementation=implementation).train()
+    b = batch()
+    maps = model(**b, output_attentions=True).attentions
+    model.set_partial_implementation("gather")
+    ref = model(**b, output_attentions=True).attentions
+    assert len(maps) == 3 and all(m is not None for m in maps)
+    for got, want in zip(maps, ref):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -226,9 +226,8 @@ def partial_attention_forward(
         layout: P and the index tensors derived from it (`PatternLayout.from_indices`).
         reconstruction: R, ``(n, n−k, k)``. bias: ``(n, n−k)`` or None.
         implementation: a key of `PARTIAL_KERNELS`; every kernel gives the same numbers and gradients.
-        need_weights: whether the caller uses the probabilities; ``False`` lets ``tiled`` (always) and ``fused``
-            (without autograd) skip writing them and return None for them, like SDPA; ``gather`` and ``dense``
-            return them anyway.
+        need_weights: whether the caller uses the probabilities; ``False`` lets ``tiled`` and ``fused`` skip
+            writing them and return None for them, like SDPA; ``gather`` and ``dense`` return them anyway.
 
     Returns:
         ``(output (B, T, H, D), probabilities (B, H, T, T) or None)`` like ``eager_attention_forward``.
