@@ -131,3 +131,20 @@ def test_weights_asked_for_keep_the_autograd_path(monkeypatch):
         _, probs = partial_attention_forward(nn.Module().eval(), q, k, v, None, layout=PatternLayout.from_indices(p),
                                              reconstruction=r, scaling=0.4, implementation="fused", need_weights=True)
         assert probs is not None
+
+
+@pytest.mark.parametrize("family", ["per_query", "blocks"])
+def test_bfloat16_inputs_with_a_float32_r(family):
+    """A bfloat16 model's q, k, v with R and the bias kept in float32 (as after `model.to(torch.bfloat16)` with a
+    float32 pattern, or under autocast): gradients come back in each input's dtype, close to float32 ones."""
+    p, r, bias = _pattern(5, family)
+    r, bias = r.float().requires_grad_(), bias.float().requires_grad_()
+    leaves = [x.detach().float().requires_grad_() for x in _inputs(8)]
+    low = [x.detach().bfloat16().requires_grad_() for x in leaves]
+    results = []
+    for inputs in (leaves, low):
+        out = _run("fused", inputs, _mask("bool", 8), p, r, bias)
+        results.append((out, *torch.autograd.grad(out.float().pow(2).sum(), [*inputs, r, bias])))
+    assert [g.dtype for g in results[1][1:]] == [torch.bfloat16] * 3 + [torch.float32] * 2
+    for name, want, got in zip(["out", "dq", "dk", "dv", "dR", "dbias"], *results):
+        torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.05, msg=lambda m, name=name: f"{name}: {m}")
