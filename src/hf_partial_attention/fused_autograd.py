@@ -11,9 +11,10 @@ before this module, on a 2-core CPU; 0.86x with it):
   softmax backward as ``(B·H, T, T)``; the softmax backward then copies one of them (an n×n pass) and works on
   mixed layouts. Here the gradient of the probabilities is written straight into the rows-first layout.
 - every step allocates its own n×n tensor; under glibc's default malloc each one above the mmap threshold costs
-  fresh pages (at n = 512, B = 8, H = 12: 100 MB, about 20 ms). Here the forward and the backward each allocate
-  one and work in it in place: reconstruction into QKᵀ's memory, softmax and its backward in place, and the
-  gradient of QKᵀ (``gather``'s backward, a zero n×n tensor) in the memory of the scores' gradient.
+  fresh pages (at n = 512, B = 8, H = 12: 100 MB, about 20 ms, measured ad hoc). Here the forward and the
+  backward each allocate one and work in it in place: reconstruction into QKᵀ's memory, softmax and its backward
+  in place, and the gradient of QKᵀ (``gather``'s backward, a zero n×n tensor) in the memory of the scores'
+  gradient.
 - W = [I | Rᵀ] is rebuilt under autograd, and its backward scatters into another (n, k, n) zero tensor; here it is
   built without autograd and R's gradient is gathered from W's.
 
@@ -47,7 +48,8 @@ def _scatter_to_complement(full: torch.Tensor, layout: PatternLayout, t: int, di
 
 
 # Under glibc's default malloc every fresh n×n tensor above the mmap threshold costs page faults (at n = 512,
-# B = 8, H = 12: 100 MB, ~20 ms each), so the forward and the backward each allocate one and work in it in place.
+# B = 8, H = 12: 100 MB, ~20 ms each, ad hoc), so the forward and the backward each allocate one and work in it
+# in place.
 # CPU's softmax kernels read a row before writing it, so their output may alias their input (tested in float64);
 # elsewhere they run out of place.
 def _softmax_in_place(scores: torch.Tensor) -> torch.Tensor:
@@ -70,7 +72,7 @@ def _dense_exact_rows(query, key, indices, scaling, zero_at):
     bh = b * h
     # Keys beyond the input (t < n) score zero: they are selected at position t-1 and zeroed with `zero_at`.
     index = indices[:t].clamp(max=t - 1).expand(bh, t, k)  # (B·H, T, k)
-    # Copies of a model's views (as eager's matmul makes them); Kᵀ contiguous: QKᵀ ran 20 % faster than
+    # Copies of a model's views (as eager's matmul makes them); Kᵀ contiguous: QKᵀ ran 20 % faster (ad hoc) than
     # with K transposed in the GEMM (n = 512, 2-core CPU).
     q3, k3t = query.reshape(bh, t, d), key.transpose(2, 3).reshape(bh, d, t)  # (B·H, T, D), (B·H, D, T)
     dense = torch.bmm(q3, k3t)  # (B·H, T, T): the one n×n buffer of the forward
