@@ -3,6 +3,7 @@
 import os
 
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -52,3 +53,26 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def _attention_mask(kind, t, heads=1):
+    """A mask for 3 sequences of length t: None, "bool" (True = attend, (3, 1, t, t)), "additive" (float64, 0 or
+    finfo.min) or "per_head" (bool (3, heads, t, t), key 1 also masked in the last head). The second sequence is
+    padded in its last two positions, the third masks its first key."""
+    if kind is None:
+        return None
+    keep = torch.ones(3, 1, t, t, dtype=torch.bool)
+    keep[1, ..., t - 2:] = False  # padding of the second sequence
+    keep[2, ..., 0] = False
+    if kind == "per_head":
+        keep = keep.expand(3, heads, t, t).clone()
+        keep[:, -1, :, 1] = False
+    if kind in ("bool", "per_head"):
+        return keep
+    return torch.zeros(keep.shape, dtype=torch.float64).masked_fill(~keep, torch.finfo(torch.float64).min)
+
+
+@pytest.fixture
+def attention_mask():
+    """`_attention_mask`, the masks the kernel tests share."""
+    return _attention_mask

@@ -28,20 +28,6 @@ def _inputs(t, heads=2, seed=1):
     return [torch.randn(3, t, heads, 4, generator=g, dtype=DT).requires_grad_() for _ in range(3)]
 
 
-def _mask(kind, t, heads=2):
-    if kind is None:
-        return None
-    keep = torch.ones(3, 1, t, t, dtype=torch.bool)
-    keep[1, ..., t - 2:] = False  # padding of the second sequence
-    keep[2, ..., 0] = False
-    if kind == "per_head":
-        keep = keep.expand(3, heads, t, t).clone()
-        keep[:, 1, :, 1] = False
-    if kind in ("bool", "per_head"):
-        return keep
-    return torch.zeros(keep.shape, dtype=DT).masked_fill(~keep, torch.finfo(DT).min)
-
-
 def _run(impl, leaves, mask, p, r, bias, module=None, dropout=0.0):
     q, k, v = (x.transpose(1, 2) for x in leaves)
     module = nn.Module().eval() if module is None else module
@@ -53,7 +39,7 @@ def _run(impl, leaves, mask, p, r, bias, module=None, dropout=0.0):
 @pytest.mark.parametrize("family", ["per_query", "blocks"])
 @pytest.mark.parametrize("t", [8, 5])
 @pytest.mark.parametrize("mask_kind", [None, "bool", "additive", "per_head"])
-def test_matches_the_reference_in_values_and_gradients(family, t, mask_kind, monkeypatch):
+def test_matches_the_reference_in_values_and_gradients(family, t, mask_kind, monkeypatch, attention_mask):
     calls = []
     function = fused_autograd._PerQueryFused if family == "per_query" else fused_autograd._RowsFused
     monkeypatch.setattr(function, "apply", lambda *a, f=function.apply: calls.append(1) or f(*a))
@@ -61,7 +47,7 @@ def test_matches_the_reference_in_values_and_gradients(family, t, mask_kind, mon
     r.requires_grad_(True)
     bias.requires_grad_(True)
     leaves = _inputs(t)
-    mask = _mask(mask_kind, t)
+    mask = attention_mask(mask_kind, t, heads=2)
     results = []
     for impl in ("gather", "fused"):
         out = _run(impl, leaves, mask, p, r, bias)
@@ -74,23 +60,23 @@ def test_matches_the_reference_in_values_and_gradients(family, t, mask_kind, mon
 
 @pytest.mark.parametrize("family", ["per_query", "blocks"])
 @pytest.mark.parametrize("trained", ["q", "v", "r", "bias"])
-def test_only_some_inputs_train(trained, family):
+def test_only_some_inputs_train(trained, family, attention_mask):
     """Frozen inputs get no gradient computed; the trained one gets the reference's (R frozen: W from the cache)."""
     p, r, bias = _pattern(2, family)
     leaves = [x.detach().requires_grad_(trained == name) for x, name in zip(_inputs(6), "qkv")]
     r.requires_grad_(trained == "r")
     bias.requires_grad_(trained == "bias")
     target = {"q": leaves[0], "v": leaves[2], "r": r, "bias": bias}[trained]
-    grads = [torch.autograd.grad(_run(impl, leaves, _mask("bool", 6), p, r, bias).pow(2).sum(), [target])[0]
+    grads = [torch.autograd.grad(_run(impl, leaves, attention_mask("bool", 6), p, r, bias).pow(2).sum(), [target])[0]
              for impl in ("gather", "fused")]
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("family", ["per_query", "blocks"])
-def test_gradcheck(family):
+def test_gradcheck(family, attention_mask):
     p, r, bias = _pattern(3, family)
     leaves = _inputs(6, heads=1)
-    mask = _mask("additive", 6, heads=1)
+    mask = attention_mask("additive", 6)
 
     def f(q, k, v, r, bias):
         return _run("fused", [q, k, v], mask, p, r, bias)
@@ -134,7 +120,7 @@ def test_weights_asked_for_keep_the_autograd_path(monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["per_query", "blocks"])
-def test_bfloat16_inputs_with_a_float32_r(family):
+def test_bfloat16_inputs_with_a_float32_r(family, attention_mask):
     """A bfloat16 model's q, k, v with R and the bias kept in float32 (as after `model.to(torch.bfloat16)` with a
     float32 pattern, or under autocast): gradients come back in each input's dtype, close to float32 ones."""
     p, r, bias = _pattern(5, family)
@@ -143,7 +129,7 @@ def test_bfloat16_inputs_with_a_float32_r(family):
     low = [x.detach().bfloat16().requires_grad_() for x in leaves]
     results = []
     for inputs in (leaves, low):
-        out = _run("fused", inputs, _mask("bool", 8), p, r, bias)
+        out = _run("fused", inputs, attention_mask("bool", 8), p, r, bias)
         results.append((out, *torch.autograd.grad(out.float().pow(2).sum(), [*inputs, r, bias])))
     assert [g.dtype for g in results[1][1:]] == [torch.bfloat16] * 3 + [torch.float32] * 2
     for name, want, got in zip(["out", "dq", "dk", "dv", "dR", "dbias"], *results):

@@ -58,28 +58,17 @@ def _run(impl, q, k, v, mask, p, r, bias, need_weights=True):
                                      need_weights=need_weights)
 
 
-def _mask(kind, t):
-    if kind is None:
-        return None
-    keep = torch.ones(3, 1, t, t, dtype=torch.bool)
-    keep[1, ..., t - 2:] = False  # padding of the second sequence
-    keep[2, ..., 0] = False
-    if kind == "bool":
-        return keep
-    return torch.zeros(keep.shape, dtype=DT).masked_fill(~keep, torch.finfo(DT).min)
-
-
 @pytest.mark.parametrize("rows", [8, 4, 1])
 @pytest.mark.parametrize("t", [8, 5])
 @pytest.mark.parametrize("mask_kind", [None, "bool", "additive"])
 @pytest.mark.parametrize("tile", [1 << 19, 24])  # one tile; many tiles (batch and head splits)
-def test_tiled_matches_the_reference_in_float64(rows, t, mask_kind, tile, monkeypatch):
+def test_tiled_matches_the_reference_in_float64(rows, t, mask_kind, tile, monkeypatch, attention_mask):
     monkeypatch.setattr(tiled, "TILE_ELEMENTS", tile)
     p, r = shared_pattern(8, 3, rows, seed=rows)
     r.requires_grad_(True)
     bias = torch.randn(8, 5, generator=torch.Generator().manual_seed(3), dtype=DT, requires_grad=True)
     q, k, v = _inputs(t)
-    mask = _mask(mask_kind, t)
+    mask = attention_mask(mask_kind, t)
     results = []
     for impl in ("gather", "tiled"):
         out, probs = _run(impl, q, k, v, mask, p, r, bias)
@@ -92,12 +81,12 @@ def test_tiled_matches_the_reference_in_float64(rows, t, mask_kind, tile, monkey
 
 
 @pytest.mark.parametrize("t", [8, 6])
-def test_tiled_without_autograd_and_without_weights(t, monkeypatch):
+def test_tiled_without_autograd_and_without_weights(t, monkeypatch, attention_mask):
     """The no-autograd path (tiles written into one buffer) and need_weights=False give the reference output."""
     monkeypatch.setattr(tiled, "TILE_ELEMENTS", 40)
     p, r = shared_pattern(8, 2, 4)
     q, k, v = _inputs(t, grad=False)
-    mask = _mask("bool", t)
+    mask = attention_mask("bool", t)
     with torch.no_grad():
         ref, ref_probs = _run("gather", q, k, v, mask, p, r, None)
         out, probs = _run("tiled", q, k, v, mask, p, r, None)
@@ -178,7 +167,7 @@ def test_auto_rule_from_the_environment(tmp_path, monkeypatch):
 @pytest.mark.parametrize("t", [8, 5])
 @pytest.mark.parametrize("mask_kind", [None, "bool", "additive", "per_head"])
 @pytest.mark.parametrize("family", ["per_query", "columns"])
-def test_fused_in_groups_matches_the_reference(t, mask_kind, family, monkeypatch):
+def test_fused_in_groups_matches_the_reference(t, mask_kind, family, monkeypatch, attention_mask):
     """Without autograd and without the attention map, fused runs groups of (batch, head) pairs (here groups of
     two pairs: TILE_ELEMENTS = 1, 3 batches × 5 heads) into one output; the numbers are the reference kernel's."""
     monkeypatch.setattr(tiled, "TILE_ELEMENTS", 1)
@@ -190,10 +179,7 @@ def test_fused_in_groups_matches_the_reference(t, mask_kind, family, monkeypatch
     r = torch.randn(8, 5, 3, generator=g, dtype=DT)
     bias = torch.randn(8, 5, generator=g, dtype=DT)
     q, k, v = _inputs(t, grad=False, heads=5)
-    mask = _mask("bool" if mask_kind == "per_head" else mask_kind, t)
-    if mask_kind == "per_head":  # a mask that differs per head: (B, H, T, T)
-        mask = mask.expand(3, 5, t, t).clone()
-        mask[:, 3, :, 1] = False
+    mask = attention_mask(mask_kind, t, heads=5)  # per_head: a mask that differs per head, (B, H, T, T)
     with torch.no_grad():
         ref, _ = _run("gather", q, k, v, mask, p, r, bias)
         out, none = _run("fused", q, k, v, mask, p, r, bias, need_weights=False)
