@@ -101,6 +101,14 @@ def test_dropout_scales_kept_probabilities_and_its_gradient_checks(family):
     assert 0.3 < kept.double().mean() < 0.7
     torch.testing.assert_close(dropped[kept], probs[kept] / 0.5, rtol=1e-10, atol=1e-12)
 
+    with torch.no_grad():  # without autograd, the map returned is the one that multiplied V (after dropout)
+        q_, k_, v_ = (x.transpose(1, 2) for x in (q, k, eye))
+        out, dropped_map = partial_attention_forward(module, q_, k_, v_, None, layout=PatternLayout.from_indices(p),
+                                                     reconstruction=r, scaling=0.4, dropout=0.5,
+                                                     implementation="fused", need_weights=True)
+    assert (dropped_map == 0).any()
+    torch.testing.assert_close(dropped_map, out.transpose(1, 2), rtol=0, atol=0)
+
     def f(q, k, v, r):
         torch.manual_seed(0)  # the same dropout draws at every evaluation
         return _run("fused", [q, k, v], None, p, r, None, module=module, dropout=0.5)

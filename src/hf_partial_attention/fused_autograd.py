@@ -4,17 +4,16 @@ per-query forward without autograd.
 Part of the remote-code bundle (imports: torch and siblings only).
 
 Autograd through the ops of `partial_attention._fused_group` costs more than the arithmetic needs (per-query
-pattern, n = 512, B = 8, H = 12, k = 32: fwd + bwd 1.28x of eager attention in the bench committed at `fa9d962`,
-before this module, on a 2-core CPU; 0.86x with it):
+pattern, n = 512, B = 8, H = 12, k = 32, fwd + bwd on a 2-core CPU: 1.28x of eager attention before this module
+and 0.86x with it, in the results of ``make bench`` committed at `fa9d962` and `1cda05a`):
 
 - the scores are reconstructed rows first, ``(T, B·H, T)``, and the gradient of the probabilities reaches the
   softmax backward as ``(B·H, T, T)``; the softmax backward then copies one of them (an n×n pass) and works on
   mixed layouts. Here the gradient of the probabilities is written straight into the rows-first layout.
 - every step allocates its own n×n tensor; under glibc's default malloc each one above the mmap threshold costs
-  fresh pages (at n = 512, B = 8, H = 12: 100 MB, about 20 ms, measured ad hoc). Here the forward and the
-  backward each allocate one and work in it in place: reconstruction into QKᵀ's memory, softmax and its backward
-  in place, and the gradient of QKᵀ (``gather``'s backward, a zero n×n tensor) in the memory of the scores'
-  gradient.
+  fresh pages (at n = 512, B = 8, H = 12: 100 MB each). Here the forward and the backward each allocate one and
+  work in it in place: reconstruction into QKᵀ's memory, softmax and its backward in place, and the gradient of
+  QKᵀ (``gather``'s backward, a zero n×n tensor) in the memory of the scores' gradient.
 - W = [I | Rᵀ] is rebuilt under autograd, and its backward scatters into another (n, k, n) zero tensor; here it is
   built without autograd and R's gradient is gathered from W's.
 
@@ -48,7 +47,7 @@ def _scatter_to_complement(full: torch.Tensor, layout: PatternLayout, t: int, di
 
 
 # Under glibc's default malloc every fresh n×n tensor above the mmap threshold costs page faults (at n = 512,
-# B = 8, H = 12: 100 MB, ~20 ms each, ad hoc), so the forward and the backward each allocate one and work in it
+# B = 8, H = 12: 100 MB each), so the forward and the backward each allocate one and work in it
 # in place.
 # CPU's softmax kernels read a row before writing it, so their output may alias their input (tested in float64);
 # elsewhere they run out of place.
@@ -72,8 +71,8 @@ def _dense_exact_rows(query, key, indices, scaling, zero_at):
     bh = b * h
     # Keys beyond the input (t < n) score zero: they are selected at position t-1 and zeroed with `zero_at`.
     index = indices[:t].clamp(max=t - 1).expand(bh, t, k)  # (B·H, T, k)
-    # Copies of a model's views (as eager's matmul makes them); Kᵀ contiguous: QKᵀ ran 20 % faster (ad hoc) than
-    # with K transposed in the GEMM (n = 512, 2-core CPU).
+    # Copies of a model's views, as eager's matmul makes them; Kᵀ made contiguous, as eager's matmul does, rather
+    # than transposed inside the GEMM.
     q3, k3t = query.reshape(bh, t, d), key.transpose(2, 3).reshape(bh, d, t)  # (B·H, T, D), (B·H, D, T)
     dense = torch.bmm(q3, k3t)  # (B·H, T, T): the one n×n buffer of the forward
     exact = dense.gather(-1, index).mul_(scaling)  # (B·H, T, k)
@@ -84,7 +83,8 @@ def _dense_exact_rows(query, key, indices, scaling, zero_at):
 
 def _rows_forward(rows, value, w, bias_full, additive, dropout, scores_out=None):
     """Full scores from rows-first exact ones ``(T, B·H, k)``, mask, softmax, dropout, ·V, in one n×n buffer
-    (``scores_out`` when given): ``(B·H, T, Dv)`` output, probabilities ``(T, B·H, T)``, kept mask or None."""
+    (``scores_out`` when given): ``(B·H, T, Dv)`` output, probabilities ``(T, B·H, T)``, kept mask or None, and
+    the probabilities after dropout (the same tensor without dropout)."""
     b, h, t, dv = value.shape
     bh = b * h
     if scores_out is None:
@@ -96,14 +96,15 @@ def _rows_forward(rows, value, w, bias_full, additive, dropout, scores_out=None)
     if additive is not None:
         scores.view(t, b, h, t).add_(additive.permute(2, 0, 1, 3))  # (T, B|1, 1|H, T)
     probs = _softmax_in_place(scores)  # (T, B·H, T)
-    keep = None
-    if dropout > 0.0:
-        keep = torch.empty_like(probs).bernoulli_(1.0 - dropout).bool()  # (T, B·H, T)
-        kept = probs * keep / (1.0 - dropout)
-    else:
-        kept = probs
+    keep = None if dropout == 0.0 else torch.empty_like(probs).bernoulli_(1.0 - dropout).bool()  # (T, B·H, T)
+    kept = _dropped(probs, keep, dropout)
     out = torch.bmm(kept.transpose(0, 1), value.reshape(bh, t, dv))  # (B·H, T, Dv)
-    return out, probs, keep
+    return out, probs, keep, kept
+
+
+def _dropped(probs: torch.Tensor, keep: torch.Tensor | None, dropout: float) -> torch.Tensor:
+    """The probabilities after dropout (kept ones scaled by 1 / (1 - p)): what multiplies V."""
+    return probs if keep is None else probs * keep / (1.0 - dropout)
 
 
 def _rows_backward(ctx, grad_out, rows, w, value, probs, keep, need_rows, need_v, need_r, need_bias):
@@ -115,7 +116,7 @@ def _rows_backward(ctx, grad_out, rows, w, value, probs, keep, need_rows, need_v
     g3 = grad_out.reshape(bh, t, dv)  # (B·H, T, Dv)
     grad_v = None
     if need_v:
-        kept = probs if keep is None else probs * keep / (1.0 - ctx.dropout)
+        kept = _dropped(probs, keep, ctx.dropout)
         grad_v = torch.bmm(kept.permute(1, 2, 0), g3).view(b, h, t, dv)  # (B·H, T, Dv) -> (B, H, T, Dv)
         del kept
     grad_p = probs.new_empty(probs.shape)  # (T, B·H, T), written through its (B·H, T, T) view
@@ -150,9 +151,9 @@ def rows_first_attention(query, key, value, attention_mask, layout, w, bias_full
     zero_at = masked_at_p(masked, layout.indices, t)  # (B|1, 1|H, T, k) or None
     b, h = query.shape[:2]
     rows, dense, _ = _dense_exact_rows(query, key, layout.indices, scaling, zero_at)
-    out, probs, keep = _rows_forward(rows, value, w, bias_full, additive, dropout, scores_out=dense)
-    probs = probs if keep is None else probs * keep / (1.0 - dropout)  # after dropout, as eager's
-    return out.view(b, h, t, -1).transpose(1, 2).contiguous(), probs.view(t, b, h, t).permute(1, 2, 0, 3)
+    out, _, _, kept = _rows_forward(rows, value, w, bias_full, additive, dropout, scores_out=dense)
+    # The map after dropout, as eager attention returns it.
+    return out.view(b, h, t, -1).transpose(1, 2).contiguous(), kept.view(t, b, h, t).permute(1, 2, 0, 3)
 
 
 class _PerQueryFused(torch.autograd.Function):
@@ -162,7 +163,7 @@ class _PerQueryFused(torch.autograd.Function):
     def forward(ctx, query, key, value, reconstruction, bias, layout, additive, zero_at, scaling, dropout):
         w, bias_full = _w_and_bias(ctx, layout, reconstruction, bias, query.dtype, query.device)
         rows, dense, (q3, k3t, index) = _dense_exact_rows(query, key, layout.indices, scaling, zero_at)
-        out, probs, keep = _rows_forward(rows, value, w, bias_full, additive, dropout, scores_out=dense)
+        out, probs, keep, _ = _rows_forward(rows, value, w, bias_full, additive, dropout, scores_out=dense)
         ctx.save_for_backward(q3, k3t, value, rows, w, probs, keep, index, zero_at)
         ctx.scaling, ctx.dropout = scaling, dropout
         return out.view(value.shape)  # (B, H, T, Dv)
@@ -197,7 +198,7 @@ class _RowsFused(torch.autograd.Function):
         b, h, t, k = exact.shape
         w, bias_full = _w_and_bias(ctx, layout, reconstruction, bias, exact.dtype, exact.device)
         rows = exact.permute(2, 0, 1, 3).reshape(t, b * h, k)  # (T, B·H, k)
-        out, probs, keep = _rows_forward(rows, value, w, bias_full, additive, dropout)
+        out, probs, keep, _ = _rows_forward(rows, value, w, bias_full, additive, dropout)
         ctx.save_for_backward(rows, w, value, probs, keep)
         ctx.dropout = dropout
         return out.view(value.shape)  # (B, H, T, Dv)

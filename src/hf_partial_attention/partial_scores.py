@@ -50,9 +50,9 @@ def reconstruction_matrix(layout: "PatternLayout", reconstruction: torch.Tensor)
     ``exact_i @ W_i``, in key order. Differentiable in R.
 
     Built by two scatters into one uninitialised tensor (every entry is written once: P_i and P̄_i partition the
-    keys). At n = 512, k = 32 on a 2-core CPU (ad hoc) this took 19 ms (27 ms with its backward) against 28 ms (52 ms)
-    for ``[I | R_iᵀ]`` concatenated and gathered into key order: fewer passes over n·k·n values, and one fresh
-    allocation instead of three (each above glibc's mmap threshold, so each page-faulting).
+    keys), rather than ``[I | R_iᵀ]`` concatenated and gathered into key order: fewer passes over n·k·n values,
+    and one fresh allocation instead of three (at n = 512, k = 32 each is above glibc's mmap threshold, so each
+    page-faults).
     """
     n, k = layout.indices.shape
     eye = torch.eye(k, dtype=reconstruction.dtype, device=reconstruction.device).expand(n, k, k)
