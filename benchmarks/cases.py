@@ -14,7 +14,8 @@ from transformers.models.nystromformer.modeling_nystromformer import Nystromform
 from hf_partial_attention import AttentionPattern, PartialBertConfig, PartialBertModel
 from hf_partial_attention.cost import forward_ratio
 from hf_partial_attention.modeling_partial_bert import PartialBertPattern, PartialBertSelfAttention, initial_pattern
-from hf_partial_attention.partial_attention import PatternLayout, partial_attention_forward, resolve_implementation
+from hf_partial_attention.partial_attention import (PatternLayout, exact_scores_method, partial_attention_forward,
+                                                   resolve_implementation)
 
 PATTERNS = ("per_query", "columns", "blocks", "shared")
 SHARED_ROWS = 32  # rows per block sharing P and R in the "shared" family (the shared_blocks patterns)
@@ -37,9 +38,12 @@ def pattern_indices(family: str, n: int, k: int) -> torch.Tensor:
     raise ValueError(f"unknown pattern family {family!r}")
 
 
-def mac_ratio(n: int, d: int, k: int, fused: bool = False) -> float:
-    """Multiply-adds of partial / dense attention forward (`hf_partial_attention.cost.forward_ratio`)."""
-    return forward_ratio(n, k, d, dense_reconstruction=fused)
+def mac_ratio(n: int, d: int, k: int, implementation: str, indices: torch.Tensor) -> float:
+    """Multiply-adds of one kernel's partial attention forward over dense (`hf_partial_attention.cost.forward_ratio`),
+    counting what the kernel computes: the whole QKᵀ where it gets the exact scores that way
+    (`exact_scores_method`), all of [I | R] for fused and tiled."""
+    dense_exact = exact_scores_method(implementation, PatternLayout.from_indices(indices)) == "dense"
+    return forward_ratio(n, k, d, dense_reconstruction=implementation in ("fused", "tiled"), dense_exact=dense_exact)
 
 
 class AttentionInputs:

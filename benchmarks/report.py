@@ -90,8 +90,11 @@ def markdown(result: dict) -> str:
              "process (cases interleaved, medians). Patterns: `per_query` (each query its own keys), `columns` (one "
              "key set), `blocks` (blocks of 32 rows share keys, each row its own R), `shared` (blocks of 32 rows "
              "share keys and R: the `shared_blocks` family). `auto` marks the kernel `partial_implementation=\"auto\"` "
-             "picks. `mac_ratio` = multiply-adds of the attention forward over dense, "
-             "(k·d + (n−k)·k + n·d) / (2·n·d) (fused, tiled: n·k for the [I|R] product).", "",
+             "picks. `mac_ratio` = multiply-adds of the kernel's attention forward over dense, "
+             "(k·d + (n−k)·k + n·d) / (2·n·d), counting what the kernel computes: fused and tiled multiply by all of "
+             "[I|R] (n·k), and every kernel but gather gets a per-query pattern's exact scores from the whole QKᵀ "
+             "(n·d instead of k·d: gathering each query's keys costs more on a CPU), so per-query patterns do more "
+             "multiply-adds than dense attention at every k.", "",
              "## Goals", "", "Model goals also show the range of the measured ratio over the rounds.", "",
              "| goal | measured | (rounds) | / eager | / SDPA | goal | met | case |",
              "|---|---|---|---|---|---|---|---|"]

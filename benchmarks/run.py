@@ -58,9 +58,9 @@ def attention_rows(shape: dict, repeats: int, skip_gather_over: int) -> list[dic
         for mode in ("forward", "forward+backward"):
             grad = mode != "forward"
             inp = AttentionInputs(b, h, n, d, k, requires_grad=grad)
-            fns, auto = {"dense_eager": inp.dense_eager, "sdpa": inp.sdpa}, {}
+            fns, auto, indices = {"dense_eager": inp.dense_eager, "sdpa": inp.sdpa}, {}, {}
             for family in PATTERNS:
-                idx = pattern_indices(family, n, k)
+                idx = indices[family] = pattern_indices(family, n, k)
                 auto[family] = inp.resolved(idx, family, grad)
                 gather_ok = b * h * n * k * d <= skip_gather_over  # the reference: O(B·H·n·k·d) memory
                 for impl in (IMPLEMENTATIONS if gather_ok else KERNELS):
@@ -76,7 +76,7 @@ def attention_rows(shape: dict, repeats: int, skip_gather_over: int) -> list[dic
                              "pattern": family or "-", "ms": 1e3 * seconds, "ratio": seconds / med["dense_eager"],
                              "sdpa_ratio": seconds / med["sdpa"], "saved_MiB": mem.get(name, 0) / 2**20,
                              "auto": bool(family) and auto[family] == impl,
-                             "mac_ratio": mac_ratio(n, d, k, impl in ("fused", "tiled")) if family else 1.0})
+                             "mac_ratio": mac_ratio(n, d, k, impl, indices[family]) if family else 1.0})
     return rows
 
 

@@ -15,9 +15,13 @@ FAMILIES = ("per_query", "columns", "blocks", "shared")
 MODES = ("forward", "forward+backward")
 
 
-def mac_ratio_by_hand(n, d, k, fused):
-    """Multiply-adds per query of partial / dense attention forward: q·K_P, [I|R] (fused) or R, P·V over 2·n·d."""
-    return (k * d + (n * k if fused else (n - k) * k) + n * d) / (2 * n * d)
+def mac_ratio_by_hand(n, d, k, impl, family):
+    """Multiply-adds per query of partial / dense attention forward over 2·n·d: the exact scores (q·K_P, or the
+    whole q·Kᵀ where the kernel selects P from it: dense always, fused and tiled for per-query patterns), [I|R]
+    (fused, tiled) or R, and P·V."""
+    whole_qk = impl == "dense" or (impl in ("fused", "tiled") and family == "per_query")
+    fused = impl in ("fused", "tiled")
+    return ((n * d if whole_qk else k * d) + (n * k if fused else (n - k) * k) + n * d) / (2 * n * d)
 
 
 def _import(name):
@@ -54,7 +58,7 @@ def test_quick_benchmark_writes_tables_and_goals(tmp_path):
             assert r["sdpa_ratio"] == pytest.approx(r["ms"] / sdpa_ms, rel=1e-9), r
             impl, _, family = r["case"].partition("/")
             assert (r["implementation"], r["pattern"]) == (impl, family or "-")
-            want_mac = mac_ratio_by_hand(r["n"], D, r["k"], impl in ("fused", "tiled")) if family else 1.0
+            want_mac = mac_ratio_by_hand(r["n"], D, r["k"], impl, family) if family else 1.0
             assert r["mac_ratio"] == pytest.approx(want_mac, rel=1e-12), r
             assert (r["saved_MiB"] > 0) == (r["mode"] == "forward+backward"), r  # memory is measured with grad only
 

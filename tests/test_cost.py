@@ -35,3 +35,7 @@ def test_forward_ratio_by_hand():
     assert forward_ratio(128, 16, 64) == pytest.approx(11008 / 16384)
     # the fused kernel multiplies all n·k entries of [I | R]: (1024 + 2048 + 8192) / 16384
     assert forward_ratio(128, 16, 64, dense_reconstruction=True) == pytest.approx(11264 / 16384)
+    # exact scores from the whole QKᵀ (n·d = 8192 instead of 1024) and [I | R]: (8192 + 2048 + 8192) / 16384
+    assert forward_ratio(128, 16, 64, dense_reconstruction=True, dense_exact=True) == pytest.approx(18432 / 16384)
+    # n = 128, d = 64, k = 32, QKᵀ and R alone: (8192 + 96·32 + 8192) / 16384
+    assert forward_ratio(128, 32, 64, dense_exact=True) == pytest.approx(19456 / 16384)

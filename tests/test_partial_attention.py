@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from hf_partial_attention.partial_attention import IMPLEMENTATIONS, PatternLayout, block_rows, partial_attention_forward
+from hf_partial_attention.partial_attention import (IMPLEMENTATIONS, PatternLayout, block_rows, exact_scores_method,
+                                                   partial_attention_forward)
 from hf_partial_attention.reconstruction import solve_reconstruction
 
 DT = torch.float64
@@ -139,6 +140,17 @@ def structured_patterns(n=8, k=2):
 def test_block_rows_detects_structure(family):
     idx, rows = structured_patterns()[family]
     assert block_rows(idx) == rows
+
+
+@pytest.mark.parametrize("family, structured", [("columns", "blocks"), ("blocks", "blocks"), ("per_query", "dense")])
+def test_exact_scores_method_by_kernel_and_pattern(family, structured):
+    # fused and tiled use block GEMMs where rows share keys, else the whole QKᵀ (what the benchmarks' cost counts)
+    layout = PatternLayout.from_indices(structured_patterns()[family][0])
+    methods = {impl: exact_scores_method(impl, layout) for impl in ("gather", "dense", "fused", "tiled", "triton")}
+    assert methods == {"gather": "gather", "dense": "dense", "fused": structured, "tiled": structured,
+                       "triton": "gather"}
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        exact_scores_method("auto", layout)
 
 
 @pytest.mark.parametrize("family", ["columns", "blocks"])

@@ -73,13 +73,18 @@ def nystrom_cost(n: int, m: int, d_head: int) -> int:
     return exact * d_head + m ** 3 + (n - m) * m * m + (n - m) ** 2 * m
 
 
-def forward_ratio(n: int, k: int, d_head: int, *, dense_reconstruction: bool = False) -> float:
+def forward_ratio(n: int, k: int, d_head: int, *, dense_reconstruction: bool = False,
+                  dense_exact: bool = False) -> float:
     """Multiply-adds of a partial attention forward over dense, per query: scores plus the product with V,
     ``(k·d_h + (n−k)·k + n·d_h) / (2·n·d_h)`` (the benchmarks' lower bound on the time ratio).
 
     ``dense_reconstruction`` counts what a kernel that multiplies the exact scores by the full ``[I | R]``
-    (n·k per query, the fused kernel) does instead of ``(n−k)·k``.
+    (n·k per query, the fused kernel) does instead of ``(n−k)·k``. ``dense_exact`` counts what a kernel that
+    gets the exact scores from the whole ``QKᵀ`` and then selects P does (n·d_h per query instead of k·d_h): every
+    kernel but ``gather`` does so for per-query patterns, whose rows share no keys. Then the ratio exceeds 1 for
+    every k (``(2·d_h + k) / (2·d_h)`` with ``[I | R]``), and only eager attention's own overheads leave room.
     """
     row = score_cost(n, k, d_head).per_query(n)
+    exact = row.dense if dense_exact else row.exact
     recon = n * k if dense_reconstruction else row.reconstruction
-    return (row.exact + recon + n * d_head) / (2 * n * d_head)
+    return (exact + recon + n * d_head) / (2 * n * d_head)

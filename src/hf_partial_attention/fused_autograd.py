@@ -83,8 +83,8 @@ def _dense_exact_rows(query, key, indices, scaling, zero_at):
 
 def _rows_forward(rows, value, w, bias_full, additive, dropout, scores_out=None):
     """Full scores from rows-first exact ones ``(T, B·H, k)``, mask, softmax, dropout, ·V, in one n×n buffer
-    (``scores_out`` when given): ``(B·H, T, Dv)`` output, probabilities ``(T, B·H, T)``, kept mask or None, and
-    the probabilities after dropout (the same tensor without dropout)."""
+    (``scores_out`` when given): ``(B·H, T, Dv)`` output, probabilities ``(T, B·H, T)``, kept mask or None, the
+    probabilities after dropout (the same tensor without dropout) and V as ``(B·H, T, Dv)``."""
     b, h, t, dv = value.shape
     bh = b * h
     if scores_out is None:
@@ -98,8 +98,9 @@ def _rows_forward(rows, value, w, bias_full, additive, dropout, scores_out=None)
     probs = _softmax_in_place(scores)  # (T, B·H, T)
     keep = None if dropout == 0.0 else torch.empty_like(probs).bernoulli_(1.0 - dropout).bool()  # (T, B·H, T)
     kept = _dropped(probs, keep, dropout)
-    out = torch.bmm(kept.transpose(0, 1), value.reshape(bh, t, dv))  # (B·H, T, Dv)
-    return out, probs, keep, kept
+    v3 = value.reshape(bh, t, dv)  # (B·H, T, Dv): a copy of a model's view, kept for the backward
+    out = torch.bmm(kept.transpose(0, 1), v3)  # (B·H, T, Dv)
+    return out, probs, keep, kept, v3
 
 
 def _dropped(probs: torch.Tensor, keep: torch.Tensor | None, dropout: float) -> torch.Tensor:
@@ -107,17 +108,16 @@ def _dropped(probs: torch.Tensor, keep: torch.Tensor | None, dropout: float) -> 
     return probs if keep is None else probs * keep / (1.0 - dropout)
 
 
-def _rows_backward(ctx, grad_out, rows, w, value, probs, keep, need_rows, need_v, need_r, need_bias):
-    """The backward of `_rows_forward` up to the exact scores: the scores' gradient ``(T, B·H, T)`` (in a buffer
-    the caller may reuse), the rows' ``(T, B·H, k)``, V's, and R's and the bias's when they train."""
-    b, h, t, dv = value.shape
-    bh = b * h
-    v3 = value.reshape(bh, t, dv)  # (B·H, T, Dv)
+def _rows_backward(ctx, grad_out, rows, w, v3, probs, keep, need_rows, need_v, need_r, need_bias):
+    """The backward of `_rows_forward` up to the exact scores (``v3``: V as ``(B·H, T, Dv)``): the scores'
+    gradient ``(T, B·H, T)`` (in a buffer the caller may reuse), the rows' ``(T, B·H, k)``, V's ``(B·H, T, Dv)``,
+    and R's and the bias's when they train."""
+    bh, t, dv = v3.shape
     g3 = grad_out.reshape(bh, t, dv)  # (B·H, T, Dv)
     grad_v = None
     if need_v:
         kept = _dropped(probs, keep, ctx.dropout)
-        grad_v = torch.bmm(kept.permute(1, 2, 0), g3).view(b, h, t, dv)  # (B·H, T, Dv) -> (B, H, T, Dv)
+        grad_v = torch.bmm(kept.permute(1, 2, 0), g3)  # (B·H, T, Dv)
         del kept
     grad_p = probs.new_empty(probs.shape)  # (T, B·H, T), written through its (B·H, T, T) view
     torch.bmm(g3, v3.transpose(1, 2), out=grad_p.transpose(0, 1))
@@ -151,7 +151,7 @@ def rows_first_attention(query, key, value, attention_mask, layout, w, bias_full
     zero_at = masked_at_p(masked, layout.indices, t)  # (B|1, 1|H, T, k) or None
     b, h = query.shape[:2]
     rows, dense, _ = _dense_exact_rows(query, key, layout.indices, scaling, zero_at)
-    out, _, _, kept = _rows_forward(rows, value, w, bias_full, additive, dropout, scores_out=dense)
+    out, _, _, kept, _ = _rows_forward(rows, value, w, bias_full, additive, dropout, scores_out=dense)
     # The map after dropout, as eager attention returns it.
     return out.view(b, h, t, -1).transpose(1, 2).contiguous(), kept.view(t, b, h, t).permute(1, 2, 0, 3)
 
@@ -163,18 +163,18 @@ class _PerQueryFused(torch.autograd.Function):
     def forward(ctx, query, key, value, reconstruction, bias, layout, additive, zero_at, scaling, dropout):
         w, bias_full = _w_and_bias(ctx, layout, reconstruction, bias, query.dtype, query.device)
         rows, dense, (q3, k3t, index) = _dense_exact_rows(query, key, layout.indices, scaling, zero_at)
-        out, probs, keep, _ = _rows_forward(rows, value, w, bias_full, additive, dropout, scores_out=dense)
-        ctx.save_for_backward(q3, k3t, value, rows, w, probs, keep, index, zero_at)
-        ctx.scaling, ctx.dropout = scaling, dropout
+        out, probs, keep, _, v3 = _rows_forward(rows, value, w, bias_full, additive, dropout, scores_out=dense)
+        ctx.save_for_backward(q3, k3t, v3, rows, w, probs, keep, index, zero_at)
+        ctx.scaling, ctx.dropout, ctx.value_shape = scaling, dropout, value.shape
         return out.view(value.shape)  # (B, H, T, Dv)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        q3, k3t, value, rows, w, probs, keep, index, zero_at = ctx.saved_tensors
-        b, h, t, _ = value.shape
+        q3, k3t, v3, rows, w, probs, keep, index, zero_at = ctx.saved_tensors
+        b, h, t, _ = ctx.value_shape
         need_q, need_k, need_v, need_r, need_bias = ctx.needs_input_grad[:5]
-        grad_s, grad_rows, grad_v, grad_r, grad_bias = _rows_backward(ctx, grad_out, rows, w, value, probs, keep,
+        grad_s, grad_rows, grad_v, grad_r, grad_bias = _rows_backward(ctx, grad_out, rows, w, v3, probs, keep,
                                                                       need_q or need_k, need_v, need_r, need_bias)
         grad_q = grad_k = None
         if need_q or need_k:
@@ -187,6 +187,7 @@ class _PerQueryFused(torch.autograd.Function):
                 grad_q = torch.bmm(grad_dense, k3t.transpose(1, 2)).view(b, h, t, -1)
             if need_k:
                 grad_k = torch.bmm(grad_dense.transpose(1, 2), q3).view(b, h, t, -1)
+        grad_v = None if grad_v is None else grad_v.view(ctx.value_shape)
         return grad_q, grad_k, grad_v, grad_r, grad_bias, None, None, None, None, None
 
 
@@ -198,20 +199,21 @@ class _RowsFused(torch.autograd.Function):
         b, h, t, k = exact.shape
         w, bias_full = _w_and_bias(ctx, layout, reconstruction, bias, exact.dtype, exact.device)
         rows = exact.permute(2, 0, 1, 3).reshape(t, b * h, k)  # (T, B·H, k)
-        out, probs, keep, _ = _rows_forward(rows, value, w, bias_full, additive, dropout)
-        ctx.save_for_backward(rows, w, value, probs, keep)
-        ctx.dropout = dropout
+        out, probs, keep, _, v3 = _rows_forward(rows, value, w, bias_full, additive, dropout)
+        ctx.save_for_backward(rows, w, v3, probs, keep)
+        ctx.dropout, ctx.value_shape = dropout, value.shape
         return out.view(value.shape)  # (B, H, T, Dv)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        rows, w, value, probs, keep = ctx.saved_tensors
-        b, h, t, _ = value.shape
+        rows, w, v3, probs, keep = ctx.saved_tensors
+        b, h, t, _ = ctx.value_shape
         need_exact, need_v, need_r, need_bias = ctx.needs_input_grad[:4]
-        _, grad_rows, grad_v, grad_r, grad_bias = _rows_backward(ctx, grad_out, rows, w, value, probs, keep,
+        _, grad_rows, grad_v, grad_r, grad_bias = _rows_backward(ctx, grad_out, rows, w, v3, probs, keep,
                                                                  need_exact, need_v, need_r, need_bias)
         grad_exact = None if grad_rows is None else grad_rows.view(t, b, h, -1).permute(1, 2, 0, 3)  # (B, H, T, k)
+        grad_v = None if grad_v is None else grad_v.view(ctx.value_shape)
         return grad_exact, grad_v, grad_r, grad_bias, None, None, None
 
 

@@ -42,6 +42,7 @@ __all__ = [
     "PatternLayout",
     "auto_implementation",
     "check_implementation",
+    "exact_scores_method",
     "resolve_implementation",
     "attention_function_name",
     "partial_attention_forward",
@@ -120,8 +121,8 @@ def _fused_group(module, query, key, value, attention_mask, layout, w, bias_full
     if layout.block_rows is None and not needs_grad(query, key, value, w, bias_full):
         return rows_first_attention(query, key, value, attention_mask, layout, w, bias_full, scaling,
                                     dropout if module.training else 0.0)
-    exact_impl = "blocks" if layout.block_rows is not None else "dense"
-    exact, additive = _exact_masked(query, key, attention_mask, layout, scaling, exact_impl)
+    exact, additive = _exact_masked(query, key, attention_mask, layout, scaling,
+                                    exact_scores_method("fused", layout))  # (B, H, T, k)
     b, h, t, k = exact.shape
     scores = _fused_scores(exact, w, bias_full, t).view(t, b, h, t)  # (T, B, H, T)
     if additive is not None:
@@ -137,8 +138,8 @@ def _tiled_kernel(module, query, key, value, attention_mask, layout, reconstruct
                   need_weights=True):
     """Exact part as in `_fused_kernel`; then `tiled_kernel.tiled_attention` over the blocks of rows that share
     P and R (`shared_rows`; blocks of one row when none do)."""
-    exact_impl = "blocks" if layout.block_rows is not None else "dense"
-    exact, additive = _exact_masked(query, key, attention_mask, layout, scaling, exact_impl)  # (B, H, T, k)
+    exact, additive = _exact_masked(query, key, attention_mask, layout, scaling,
+                                    exact_scores_method("tiled", layout))  # (B, H, T, k)
     rows = shared_rows(layout.indices, reconstruction)
     w = _reconstruction_matrix_for(layout, reconstruction, exact.dtype)  # (n, k, n)
     bias_full = _bias_full(layout, bias, exact.dtype, exact.device)
@@ -183,6 +184,21 @@ PARTIAL_KERNELS: dict[str, Callable] = {
 }
 # The kernels that run on any device in PyTorch alone (and in float64): the ones tested against each other.
 IMPLEMENTATIONS = tuple(name for name in PARTIAL_KERNELS if name != "triton")
+
+
+def exact_scores_method(implementation: str, layout: PatternLayout) -> str:
+    """How a kernel gets the exact scores at P, as `exact_partial_scores` names it: ``"gather"`` (only the k
+    scores per query: k·d multiply-adds), ``"blocks"`` (one GEMM per block of rows that share keys: k·d) or
+    ``"dense"`` (the whole QKᵀ, then select P: n·d). ``fused`` and ``tiled`` use blocks when rows share keys and
+    QKᵀ for per-query patterns (gathering each query's keys moves B·H·n·k·d values); ``triton`` gathers in its
+    kernel."""
+    if implementation not in PARTIAL_KERNELS:
+        raise ValueError(f"implementation must be one of {tuple(PARTIAL_KERNELS)}, got {implementation!r}.")
+    if implementation in ("gather", "dense"):
+        return implementation
+    if implementation == "triton":
+        return "gather"
+    return "blocks" if layout.block_rows is not None else "dense"
 
 
 def check_implementation(name: str) -> None:
