@@ -123,7 +123,8 @@ def _block_scores(query, key, indices, scaling, rows):
     nb = n // rows
     if t < n:
         query = nn.functional.pad(query, (0, 0, 0, n - t))  # (B, H, n, D)
-    cols = key[:, :, indices[::rows]]  # (B, H, nb, k, D): each block's shared keys
+    # index_select rather than key[:, :, indices[::rows]]: faster on CPU, and so is its backward (index_add).
+    cols = key.index_select(2, indices[::rows].flatten()).view(b, h, nb, k, d)  # (B, H, nb, k, D): each block's keys
     exact = torch.matmul(query.view(b, h, nb, rows, d), cols.transpose(-1, -2)) * scaling  # (B, H, nb, rows, k)
     return exact.view(b, h, n, k)[:, :, :t]
 
