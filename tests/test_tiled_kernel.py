@@ -80,21 +80,46 @@ def test_tiled_matches_the_reference_in_float64(rows, t, mask_kind, tile, monkey
         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("t", [8, 6])
-def test_tiled_without_autograd_and_without_weights(t, monkeypatch, attention_mask):
-    """The no-autograd path (tiles written into one buffer) and need_weights=False give the reference output."""
+@pytest.mark.parametrize("rows", [4, 1])
+@pytest.mark.parametrize("t", [8, 6, 5])
+@pytest.mark.parametrize("mask_kind", [None, "bool", "additive", "per_head"])
+def test_tiled_without_autograd_and_without_weights(rows, t, mask_kind, monkeypatch, attention_mask):
+    """The no-autograd path (tiles written into one output; without the map, each tile reconstructed, masked and
+    normalised in one reused buffer) gives the reference output, with the map and without. TILE_ELEMENTS = 40:
+    groups of (batch, head) pairs smaller at the edges; t = 5 leaves a last block of one row."""
     monkeypatch.setattr(tiled, "TILE_ELEMENTS", 40)
-    p, r = shared_pattern(8, 2, 4)
-    q, k, v = _inputs(t, grad=False)
-    mask = attention_mask("bool", t)
+    p, r = shared_pattern(8, 2, rows)
+    bias = torch.randn(8, 6, generator=torch.Generator().manual_seed(4), dtype=DT)
+    q, k, v = _inputs(t, grad=False, heads=5)
+    mask = attention_mask(mask_kind, t, heads=5)
     with torch.no_grad():
-        ref, ref_probs = _run("gather", q, k, v, mask, p, r, None)
-        out, probs = _run("tiled", q, k, v, mask, p, r, None)
-        out_nw, none = _run("tiled", q, k, v, mask, p, r, None, need_weights=False)
+        ref, ref_probs = _run("gather", q, k, v, mask, p, r, bias)
+        out, probs = _run("tiled", q, k, v, mask, p, r, bias)
+        out_nw, none = _run("tiled", q, k, v, mask, p, r, bias, need_weights=False)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(probs, ref_probs, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(out_nw, ref, rtol=1e-10, atol=1e-12)
     assert none is None
+
+
+def test_tiled_without_autograd_applies_dropout_with_and_without_the_map(monkeypatch):
+    """Dropout in training mode without autograd: the reused-buffer path (no map) draws the same masks, tile by
+    tile, as the path that keeps each tile's probabilities for the map, and dropout does change the output."""
+    monkeypatch.setattr(tiled, "TILE_ELEMENTS", 40)
+    p, r = shared_pattern(8, 2, 4)
+    q, k, v = _inputs(8, grad=False, heads=5)
+    module = nn.Module().train()
+
+    def run(need_weights, dropout):
+        torch.manual_seed(0)
+        return partial_attention_forward(module, q, k, v, None, layout=PatternLayout.from_indices(p),
+                                         reconstruction=r, scaling=0.4, dropout=dropout, implementation="tiled",
+                                         need_weights=need_weights)[0]
+
+    with torch.no_grad():
+        with_map, without_map, no_dropout = run(True, 0.5), run(False, 0.5), run(False, 0.0)
+    torch.testing.assert_close(without_map, with_map, rtol=0, atol=0)
+    assert not torch.allclose(without_map, no_dropout)
 
 
 def test_tiled_gradient_of_r_is_each_rows_own():

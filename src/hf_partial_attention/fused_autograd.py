@@ -28,6 +28,7 @@ import torch
 
 from .partial_scores import (PatternLayout, _bias_full, _exact_masked, _masked_keys, _reconstruction_matrix_for,
                              check_length, masked_at_p)
+from .tiled_kernel import softmax_in_place
 
 __all__ = ["fused_attention_with_autograd", "rows_first_attention"]
 
@@ -48,15 +49,7 @@ def _scatter_to_complement(full: torch.Tensor, layout: PatternLayout, t: int, di
 
 # Under glibc's default malloc every fresh n×n tensor above the mmap threshold costs page faults (at n = 512,
 # B = 8, H = 12: 100 MB each), so the forward and the backward each allocate one and work in it
-# in place.
-# CPU's softmax kernels read a row before writing it, so their output may alias their input (tested in float64);
-# elsewhere they run out of place.
-def _softmax_in_place(scores: torch.Tensor) -> torch.Tensor:
-    if scores.device.type != "cpu":
-        return torch.softmax(scores, dim=-1)
-    return torch.ops.aten._softmax.out(scores, -1, False, out=scores)
-
-
+# in place (softmax: `tiled_kernel.softmax_in_place`; its backward likewise on CPU only).
 def _softmax_backward_in_place(grad: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     if grad.device.type != "cpu":
         return torch._softmax_backward_data(grad, probs, -1, probs.dtype)
@@ -95,7 +88,7 @@ def _rows_forward(rows, value, w, bias_full, additive, dropout, scores_out=None)
         scores += bias_full[:t, None, :t]
     if additive is not None:
         scores.view(t, b, h, t).add_(additive.permute(2, 0, 1, 3))  # (T, B|1, 1|H, T)
-    probs = _softmax_in_place(scores)  # (T, B·H, T)
+    probs = softmax_in_place(scores)  # (T, B·H, T)
     keep = None if dropout == 0.0 else torch.empty_like(probs).bernoulli_(1.0 - dropout).bool()  # (T, B·H, T)
     kept = _dropped(probs, keep, dropout)
     v3 = value.reshape(bh, t, dv)  # (B·H, T, Dv): a copy of a model's view, kept for the backward

@@ -18,16 +18,26 @@ reference kernel's; it is only fast when the shared blocks are large (`auto_impl
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
 from torch import nn
 
-__all__ = ["TILE_ELEMENTS", "needs_grad", "shared_rows", "tie_rows", "tiled_attention"]
+__all__ = ["TILE_ELEMENTS", "needs_grad", "shared_rows", "softmax_in_place", "tie_rows", "tiled_attention"]
 
 # Scores per tile (float32: 2 MiB): large enough for efficient GEMMs, small enough to stay in a core's L2/L3
 # while the tile is reconstructed, normalised and multiplied by V (measured on a 2-core EPYC, 2 MiB L2).
 TILE_ELEMENTS = 1 << 19
+
+# CPU's softmax kernels read a row before writing it, so their output may alias their input (tested in float64,
+# against the reference kernel, through `tiled` and `fused`); elsewhere they run out of place.
+def softmax_in_place(scores: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dimension, written into ``scores`` on CPU (a new tensor elsewhere); no autograd."""
+    if scores.device.type != "cpu":
+        return torch.softmax(scores, dim=-1)
+    return torch.ops.aten._softmax.out(scores, -1, False, out=scores)
+
 
 def needs_grad(*tensors: torch.Tensor | None) -> bool:
     """Whether autograd will record an op on these tensors (grad mode on and one of them requires grad): the one
@@ -140,6 +150,20 @@ def _tile_sizes(b: int, h: int, rows: int, t: int, tile: int) -> tuple[int, int]
     return 1, pairs
 
 
+def _buffer(flat: torch.Tensor, lead: torch.Size, last: int) -> torch.Tensor:
+    """The first values of a flat buffer as a ``(*lead, last)`` tensor (the tiles at the edges are smaller)."""
+    return flat[:math.prod(lead) * last].view(*lead, last)
+
+
+def _normalised_in_place(scores, bias, mask):
+    """``softmax(scores + bias + mask)`` written into ``scores`` (no autograd)."""
+    if bias is not None:
+        scores += bias
+    if mask is not None:
+        scores += mask
+    return softmax_in_place(scores)
+
+
 def tiled_attention(query, key, value, exact, additive, w_rows, bias_full, rows: int, *, dropout: float = 0.0,
                     training: bool = False, need_weights: bool = True, tile: int | None = None):
     """Reconstruction, mask, softmax and ·V tile by tile.
@@ -170,6 +194,10 @@ def tiled_attention(query, key, value, exact, additive, w_rows, bias_full, rows:
     if direct:
         value = value.contiguous()  # once: a strided V (a model's transposed projection) would be copied per tile
     out = value.new_empty(b, t, h, d) if direct else None  # (B, T, H, D)
+    # Without autograd and without the map, every tile's scores are reconstructed, masked and normalised in one
+    # buffer, which stays in cache, instead of a fresh tensor per step.
+    buffers = (value.new_empty(bc * hc * rows * t), value.new_empty(bc * hc * rows * d)) \
+        if direct and not need_weights else None
     out_b, prob_b = [], []
     # Loop order: each group of (batch, head) pairs runs all its blocks of rows before the next group, so that the
     # group's V and exact scores stay in cache while its blocks are reconstructed, normalised and multiplied by V.
@@ -183,14 +211,19 @@ def tiled_attention(query, key, value, exact, additive, w_rows, bias_full, rows:
             out_g, prob_g = [], []
             for g, e_t in enumerate(exact[group].split(rows, 2)):  # e_t (bc, hc, r, k)
                 w_g = w_blocks[g]
-                scores = _RowSharedMatmul.apply(e_t, w_g) if trainable_w else torch.matmul(e_t, w_g[0])
-                if bias_blocks[g] is not None:
-                    scores = scores + bias_blocks[g]
-                if mask_blocks[g] is not None:
-                    scores = scores + mask_blocks[g]
-                probs = nn.functional.softmax(scores, dim=-1)  # (bc, hc, r, T)
+                if buffers is not None:
+                    scores = torch.matmul(e_t, w_g[0], out=_buffer(buffers[0], e_t.shape[:3], t))  # (bc, hc, r, T)
+                    probs = _normalised_in_place(scores, bias_blocks[g], mask_blocks[g])
+                else:
+                    scores = _RowSharedMatmul.apply(e_t, w_g) if trainable_w else torch.matmul(e_t, w_g[0])
+                    if bias_blocks[g] is not None:
+                        scores = scores + bias_blocks[g]
+                    if mask_blocks[g] is not None:
+                        scores = scores + mask_blocks[g]
+                    probs = nn.functional.softmax(scores, dim=-1)  # (bc, hc, r, T)
                 probs = nn.functional.dropout(probs, p=dropout, training=training)
-                o = torch.matmul(probs, v_t)  # (bc, hc, r, D)
+                o = torch.matmul(probs, v_t, out=None if buffers is None
+                                 else _buffer(buffers[1], probs.shape[:3], d))  # (bc, hc, r, D)
                 if direct:
                     out[b0:b0 + bc, g * rows: g * rows + o.shape[2], h0:h0 + hc] = o.transpose(1, 2)
                 else:
