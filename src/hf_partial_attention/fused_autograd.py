@@ -136,14 +136,19 @@ def _w_and_bias(ctx, layout, reconstruction, bias, dtype, device):
 
 
 def rows_first_attention(query, key, value, attention_mask, layout, w, bias_full, scaling, dropout=0.0):
-    """The per-query forward without autograd (inference, or a group of pairs of it): ``(B, H, T, D)`` ->
-    ``(output (B, T, H, Dv), probabilities (B, H, T, T), a view of the rows-first ones)``."""
+    """The forward without autograd (inference, or a group of pairs of it), in one n×n buffer worked in place:
+    ``(B, H, T, D)`` -> ``(output (B, T, H, Dv), probabilities (B, H, T, T), a view of the rows-first ones)``.
+    Exact scores by QKᵀ then select P (per-query patterns), or by block GEMMs where blocks of rows share keys."""
     t, n = query.shape[2], layout.indices.shape[0]
     check_length(t, n)
-    additive, masked = _masked_keys(attention_mask, t, query.dtype)
-    zero_at = masked_at_p(masked, layout.indices, t)  # (B|1, 1|H, T, k) or None
     b, h = query.shape[:2]
-    rows, dense, _ = _dense_exact_rows(query, key, layout.indices, scaling, zero_at)
+    if layout.block_rows is None:
+        additive, masked = _masked_keys(attention_mask, t, query.dtype)
+        zero_at = masked_at_p(masked, layout.indices, t)  # (B|1, 1|H, T, k) or None
+        rows, dense, _ = _dense_exact_rows(query, key, layout.indices, scaling, zero_at)
+    else:
+        exact, additive = _exact_masked(query, key, attention_mask, layout, scaling, "blocks")  # (B, H, T, k)
+        rows, dense = exact.permute(2, 0, 1, 3).reshape(t, b * h, exact.shape[-1]), None  # (T, B·H, k)
     out, _, _, kept, _ = _rows_forward(rows, value, w, bias_full, additive, dropout, scores_out=dense)
     # The map after dropout, as eager attention returns it.
     return out.view(b, h, t, -1).transpose(1, 2).contiguous(), kept.view(t, b, h, t).permute(1, 2, 0, 3)

@@ -118,7 +118,7 @@ def _fused_kernel(module, query, key, value, attention_mask, layout, reconstruct
 
 def _fused_group(module, query, key, value, attention_mask, layout, w, bias_full, scaling, dropout):
     """`_fused_kernel` on one group of (batch, head) pairs: ``(output (B, T, H, D), probabilities (B, H, T, T))``."""
-    if layout.block_rows is None and not needs_grad(query, key, value, w, bias_full):
+    if not needs_grad(query, key, value, w, bias_full):
         return rows_first_attention(query, key, value, attention_mask, layout, w, bias_full, scaling,
                                     dropout if module.training else 0.0)
     exact, additive = _exact_masked(query, key, attention_mask, layout, scaling,
