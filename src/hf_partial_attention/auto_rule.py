@@ -41,7 +41,7 @@ RULE = {
         {"structure": "keys_shared", "n": 128, "k_over_d": 0.5, "mode": "inference", "kernel": "fused"},
         {"structure": "keys_shared", "n": 128, "k_over_d": 0.5, "mode": "training", "kernel": "fused"},
         {"structure": "keys_shared", "n": 128, "k_over_d": 1.0, "mode": "inference", "kernel": "fused"},
-        {"structure": "keys_shared", "n": 128, "k_over_d": 1.0, "mode": "training", "kernel": "dense"},
+        {"structure": "keys_shared", "n": 128, "k_over_d": 1.0, "mode": "training", "kernel": "fused"},
         {"structure": "keys_shared", "n": 512, "k_over_d": 0.25, "mode": "inference", "kernel": "fused"},
         {"structure": "keys_shared", "n": 512, "k_over_d": 0.25, "mode": "training", "kernel": "fused"},
         {"structure": "keys_shared", "n": 512, "k_over_d": 0.5, "mode": "inference", "kernel": "fused"},
