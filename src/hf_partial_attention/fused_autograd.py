@@ -1,5 +1,5 @@
 """The ``fused`` kernel with autograd: autograd Functions whose backward is written out by hand; and its
-per-query forward without autograd.
+forward without autograd (`rows_first_attention`, in one n×n buffer worked in place, for every pattern).
 
 Part of the remote-code bundle (imports: torch and siblings only).
 
