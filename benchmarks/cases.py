@@ -7,15 +7,19 @@ import math
 import torch
 from torch import nn
 from transformers import BertConfig, BertModel, BigBirdConfig, NystromformerConfig
-from transformers.models.big_bird.modeling_big_bird import BigBirdBlockSparseAttention, BigBirdModel
 from transformers.models.bert.modeling_bert import BertSelfAttention
+from transformers.models.big_bird.modeling_big_bird import BigBirdBlockSparseAttention, BigBirdModel
 from transformers.models.nystromformer.modeling_nystromformer import NystromformerSelfAttention
 
 from hf_partial_attention import AttentionPattern, PartialBertConfig, PartialBertModel
 from hf_partial_attention.cost import forward_ratio
 from hf_partial_attention.modeling_partial_bert import PartialBertPattern, PartialBertSelfAttention, initial_pattern
-from hf_partial_attention.partial_attention import (PatternLayout, exact_scores_method, partial_attention_forward,
-                                                   resolve_implementation)
+from hf_partial_attention.partial_attention import (
+    PatternLayout,
+    exact_scores_method,
+    partial_attention_forward,
+    resolve_implementation,
+)
 
 PATTERNS = ("per_query", "columns", "blocks", "shared")
 SHARED_ROWS = 32  # rows per block sharing P and R in the "shared" family (the shared_blocks patterns)

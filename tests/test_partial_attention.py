@@ -4,8 +4,13 @@ import pytest
 import torch
 from torch import nn
 
-from hf_partial_attention.partial_attention import (IMPLEMENTATIONS, PatternLayout, block_rows, exact_scores_method,
-                                                   partial_attention_forward)
+from hf_partial_attention.partial_attention import (
+    IMPLEMENTATIONS,
+    PatternLayout,
+    block_rows,
+    exact_scores_method,
+    partial_attention_forward,
+)
 from hf_partial_attention.reconstruction import solve_reconstruction
 
 DT = torch.float64

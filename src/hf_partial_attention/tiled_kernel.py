@@ -30,6 +30,7 @@ __all__ = ["TILE_ELEMENTS", "needs_grad", "shared_rows", "softmax_in_place", "ti
 # while the tile is reconstructed, normalised and multiplied by V (measured on a 2-core EPYC, 2 MiB L2).
 TILE_ELEMENTS = 1 << 19
 
+
 # CPU's softmax kernels read a row before writing it, so their output may alias their input (tested in float64,
 # against the reference kernel, through `tiled` and `fused`); elsewhere they run out of place.
 def softmax_in_place(scores: torch.Tensor) -> torch.Tensor:
