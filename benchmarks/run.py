@@ -142,7 +142,9 @@ def model_rows(spec: dict, repeats: int) -> list[dict]:
         for name in names:
             # Ratios round by round (each model timed right after the others), so that a slow round slows all.
             eager, sdpa = paired_ratios(times, name, "BertModel eager"), paired_ratios(times, name, "BertModel sdpa")
-            rows.append({"mode": mode, "model": name, "s": statistics.median(times[name]), "ratio": eager["median"],
+            # round_s: each round's seconds, in round order (so any other estimator can be computed from the JSON)
+            rows.append({"mode": mode, "model": name, "s": statistics.median(times[name]), "round_s": times[name],
+                         "ratio": eager["median"],
                          "ratio_range": [eager["low"], eager["high"]], "sdpa_ratio": sdpa["median"],
                          "sdpa_ratio_range": [sdpa["low"], sdpa["high"]],
                          **{key: spec[key] for key in ("layers", "hidden", "heads", "b", "n", "k")}})

@@ -178,3 +178,21 @@ def test_gpu_benchmark_dry_run(tmp_path):
         assert r["flop_forward"] == 2 * b * result["heads"] * n * (k * 16 + n * k + n * 16)  # d = 16 in the dry run
     text = (tmp_path / "gpu_dry_run.md").read_text()
     assert "| 32 | 1 | 8 | per_query | triton |" in text
+
+
+
+def test_model_rows_keep_every_round_and_pair_the_ratios_by_round():
+    """Three rounds at a tiny shape: each model's seconds per round are kept in round order, and its ratio is the
+    median of the per-round ratios to BertModel eager (recomputed here from the kept rounds), its range their
+    lowest and highest."""
+    import statistics
+
+    run = _import("run")
+    spec = dict(layers=1, hidden=16, heads=2, b=1, n=8, k=2, modes=["inference"])
+    rows = {r["model"]: r for r in run.model_rows(spec, 3)}
+    eager = rows["BertModel eager"]["round_s"]
+    for r in rows.values():
+        assert len(r["round_s"]) == 3 and r["s"] == statistics.median(r["round_s"])
+        ratios = [a / b for a, b in zip(r["round_s"], eager)]
+        assert r["ratio"] == pytest.approx(statistics.median(ratios), rel=1e-12)
+        assert r["ratio_range"] == pytest.approx([min(ratios), max(ratios)], rel=1e-12)
