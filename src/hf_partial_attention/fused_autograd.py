@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 
 from .partial_scores import (PatternLayout, _bias_full, _exact_masked, _masked_keys, _reconstruction_matrix_for,
-                             check_length, masked_at_p)
-from .tiled_kernel import softmax_in_place
+                             check_length, masked_at_p, rows_first, structured_exact_method)
+from .tiled_kernel import normalised_in_place
 
 __all__ = ["fused_attention_with_autograd", "rows_first_attention"]
 
@@ -49,7 +49,7 @@ def _scatter_to_complement(full: torch.Tensor, layout: PatternLayout, t: int, di
 
 # Under glibc's default malloc every fresh n×n tensor above the mmap threshold costs page faults (at n = 512,
 # B = 8, H = 12: 100 MB each), so the forward and the backward each allocate one and work in it
-# in place (softmax: `tiled_kernel.softmax_in_place`; its backward likewise on CPU only).
+# in place (`tiled_kernel.normalised_in_place`; the softmax backward likewise on CPU only).
 def _softmax_backward_in_place(grad: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     if grad.device.type != "cpu":
         return torch._softmax_backward_data(grad, probs, -1, probs.dtype)
@@ -84,11 +84,9 @@ def _rows_forward(rows, value, w, bias_full, additive, dropout, scores_out=None)
         scores = torch.bmm(rows, w[:t, :, :t])  # (T, B·H, T)
     else:
         scores = torch.bmm(rows, w[:t, :, :t], out=scores_out.view(t, bh, t))
-    if bias_full is not None:
-        scores += bias_full[:t, None, :t]
-    if additive is not None:
-        scores.view(t, b, h, t).add_(additive.permute(2, 0, 1, 3))  # (T, B|1, 1|H, T)
-    probs = softmax_in_place(scores)  # (T, B·H, T)
+    bias = None if bias_full is None else bias_full[:t, None, None, :t]  # (T, 1, 1, T)
+    mask = None if additive is None else additive.permute(2, 0, 1, 3)  # (T, B|1, 1|H, T)
+    probs = normalised_in_place(scores.view(t, b, h, t), bias, mask).view(t, bh, t)  # (T, B·H, T)
     keep = None if dropout == 0.0 else torch.empty_like(probs).bernoulli_(1.0 - dropout).bool()  # (T, B·H, T)
     kept = _dropped(probs, keep, dropout)
     v3 = value.reshape(bh, t, dv)  # (B·H, T, Dv): a copy of a model's view, kept for the backward
@@ -142,13 +140,13 @@ def rows_first_attention(query, key, value, attention_mask, layout, w, bias_full
     t, n = query.shape[2], layout.indices.shape[0]
     check_length(t, n)
     b, h = query.shape[:2]
-    if layout.block_rows is None:
+    if structured_exact_method(layout) == "dense":
         additive, masked = _masked_keys(attention_mask, t, query.dtype)
         zero_at = masked_at_p(masked, layout.indices, t)  # (B|1, 1|H, T, k) or None
         rows, dense, _ = _dense_exact_rows(query, key, layout.indices, scaling, zero_at)
     else:
         exact, additive = _exact_masked(query, key, attention_mask, layout, scaling, "blocks")  # (B, H, T, k)
-        rows, dense = exact.permute(2, 0, 1, 3).reshape(t, b * h, exact.shape[-1]), None  # (T, B·H, k)
+        rows, dense = rows_first(exact), None  # (T, B·H, k)
     out, _, _, kept, _ = _rows_forward(rows, value, w, bias_full, additive, dropout, scores_out=dense)
     # The map after dropout, as eager attention returns it.
     return out.view(b, h, t, -1).transpose(1, 2).contiguous(), kept.view(t, b, h, t).permute(1, 2, 0, 3)
@@ -194,9 +192,8 @@ class _RowsFused(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, exact, value, reconstruction, bias, layout, additive, dropout):
-        b, h, t, k = exact.shape
         w, bias_full = _w_and_bias(ctx, layout, reconstruction, bias, exact.dtype, exact.device)
-        rows = exact.permute(2, 0, 1, 3).reshape(t, b * h, k)  # (T, B·H, k)
+        rows = rows_first(exact)  # (T, B·H, k)
         out, probs, keep, _, v3 = _rows_forward(rows, value, w, bias_full, additive, dropout)
         ctx.save_for_backward(rows, w, v3, probs, keep)
         ctx.dropout, ctx.value_shape = dropout, value.shape
@@ -224,7 +221,7 @@ def fused_attention_with_autograd(query, key, value, attention_mask, layout, rec
     scores from block GEMMs under autograd, then `_RowsFused`."""
     t, n = query.shape[2], layout.indices.shape[0]
     check_length(t, n)
-    if layout.block_rows is None:
+    if structured_exact_method(layout) == "dense":
         additive, masked = _masked_keys(attention_mask, t, query.dtype)
         zero_at = masked_at_p(masked, layout.indices, t)  # (B|1, 1|H, T, k) or None
         out = _PerQueryFused.apply(query, key, value, reconstruction, bias, layout, additive, zero_at, scaling,

@@ -35,6 +35,7 @@ from .partial_scores import (
     masked_at_p,
     reconstruct_scores,
     reconstruction_matrix,
+    structured_exact_method,
 )
 from .tiled_kernel import _broadcast_slice, _tile_sizes, needs_grad, shared_rows, tiled_attention
 
@@ -198,7 +199,7 @@ def exact_scores_method(implementation: str, layout: PatternLayout) -> str:
         return implementation
     if implementation == "triton":
         return "gather"
-    return "blocks" if layout.block_rows is not None else "dense"
+    return structured_exact_method(layout)
 
 
 def check_implementation(name: str) -> None:

@@ -15,7 +15,8 @@ from torch import nn
 from .reconstruction import complement_indices, inverse_permutation
 from .tiled_kernel import needs_grad
 
-__all__ = ["PatternLayout", "block_rows", "reconstruction_matrix", "exact_partial_scores", "reconstruct_scores"]
+__all__ = ["PatternLayout", "block_rows", "reconstruction_matrix", "exact_partial_scores", "reconstruct_scores",
+           "rows_first", "structured_exact_method"]
 
 
 def block_rows(indices: torch.Tensor) -> int | None:
@@ -156,11 +157,22 @@ def exact_partial_scores(
     return _EXACT_SCORES[implementation](query, key, indices, scaling, rows)
 
 
+def structured_exact_method(layout: PatternLayout) -> str:
+    """How the ``fused`` and ``tiled`` kernels get the exact scores: ``"blocks"`` (block GEMMs) where blocks of rows
+    share keys, else ``"dense"`` (the whole QKᵀ, then select P: gathering each query's keys would move B·H·n·k·d
+    values)."""
+    return "blocks" if layout.block_rows is not None else "dense"
+
+
+def rows_first(exact: torch.Tensor) -> torch.Tensor:
+    """``(B, H, T, k) -> (T, B·H, k)``: the layout in which the product with each row's W is one bmm over rows."""
+    b, h, t, k = exact.shape
+    return exact.permute(2, 0, 1, 3).reshape(t, b * h, k)  # (T, B·H, k)
+
+
 def _fused_scores(exact, w, bias_full, t):
     """``(B, H, T, k) -> (T, B·H, T)`` full scores, rows first so the per-row matmul is one bmm."""
-    b, h, _, k = exact.shape
-    rows_first = exact.permute(2, 0, 1, 3).reshape(t, b * h, k)  # (T, B·H, k)
-    scores = torch.bmm(rows_first, w[:t, :, :t])  # (T, B·H, T)
+    scores = torch.bmm(rows_first(exact), w[:t, :, :t])  # (T, B·H, T)
     if bias_full is not None:
         scores = scores + bias_full[:t, None, :t]
     return scores

@@ -24,7 +24,8 @@ import weakref
 import torch
 from torch import nn
 
-__all__ = ["TILE_ELEMENTS", "needs_grad", "shared_rows", "softmax_in_place", "tie_rows", "tiled_attention"]
+__all__ = ["TILE_ELEMENTS", "needs_grad", "normalised_in_place", "shared_rows", "softmax_in_place", "tie_rows",
+           "tiled_attention"]
 
 # Scores per tile (float32: 2 MiB): large enough for efficient GEMMs, small enough to stay in a core's L2/L3
 # while the tile is reconstructed, normalised and multiplied by V (measured on a 2-core EPYC, 2 MiB L2).
@@ -156,8 +157,9 @@ def _buffer(flat: torch.Tensor, lead: torch.Size, last: int) -> torch.Tensor:
     return flat[:math.prod(lead) * last].view(*lead, last)
 
 
-def _normalised_in_place(scores, bias, mask):
-    """``softmax(scores + bias + mask)`` written into ``scores`` (no autograd)."""
+def normalised_in_place(scores: torch.Tensor, bias: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
+    """``softmax(scores + bias + mask)`` over the last dimension, written into ``scores`` on CPU (bias and mask
+    broadcast to it, or None); no autograd. The in-place step of the ``tiled`` and ``fused`` kernels."""
     if bias is not None:
         scores += bias
     if mask is not None:
@@ -214,7 +216,7 @@ def tiled_attention(query, key, value, exact, additive, w_rows, bias_full, rows:
                 w_g = w_blocks[g]
                 if buffers is not None:
                     scores = torch.matmul(e_t, w_g[0], out=_buffer(buffers[0], e_t.shape[:3], t))  # (bc, hc, r, T)
-                    probs = _normalised_in_place(scores, bias_blocks[g], mask_blocks[g])
+                    probs = normalised_in_place(scores, bias_blocks[g], mask_blocks[g])
                 else:
                     scores = _RowSharedMatmul.apply(e_t, w_g) if trainable_w else torch.matmul(e_t, w_g[0])
                     if bias_blocks[g] is not None:
