@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test test-fast demo paper related bench bench-quick fit-auto objectives table1 clean
+.PHONY: setup test test-fast demo paper related bench bench-model bench-quick fit-auto objectives table1 clean
 
 setup: $(STAMP)
 
@@ -49,6 +49,10 @@ related: setup
 bench: setup
 	$(PY) benchmarks/run.py --out benchmarks/results
 	$(PY) benchmarks/run.py --allocator reuse --out benchmarks/results
+
+# The whole-model goals in 15 rounds each, with an interval for each median (about 25 min on 2 cores).
+bench-model: setup
+	$(PY) benchmarks/model_study.py --out benchmarks/results
 
 bench-quick: setup
 	$(PY) benchmarks/run.py --quick --out runs/bench-quick

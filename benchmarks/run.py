@@ -109,8 +109,13 @@ def peer_rows(shape: dict, k: int, repeats: int) -> list[dict]:
 
 def model_rows(spec: dict, repeats: int) -> list[dict]:
     """BertModel (eager, SDPA) and PartialBertModel (auto) side by side: inference forward, and a training step
-    (forward, backward of the mean squared last hidden state, AdamW step)."""
+    (forward, backward of the mean squared last hidden state, AdamW step). ``spec["models"]``, when given, names
+    the models to time (of `cases.base_models`; both BertModels are needed as baselines)."""
     models = base_models(spec["layers"], spec["hidden"], spec["heads"], spec["n"], spec["k"])
+    chosen = spec.get("models", list(models))
+    if not {"BertModel eager", "BertModel sdpa"} <= set(chosen) <= set(models):
+        raise ValueError(f"spec['models'] = {chosen!r}: name models of {list(models)}, both BertModels included "
+                         "(they are the baselines)")
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1000, 30000, (spec["b"], spec["n"]), generator=g)
     opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-5) for name, m in models.items()}
@@ -137,16 +142,18 @@ def model_rows(spec: dict, repeats: int) -> list[dict]:
     rows = []
     for mode in spec["modes"]:
         make = step if mode == "training step" else infer
-        names = [m for m in models if not (mode == "training step" and m == "PartialBert per_query")]
+        names = [m for m in models if not (mode == "training step" and m == "PartialBert per_query")
+                 and m in chosen]
         times = interleaved_times({name: make(name) for name in names}, repeats)
         for name in names:
             # Ratios round by round (each model timed right after the others), so that a slow round slows all.
             eager, sdpa = paired_ratios(times, name, "BertModel eager"), paired_ratios(times, name, "BertModel sdpa")
             # round_s: each round's seconds, in round order (so any other estimator can be computed from the JSON)
             rows.append({"mode": mode, "model": name, "s": statistics.median(times[name]), "round_s": times[name],
-                         "ratio": eager["median"],
-                         "ratio_range": [eager["low"], eager["high"]], "sdpa_ratio": sdpa["median"],
-                         "sdpa_ratio_range": [sdpa["low"], sdpa["high"]],
+                         "ratio": eager["median"], "ratio_range": [eager["low"], eager["high"]],
+                         "ratio_interval": eager["interval"], "sdpa_ratio": sdpa["median"],
+                         "sdpa_ratio_range": [sdpa["low"], sdpa["high"]], "sdpa_ratio_interval": sdpa["interval"],
+                         "interval_coverage": eager["coverage"], "rounds": repeats,
                          **{key: spec[key] for key in ("layers", "hidden", "heads", "b", "n", "k")}})
     return rows
 
