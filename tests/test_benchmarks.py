@@ -92,9 +92,11 @@ def test_quick_benchmark_writes_tables_and_goals(tmp_path):
     lines = text.splitlines()
     low, high = train["range"]  # one round at --quick: the range is that round's ratio
     assert low == high == train["measured"]
-    assert (f"| model training step, n=16, k=4 / BertModel eager | {train['measured']:.2f}x | {low:.2f}–{high:.2f} | "
-            f"{train['eager']:.2f}x | {train['sdpa']:.2f}x | <= 0.95 | {'yes' if train['met'] else 'no'} | "
-            "PartialBert shared |") in lines
+    # one round: the interval for the median is that round's ratio, at coverage 0; one value decides the verdict
+    assert train["interval"] == [low, high] and train["coverage"] == 0.0 and train["rounds"] == 1
+    assert (f"| model training step, n=16, k=4 / BertModel eager | {train['measured']:.2f}x | "
+            f"{low:.2f}–{high:.2f} (0 %, 1 rounds) | {train['eager']:.2f}x | {train['sdpa']:.2f}x | <= 0.95 | "
+            f"{'yes' if train['met'] else 'no'} | PartialBert shared |") in lines
     table = [line for line in lines if line.count("|") == 12 and line.split("|")[4].strip() in MODES]
     assert len(table) == len(att)
 
@@ -103,7 +105,54 @@ def test_model_ratios_pair_each_round_with_its_baseline():
     """Per-round ratios (a slow round slows every model), not the ratio of the medians."""
     timing = _import("timing")
     times = {"partial": [2.0, 9.0, 4.0], "eager": [1.0, 3.0, 4.0]}  # rounds' ratios 2, 3, 1; medians 4 / 3
-    assert timing.paired_ratios(times, "partial", "eager") == {"median": 2.0, "low": 1.0, "high": 3.0}
+    # 3 rounds allow no 95 % interval: the whole range, covering the median with probability 1 - 2/8
+    assert timing.paired_ratios(times, "partial", "eager") == {"median": 2.0, "low": 1.0, "high": 3.0,
+                                                               "interval": [1.0, 3.0], "coverage": 0.75}
+
+
+def test_median_interval_is_the_order_statistics_of_the_binomial_rule():
+    """Worked by hand from the binomial tails P(Binomial(N, 1/2) <= j - 1) <= 2.5 %: N = 20 -> the 6th lowest and
+    6th highest (tail (1 + 20 + 190 + 1140 + 4845 + 15504) / 2^20 = 0.0207); N = 15 -> the 4th (576 / 2^15 =
+    0.0176); N = 5 allows none -> min and max at 1 - 2/32."""
+    timing = _import("timing")
+    values = [7.0, 3.0, 19.0, 1.0, 12.0, 5.0, 16.0, 9.0, 2.0, 14.0, 20.0, 8.0, 11.0, 4.0, 17.0, 6.0, 13.0, 10.0, 18.0,
+              15.0]  # 1..20 shuffled: the j-th lowest is j
+    assert timing.median_interval(values) == {"low": 6.0, "high": 15.0, "coverage": 1 - 2 * 21700 / 2**20}
+    # the first 15: 1 2 3 4 5 7 8 9 11 12 14 16 17 19 20 sorted
+    assert timing.median_interval(values[:15]) == {"low": 4.0, "high": 16.0, "coverage": 1 - 2 * 576 / 2**15}
+    assert timing.median_interval([5.0, 1.0, 4.0, 2.0, 3.0]) == {"low": 1.0, "high": 5.0, "coverage": 1 - 2 / 32}
+    with pytest.raises(ValueError, match="at least one value"):
+        timing.median_interval([])
+
+
+def test_interleaved_rounds_rotate_the_order():
+    """Round r starts with case r mod m, so no case always runs first after the round's garbage collection."""
+    timing = _import("timing")
+    calls = []
+    cases = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    times = timing.interleaved_times(cases, repeats=4, warmup=1)
+    assert calls == list("abc") + list("abc") + list("bca") + list("cab") + list("abc")
+    assert {name: len(t) for name, t in times.items()} == {"a": 4, "b": 4, "c": 4}
+
+
+def test_goal_verdicts_are_undecided_where_the_interval_holds_the_bound():
+    report = _import("report")
+    row = {"ratio": 0.97, "ratio_range": [0.85, 1.12], "ratio_interval": [0.90, 1.09], "interval_coverage": 0.965,
+           "rounds": 15}
+    g = report.goal_verdict(row, "ratio", 0.98)
+    assert (g["met"], g["decided"], g["interval"], g["coverage"]) == (True, False, [0.90, 1.09], 0.965)
+    assert report.verdict_text(g) == "undecided (median: yes)"
+    assert report.interval_text(g) == "0.90–1.09 (96 %, 15 rounds)"
+    missed = report.goal_verdict({**row, "ratio": 0.99}, "ratio", 0.98)
+    assert report.verdict_text(missed) == "undecided (median: no)"
+    assert report.verdict_text(report.goal_verdict({**row, "ratio_interval": [0.90, 0.98]}, "ratio", 0.98)) == "yes"
+    assert report.verdict_text(report.goal_verdict({**row, "ratio": 1.0, "ratio_interval": [0.981, 1.1]},
+                                                   "ratio", 0.98)) == "no"
+    attention = report.goal_verdict({"ratio": 0.5}, "ratio", 0.75)  # medians of many repeats: no interval
+    assert (attention["decided"], report.verdict_text(attention), report.interval_text(attention)) == (True, "yes", "")
+    assert report.verdict_text(report.goal_verdict(None, "ratio", 0.75)) == "n/a"
+    old = {"ratio": 1.05, "ratio_range": [0.90, 1.09]}  # results written before intervals: the range is shown
+    assert report.interval_text(report.goal_verdict(old, "ratio", 0.98)) == "0.90–1.09 (rounds' range)"
 
 
 def test_auto_rule_is_refitted_from_timings(tmp_path):
@@ -196,3 +245,45 @@ def test_model_rows_keep_every_round_and_pair_the_ratios_by_round():
         ratios = [a / b for a, b in zip(r["round_s"], eager)]
         assert r["ratio"] == pytest.approx(statistics.median(ratios), rel=1e-12)
         assert r["ratio_range"] == pytest.approx([min(ratios), max(ratios)], rel=1e-12)
+        # 3 rounds: the interval for the median is the whole range, covering it with probability 1 - 2/8
+        assert r["ratio_interval"] == pytest.approx([min(ratios), max(ratios)], rel=1e-12)
+        assert (r["interval_coverage"], r["rounds"]) == (0.75, 3)
+    assert set(rows) == {"BertModel eager", "BertModel sdpa", "PartialBert shared", "PartialBert per_query"}
+    chosen = run.model_rows({**spec, "models": ["BertModel eager", "BertModel sdpa", "PartialBert shared"]}, 1)
+    assert [r["model"] for r in chosen] == ["BertModel eager", "BertModel sdpa", "PartialBert shared"]
+    with pytest.raises(ValueError, match="baselines"):
+        run.model_rows({**spec, "models": ["BertModel eager", "PartialBert shared"]}, 1)
+
+
+def test_model_study_decides_each_goal_from_its_rounds(tmp_path):
+    """The study at --quick shapes: only the models the goals name, each comparison in its own process; each goal's
+    median and interval recomputed here from the kept per-round seconds, and its verdict from them."""
+    import statistics
+
+    study = _import("model_study")
+    result = study.main(["--quick", "--rounds", "6", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "model_study.json").read_text())
+    assert saved == json.loads(json.dumps(result)) and saved["command"] == "python benchmarks/model_study.py --quick " \
+        "--rounds 6"
+    rows = {(r["n"], r["mode"], r["model"]): r for r in saved["model"]}
+    assert {key[2] for key in rows} == {"BertModel eager", "BertModel sdpa", "PartialBert shared"}
+    assert {key[:2] for key in rows} == {(16, "inference"), (16, "training step"), (32, "inference")}
+    text = (tmp_path / "model_study.md").read_text()
+    assert str(tmp_path) not in text
+    wanted = {"model inference, n=16, k=4 / BertModel eager": ((16, "inference"), "BertModel eager", 0.98),
+              "model training step, n=16, k=4 / BertModel eager": ((16, "training step"), "BertModel eager", 0.95),
+              "model inference, n=32, k=4 / BertModel eager": ((32, "inference"), "BertModel eager", 0.85),
+              "model inference, n=32, k=4 / BertModel SDPA (stretch)": ((32, "inference"), "BertModel sdpa", 1.0)}
+    assert [g["goal"] for g in saved["goals"]] == list(wanted)
+    for g in saved["goals"]:
+        (n, mode), baseline, bound = wanted[g["goal"]]
+        partial, base = rows[n, mode, "PartialBert shared"]["round_s"], rows[n, mode, baseline]["round_s"]
+        ratios = sorted(a / b for a, b in zip(partial, base))
+        assert len(ratios) == 6 and g["measured"] == pytest.approx(statistics.median(ratios), rel=1e-12)
+        # 6 rounds: P(Binomial(6, 1/2) = 0) = 1/64 <= 2.5 %, P(<= 1) = 7/64 is not: the whole range, 1 - 2/64
+        assert g["interval"] == pytest.approx([ratios[0], ratios[-1]], rel=1e-12) and g["coverage"] == 1 - 2 / 64
+        decided = ratios[-1] <= bound or ratios[0] > bound
+        assert (g["bound"], g["met"], g["decided"]) == (bound, g["measured"] <= bound, decided)
+        verdict = ("yes" if g["met"] else "no") if decided else f"undecided (median: {'yes' if g['met'] else 'no'})"
+        assert f"| {g['goal']} | {g['measured']:.3f}x | {ratios[0]:.2f}–{ratios[-1]:.2f} (97 %, 6 rounds) | " \
+            f"<= {bound} | {verdict} |" in text.splitlines()
