@@ -82,7 +82,8 @@ def model_goals(result: dict) -> list[tuple]:
 def goal_verdict(row: dict | None, key: str, bound: float) -> dict:
     """``met``: the median ratio ``row[key]`` is at most ``bound`` (None without a row). ``decided``: the interval
     for the median (model rows: ``row[key + "_interval"]``) lies wholly on one side of the bound, so the verdict
-    is not noise; rows without an interval (attention cases: medians of many short repeats) count as decided.
+    is not noise. Attention rows carry no interval (a ratio of two medians of 7 short repeats) and count as
+    decided, though their ratios also move between runs (benchmarks/README.md, "Noise").
     ``range``: the rounds' lowest and highest ratio; ``interval`` and ``coverage``: the interval and its level."""
     if row is None:
         return {"met": None, "decided": None, "range": None, "interval": None, "coverage": None, "rounds": None}
