@@ -22,9 +22,9 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import INTERVAL_NOTE, goal_verdict, interval_text, model_goals, verdict_text  # noqa: E402
-from run import FULL, QUICK, allocator_setting, machine, model_rows_in_a_fresh_process  # noqa: E402
-from timing import command_line  # noqa: E402
+from report import INTERVAL_NOTE, goal_verdict, interval_text, model_goals, verdict_text
+from run import FULL, QUICK, allocator_setting, machine, model_rows_in_a_fresh_process
+from timing import command_line
 
 MODELS = ["BertModel eager", "BertModel sdpa", "PartialBert shared"]  # what the goals compare
 ROUNDS = {"full": 15, "quick": 6}  # 15 rounds: the 4th lowest to the 4th highest ratio, a 96.5 % interval
@@ -41,12 +41,12 @@ def markdown(result: dict) -> str:
     m = result["machine"]
     lines = ["# Whole-model speed goals, decided by many rounds", "",
              f"Command: `{result['command']}`  ",
-             f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads), "
-             f"Python {m['python']}; allocator: {m['allocator']}.  ",
-             "Models: BertModel (eager, SDPA) and PartialBertModel converted from it (every layer but the last "
-             "partial, the `shared` pattern, R fixed, `partial_implementation=\"auto\"`, SDPA in the exact last "
-             "layer); random weights and token ids (speed does not depend on them). Each round runs every model "
-             "once, back to back, in an order rotated round by round; each comparison runs in a fresh process.",
+             (f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads), "
+              f"Python {m['python']}; allocator: {m['allocator']}.  "),
+             ("Models: BertModel (eager, SDPA) and PartialBertModel converted from it (every layer but the last "
+              "partial, the `shared` pattern, R fixed, `partial_implementation=\"auto\"`, SDPA in the exact last "
+              "layer); random weights and token ids (speed does not depend on them). Each round runs every model "
+              "once, back to back, in an order rotated round by round; each comparison runs in a fresh process."),
              "", INTERVAL_NOTE, "",
              "| goal | median ratio | interval for the median | goal | met |", "|---|---|---|---|---|"]
     for g in result["goals"]:
