@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import INTERVAL_NOTE, goal_verdict, interval_text, model_goals, verdict_text
+from report import INTERVAL_NOTE, goal_row, interval_text, model_goals, verdict_text
 from run import FULL, QUICK, allocator_setting, machine, model_rows_in_a_fresh_process
 from timing import command_line
 
@@ -80,8 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"command": command_line("model_study.py", argv),
               "machine": {**machine(), "allocator": allocator_setting()}, "rounds": rounds,
               "model": study(specs, rounds, args.threads)}
-    result["goals"] = [{"goal": name, "measured": row[key], "bound": bound, "model": row["model"],
-                        **goal_verdict(row, key, bound)} for name, row, key, bound in model_goals(result)]
+    result["goals"] = [goal_row(*goal) for goal in model_goals(result)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "model_study.json").write_text(json.dumps(result, indent=1))

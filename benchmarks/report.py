@@ -50,16 +50,18 @@ def goal_rows(result: dict) -> list[dict]:
     auto = [r for r in att if r["auto"] and r["k"] < r["d"]]
     slowest = max(auto, key=lambda r: r["ratio"], default=None)
     goals.append(("slowest configuration `auto` picks, any k < d / eager", slowest, "ratio", 1.2))
-    out = []
-    for name, row, key, bound in goals:
-        value = None if row is None else row[key]
-        what = "n/a" if row is None else (row.get("case") or row.get("model"))
-        if row is not None and "mode" in row and "case" in row:
-            what = f"{row['case']}, {row['mode']}, n={row['n']}, k={row['k']}" if name.startswith("slowest") else what
-        out.append({"goal": name, "measured": value, "eager": None if row is None else row["ratio"],
-                    "sdpa": None if row is None else row["sdpa_ratio"], "bound": bound, "case": what,
-                    **goal_verdict(row, key, bound)})
-    return out
+    return [goal_row(name, row, key, bound) for name, row, key, bound in goals]
+
+
+def goal_row(name: str, row: dict | None, key: str, bound: float) -> dict:
+    """One goal checked against the row it is read from (None where the run has none): the measured ratio
+    ``row[key]``, the row's ratios to eager and to SDPA, what was measured (``case``) and `goal_verdict`."""
+    what = "n/a" if row is None else (row.get("case") or row.get("model"))
+    if row is not None and "mode" in row and "case" in row and name.startswith("slowest"):
+        what = f"{row['case']}, {row['mode']}, n={row['n']}, k={row['k']}"
+    return {"goal": name, "measured": None if row is None else row[key],
+            "eager": None if row is None else row["ratio"], "sdpa": None if row is None else row["sdpa_ratio"],
+            "bound": bound, "case": what, **goal_verdict(row, key, bound)}
 
 
 def model_goals(result: dict) -> list[tuple]:
