@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ScoreCost", "score_cost", "dense_cost", "nystrom_cost", "forward_ratio", "SCOPES"]
+__all__ = ["ScoreCost", "score_cost", "dense_cost", "nystrom_cost", "forward_ratio", "saving_warning", "SCOPES"]
 
 SCOPES = ("per_query", "whole")
 
@@ -64,6 +64,20 @@ def score_cost(n: int, k: int, d_head: int, scope: str = "per_query") -> ScoreCo
     if scope == "per_query":
         return ScoreCost(n * k * d_head, n * (n - k) * k, dense_cost(n, d_head))
     return ScoreCost(k * d_head, (n * n - k) * k, dense_cost(n, d_head))
+
+
+def saving_warning(n: int, k: int, d_head: int) -> str | None:
+    """A sentence for the user when per-query k saves no work (``k·d_h + (n−k)·k ≥ n·d_h``), else None.
+
+    Derive and convert log it: such a pattern is fine for analysis, but a checkpoint built from it computes at
+    least as many multiply-adds as dense attention.
+    """
+    cost = score_cost(n, k, d_head).per_query(n)
+    if cost.total < cost.dense:
+        return None
+    return (f"k={k} saves no attention work at n={n}, d_h={d_head}: k·d_h + (n−k)·k = {cost.total} >= "
+            f"n·d_h = {cost.dense} multiply-adds per query (a saving of {100 * cost.saving:.1f} %). "
+            f"Per-query partial attention pays only for k < d_h; pick a smaller k.")
 
 
 def nystrom_cost(n: int, m: int, d_head: int) -> int:
