@@ -54,6 +54,11 @@ def logged_losses(out):
         return [h["loss"] for h in json.load(f)["log_history"] if "loss" in h]
 
 
+def all_results(out):
+    with open(os.path.join(out, "all_results.json")) as f:
+        return json.load(f)
+
+
 def check_train_loss(out, train_loss, num_classes):
     """The reported train loss is the mean of the per-step losses logged (logging_steps=1), and the first step's
     loss is that of a freshly initialised head, whose logits are all close to 0: ln(num_classes)."""
@@ -129,12 +134,19 @@ def test_pretrain_mlm_one_process(mlm_one_process):
 def test_pretrain_mlm_two_processes_match_one(mlm_one_process, tmp_path):
     out1, _ = mlm_one_process
     out2 = str(tmp_path / "mlm2")
-    accelerate_two_processes("pretrain_mlm.py", mlm_args(out2) + ["--per_device_train_batch_size", "4", "--do_train"],
+    # eval batch 3 per process (one process: 8): the last batch is uneven, and accelerate repeats examples in it
+    accelerate_two_processes("pretrain_mlm.py", mlm_args(out2) + ["--per_device_train_batch_size", "4", "--do_train",
+                                                                  "--do_eval", "--per_device_eval_batch_size", "3"],
                              tmp_path)
     one, two = logged_losses(out1), logged_losses(out2)
     assert len(two) == STEPS
     assert all(0.5 < b / a < 2.0 for a, b in zip(one, two))  # the scale (the x world-size pitfall)
     assert two == pytest.approx(one, rel=1e-3)  # same global batch of 8, same masks: the same losses
+    # the same weights, masks and masked tokens, each window once: the same evaluation, whatever the batch and split
+    results1, results2 = all_results(out1), all_results(out2)
+    assert results2["eval_samples"] == results1["eval_samples"] and results1["eval_samples"] % 6 != 0
+    assert results2["eval_loss"] == pytest.approx(results1["eval_loss"], rel=1e-5)
+    assert results2["perplexity"] == pytest.approx(results1["perplexity"], rel=1e-4)
 
 
 @pytest.fixture(scope="module")

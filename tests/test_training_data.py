@@ -63,6 +63,18 @@ def test_mlm_masks_are_reproducible_and_leave_global_rng_alone(tokenizer, window
     assert not torch.equal(MlmCollator(tokenizer, seed=8)(examples)["labels"], first["labels"])
 
 
+def test_mlm_masks_do_not_depend_on_padding(tokenizer, windows):
+    """An example's mask is the same alone and padded beside a longer one (batch size must not change it)."""
+    short = {k: v[:20] for k, v in windows[0].items()}  # 20 of the 32 tokens: padded to 32 in a batch
+    collator = MlmCollator(tokenizer, seed=3, mlm_probability=0.5)
+    collator.epoch = None
+    alone = collator([short])
+    padded = collator([short, windows[1]])
+    assert padded["labels"].shape == (2, 32) and (padded["labels"][0, 20:] == -100).all()
+    assert torch.equal(padded["labels"][0, :20], alone["labels"][0])
+    assert torch.equal(padded["input_ids"][0, :20], alone["input_ids"][0])
+    assert torch.equal(padded["labels"][1], collator([windows[1]])["labels"][0])
+
 def test_mlm_masking_follows_bert(tokenizer, windows):
     batch = MlmCollator(tokenizer)([windows[i] for i in range(len(windows))])
     original = torch.tensor(windows["input_ids"])

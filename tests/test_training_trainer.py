@@ -232,3 +232,26 @@ def test_evaluation_masks_do_not_depend_on_epoch(tokenizer, windows, tmp_path):
     trainer.data_collator.epoch = 5
     second = trainer.evaluate(eval_dataset=windows.select(range(8)))["eval_loss"]
     assert first == second and trainer.data_collator.epoch == 5
+
+
+def test_eval_loss_is_token_weighted_for_any_batch_size(tokenizer, windows, tmp_path):
+    """eval_loss = the cross-entropy summed over every masked token of the eval set / their number, computed here
+    with the model and the collator one example at a time; the same for eval batches 1, 3 and 8 of 13 windows."""
+    evaluation = windows.select(range(13))  # a multiple of none of the batch sizes: the last batch is short
+    model = tiny_model(tokenizer, "common").eval()
+    collator = MlmCollator(tokenizer)
+    collator.epoch = None  # evaluation's masks
+    total, items = 0.0, 0
+    with torch.no_grad():
+        for i in range(len(evaluation)):
+            batch = collator([evaluation[i]])
+            labels = batch.pop("labels")  # (1, N)
+            chosen = labels != -100
+            logits = model(**batch).logits  # (1, N, vocab)
+            total += torch.nn.functional.cross_entropy(logits[chosen], labels[chosen], reduction="sum").item()
+            items += int(chosen.sum())
+    by_hand = total / items
+    for size in (1, 3, 8):
+        trainer = make_trainer(tokenizer, windows, str(tmp_path / str(size)), "common", model=model,
+                               per_device_eval_batch_size=size)
+        assert trainer.evaluate(eval_dataset=evaluation)["eval_loss"] == pytest.approx(by_hand, rel=1e-5), size

@@ -111,9 +111,10 @@ def group_into_windows(raw, tokenizer, window: int, text_column: str | None = No
 class MlmCollator:
     """Pads a batch and masks tokens for MLM, reproducibly (no global RNG).
 
-    Each example's mask is drawn from a generator seeded by ``(seed, epoch, its token ids)``: the masks change
-    every epoch (dynamic masking, as in RoBERTa) but are a pure function of the data, so resuming from a
-    checkpoint, or any number of processes, sees the same masks for the same window and epoch.
+    Each example's mask is drawn from a generator seeded by ``(seed, epoch, its token ids)``, over its own
+    (unpadded) tokens: the masks change every epoch (dynamic masking, as in RoBERTa) but are a pure function of
+    the example, so resuming from a checkpoint, any batch size (whatever padding it brings) or any number of
+    processes sees the same masks for the same window and epoch.
     `PartialAttentionTrainer` sets `epoch` at the start of each epoch and `None` during evaluation (one fixed
     mask per window, so evaluation losses are comparable across checkpoints and models).
 
@@ -158,16 +159,18 @@ class MlmCollator:
         labels = torch.full_like(input_ids, -100)
         vocab = len(self.tokenizer)
         for b in range(input_ids.shape[0]):
-            gen = self._generator(batch["input_ids"][b])
-            t = input_ids.shape[1]
-            chosen = (torch.rand(t, generator=gen) < self.mlm_probability) & maskable[b]
+            # Seed and draw over the example's own tokens: padding, which depends on the batch, changes nothing.
+            own = batch["attention_mask"][b] == 1  # (T,)
+            ids, t = input_ids[b, own], int(own.sum())  # (t,)
+            gen = self._generator(ids)
+            chosen = (torch.rand(t, generator=gen) < self.mlm_probability) & maskable[b, own]
             action = torch.rand(t, generator=gen)  # < mask_p: [MASK]; < mask_p + rand_p: random token
             random_ids = torch.randint(vocab, (t,), generator=gen)
-            labels[b] = torch.where(chosen, input_ids[b], labels[b])
+            labels[b, own] = torch.where(chosen, ids, -100)
             to_mask = chosen & (action < self.mask_replace_prob)
             to_random = chosen & ~to_mask & (action < self.mask_replace_prob + self.random_replace_prob)
-            input_ids[b] = torch.where(to_mask, self.tokenizer.mask_token_id, input_ids[b])
-            input_ids[b] = torch.where(to_random, random_ids, input_ids[b])
+            ids = torch.where(to_mask, self.tokenizer.mask_token_id, ids)
+            input_ids[b, own] = torch.where(to_random, random_ids, ids)
         batch["input_ids"], batch["labels"] = input_ids, labels
         return dict(batch)
 

@@ -12,6 +12,11 @@ What it adds to `Trainer`:
   mean and ignore ``num_items_in_batch``; the stock Trainer then multiplies their loss by the world size
   (transformers5 notes, section 3). Here the mean is turned back into a sum first, so the scaling is right.
 - Deterministic MLM masks across resumes: sets `MlmCollator.epoch` each epoch, and `None` while evaluating.
+- An evaluation loss weighted by labelled items: ``eval_loss`` is the cross-entropy summed over every labelled item
+  (masked token) of the evaluation set, each example once, divided by their number, so it is the same for any
+  eval batch size and process count. The stock loop averages per-batch means weighted by the batch size, lets
+  the training normaliser ``num_items_in_batch`` rescale them, and counts the examples accelerate repeats to even
+  out the last batch across processes.
 - This project's model card (P, R, cost, base model, training details) from `create_model_card`, so
   ``trainer.push_to_hub()`` uploads it instead of the Trainer's template.
 
@@ -47,8 +52,9 @@ def is_reconstruction_parameter(name: str) -> bool:
 
 
 def masked_only_mlm_loss(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``{"loss"}``: an MLM model's mean cross-entropy over its labelled positions, with the vocabulary logits
-    computed at those positions only (the model's own loss computes them at every position)."""
+    """``{"loss", "logits"}``: an MLM model's mean cross-entropy over its M labelled positions, and the vocabulary
+    logits (M, vocab) at those positions, the only ones computed (the model's own loss computes them at every
+    position)."""
     if not (hasattr(model, "bert") and hasattr(model, "cls")):
         raise TypeError(f"mlm_logits_at_masked_only needs a BERT MLM model with .bert and .cls, got "
                         f"{type(model).__name__}; unset --mlm_logits_at_masked_only.")
@@ -57,7 +63,22 @@ def masked_only_mlm_loss(model: torch.nn.Module, inputs: dict[str, torch.Tensor]
     hidden = model.bert(**body).last_hidden_state  # (B, T, hidden)
     chosen = labels != -100  # (B, T)
     logits = model.cls(hidden[chosen])  # (M, vocab): the M labelled positions only
-    return {"loss": torch.nn.functional.cross_entropy(logits.float(), labels[chosen])}
+    return {"loss": torch.nn.functional.cross_entropy(logits.float(), labels[chosen]), "logits": logits}
+
+
+def _example_loss_sums(logits: torch.Tensor | None, labels: torch.Tensor) -> torch.Tensor | None:
+    """(B,): each example's cross-entropy summed over its labelled items (``labels != -100``), from logits
+    (*labels.shape, C) at every position or (M, C) at the M labelled ones; None where they do not classify labels."""
+    if not torch.is_tensor(logits) or labels.is_floating_point():
+        return None
+    chosen = labels.ne(-100)  # labels' shape, (B, ...)
+    if logits.shape[:-1] == labels.shape:
+        logits = logits[chosen]  # (M, C)
+    elif logits.dim() != 2 or logits.shape[0] != int(chosen.sum()):
+        return None
+    token = torch.nn.functional.cross_entropy(logits.float(), labels[chosen], reduction="none")  # (M,)
+    rows = chosen.nonzero()[:, 0]  # (M,): each labelled item's example, in the order of labels[chosen]
+    return torch.zeros(labels.shape[0], dtype=token.dtype, device=token.device).index_add_(0, rows, token)
 
 
 class _CollatorEpoch(TrainerCallback):
@@ -94,6 +115,10 @@ class PartialAttentionTrainer(Trainer):
         self.model_accepts_loss_kwargs = True
         self.add_callback(_CollatorEpoch(self))
         self._r_initial: dict[str, torch.Tensor] | None = None
+        # While evaluation_loop runs: (summed loss, labelled items) over the examples seen so far, all processes.
+        self._eval_tally: torch.Tensor | None = None
+        self._eval_step: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's per-example (sums, counts)
+        self._warned_eval_fallback = False
 
     # ------------------------------------------------------------------ R access
     def _r_params(self, model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
@@ -147,6 +172,8 @@ class PartialAttentionTrainer(Trainer):
         With ``num_items_in_batch`` (training, labels present) the per-process mean ``L`` over its own ``m``
         labelled items becomes ``L·m / num_items_in_batch`` (times the world size when Trainer averages
         gradients over processes): the sum of all processes' terms is the global mean, whatever the split.
+        While evaluating, the loss is the batch's own mean, and each example's summed loss is recorded for
+        `evaluation_loop`'s item-weighted ``eval_loss``.
         """
         if self.label_smoother is not None or self.compute_loss_func is not None:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
@@ -158,7 +185,11 @@ class PartialAttentionTrainer(Trainer):
             raise ValueError(f"The model returned no loss (keys {list(outputs.keys())}); pass labels.")
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
         labels = inputs.get("labels")
-        if num_items_in_batch is not None and labels is not None:
+        if self._eval_tally is not None and labels is not None:
+            # prediction_step passes num_items_in_batch too (gathered across processes): a training normaliser,
+            # which must not rescale an evaluation loss.
+            self._eval_step = self._example_losses(outputs, labels, loss)
+        elif num_items_in_batch is not None and labels is not None:
             local = labels.ne(-100).sum()
             # A process whose batch holds no labelled item has a NaN mean: give it a zero loss and zero gradient.
             loss = torch.where(local > 0, loss * local / num_items_in_batch, torch.zeros_like(loss))
@@ -225,8 +256,57 @@ class PartialAttentionTrainer(Trainer):
             logs.update(self.reconstruction_stats())
         super().log(logs, start_time)
 
+    def _example_losses(self, outputs, labels: torch.Tensor, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B,) summed losses and (B,) labelled-item counts of a batch's examples."""
+        counts = labels.ne(-100).reshape(labels.shape[0], -1).sum(1).float()  # (B,)
+        if not counts.any():  # no labelled item: nothing to add (and the model's mean is NaN)
+            return torch.zeros_like(counts), counts
+        logits = outputs.get("logits") if isinstance(outputs, dict) else None
+        sums = _example_loss_sums(logits.detach() if torch.is_tensor(logits) else None, labels)
+        mean = loss.detach().float().mean()
+        # Cross-entropy over the labels is these models' loss; where the model computes another (a regression, a
+        # shifted causal loss) its mean is spread over the examples: exact for the batch, approximate only for the
+        # repeated examples gather_for_metrics drops.
+        if sums is None or not torch.allclose(sums.sum() / counts.sum(), mean, rtol=1e-3, atol=1e-5):
+            if not self._warned_eval_fallback:
+                logger.warning("The model's loss is not the cross-entropy of its logits and labels: eval_loss "
+                               "weights each batch's mean loss by its labelled items.")
+                self._warned_eval_fallback = True
+            sums = mean * counts
+        return sums.float(), counts
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """`Trainer.prediction_step`; adds the batch's summed loss and labelled items to the evaluation tally."""
+        self._eval_step = None
+        result = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        if self._eval_tally is not None and self._eval_step is not None:
+            per_example = torch.stack(self._eval_step, 1)  # (B, 2): summed loss, labelled items
+            # gather_for_metrics drops the examples accelerate repeats to even out the last batch across processes,
+            # so each example counts once; every process gathers, so every process holds the whole tally.
+            gathered = self.gather_function(per_example)  # (examples of this step in all processes, 2)
+            self._eval_tally += gathered.sum(0).double().cpu()
+        return result
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix: str = "eval"):
+        """`Trainer.evaluation_loop` whose ``<prefix>_loss`` is weighted by labelled items: the loss summed over
+        every labelled item of the dataset, each example once, divided by their number, the same for any batch
+        size and process count. With a ``compute_loss_func`` or label smoothing the stock loss is kept."""
+        self._eval_tally = torch.zeros(2, dtype=torch.float64)
+        try:
+            output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                             metric_key_prefix)
+            total, items = self._eval_tally.tolist()
+        finally:
+            self._eval_tally, self._eval_step = None, None
+        key = f"{metric_key_prefix}_loss"
+        if key in output.metrics and items > 0:
+            output.metrics[key] = total / items
+        return output
+
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
-        """`Trainer.evaluate` with epoch-independent MLM masks (comparable losses across checkpoints)."""
+        """`Trainer.evaluate` with epoch-independent MLM masks (comparable losses across checkpoints) and an
+        item-weighted loss (`evaluation_loop`)."""
         collator = self.data_collator
         saved = getattr(collator, "epoch", None)
         if hasattr(collator, "epoch"):
