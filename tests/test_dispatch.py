@@ -107,6 +107,15 @@ def test_kernel_is_a_runtime_setting_not_a_checkpoint_one(tmp_path):
         loaded.set_partial_implementation("cuda")
 
 
+def test_a_misspelt_kernel_is_refused_at_load(tmp_path):
+    # before: the folder loaded, and the first forward raised a bare KeyError 'partial_fussed' inside transformers
+    PartialBertModel(PartialBertConfig(**TINY)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"partial_implementation must be one of \('auto', .*got 'fussed'"):
+        AutoModel.from_pretrained(tmp_path, partial_implementation="fussed")
+    with pytest.raises(ValueError, match="got 'fussed'"):
+        PartialBertConfig.from_pretrained(tmp_path, partial_implementation="fussed")
+
+
 @pytest.mark.parametrize("exact", ["eager", "sdpa"])
 def test_exact_layers_keep_attn_implementation(exact, monkeypatch):
     seen = []

@@ -123,10 +123,7 @@ class PartialBertConfig(BertConfig):
             raise ValueError(
                 f"reconstruction must be one of {RECONSTRUCTION_MODES}, got {self.reconstruction!r}."
             )
-        if self.partial_implementation not in PARTIAL_IMPLEMENTATIONS:
-            raise ValueError(
-                f"partial_implementation must be one of {PARTIAL_IMPLEMENTATIONS}, got {self.partial_implementation!r}."
-            )
+        self._check_implementation()
         bad = [layer for layer in self.partial_layers if not 0 <= layer < self.num_hidden_layers]
         if bad:
             raise ValueError(
@@ -143,6 +140,12 @@ class PartialBertConfig(BertConfig):
                 f"(got is_decoder={self.is_decoder}, add_cross_attention={self.add_cross_attention})."
             )
 
+    def _check_implementation(self) -> None:
+        if self.partial_implementation not in PARTIAL_IMPLEMENTATIONS:
+            raise ValueError(
+                f"partial_implementation must be one of {PARTIAL_IMPLEMENTATIONS}, got {self.partial_implementation!r}."
+            )
+
     def validate_partial_attention(self):
         """Re-checked by `save_pretrained` (strict dataclass validators)."""
         self._check_partial_fields()
@@ -157,7 +160,11 @@ class PartialBertConfig(BertConfig):
         # Checkpoints written by 0.1.0 stored partial_implementation; the machine that loads them chooses it
         # (kwargs, e.g. from_pretrained(..., partial_implementation="dense"), still apply).
         config_dict = {key: value for key, value in config_dict.items() if key not in _NOT_SERIALIZED}
-        return super().from_dict(config_dict, **kwargs)
+        result = super().from_dict(config_dict, **kwargs)
+        # from_dict sets keyword overrides after __init__ validated the fields: check the one a loader may pass
+        # (`from_pretrained(folder, partial_implementation=...)`), or a typo would surface only in the first forward.
+        (result[0] if isinstance(result, tuple) else result)._check_implementation()
+        return result
 
 
 __all__ = ["PartialBertConfig", "RECONSTRUCTION_MODES", "PARTIAL_IMPLEMENTATIONS", "CHECKPOINT_FORMAT_VERSION"]
