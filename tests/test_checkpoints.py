@@ -119,8 +119,8 @@ def test_compile_fullgraph_and_export_match_eager(implementation):
         torch._dynamo.reset()
         compiled = torch.compile(model, fullgraph=True, backend="eager")  # fullgraph: a graph break is an error
         assert torch.equal(compiled(input_ids=ids, attention_mask=mask).last_hidden_state, ref)
-    exported = torch.export.export(model, (), {"input_ids": ids, "attention_mask": mask})
-    with torch.no_grad():
+    with torch.no_grad():  # exported for inference: the kernel's own no-grad path, bit-exact
+        exported = torch.export.export(model, (), {"input_ids": ids, "attention_mask": mask})
         assert torch.equal(exported.module()(input_ids=ids, attention_mask=mask).last_hidden_state, ref)
 
 
@@ -136,3 +136,71 @@ def test_onnx_export_runs_in_onnxruntime():
         ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
     out = program(input_ids=ids, attention_mask=mask)[0]  # runs the ONNX graph in onnxruntime
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("implementation", ["auto", "fused"])
+def test_exported_eval_model_runs_with_autograd_on(implementation):
+    # Exported as users call it (an eval model, autograd on): the program replays the kernel's ops under autograd,
+    # so it must not hold the in-place out= inference path (bmm(out=) refuses to run there).
+    torch.manual_seed(0)
+    model = PartialBertModel(PartialBertConfig(**TINY)).eval()
+    model.set_pattern(_pattern())
+    model.set_partial_implementation(implementation)
+    ids = torch.randint(1, 99, (2, 16), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 10:] = 0
+    exported = torch.export.export(model, (), {"input_ids": ids, "attention_mask": mask})
+    out = exported.module()(input_ids=ids, attention_mask=mask).last_hidden_state  # autograd on
+    ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=0)
+    out.sum().backward()  # and it differentiates, as the model does
+    grads = {name: p.grad for name, p in exported.module().named_parameters() if p.grad is not None}
+    assert grads, "no parameter received a gradient"
+    with torch.no_grad():  # and without autograd (the reference kernel's numbers: equal up to rounding)
+        torch.testing.assert_close(exported.module()(input_ids=ids, attention_mask=mask).last_hidden_state,
+                                   model(input_ids=ids, attention_mask=mask).last_hidden_state, atol=1e-6, rtol=0)
+
+
+def test_export_with_dynamic_shapes_by_input_name():
+    # transformers' documented call: keyword inputs named as BertModel.forward names them, a dynamic length
+    from torch.export import Dim
+
+    torch.manual_seed(0)
+    model = PartialBertModel(PartialBertConfig(**TINY)).eval()
+    model.set_pattern(_pattern())
+    model.set_partial_implementation("gather")  # the other kernels' tile sizes specialise on the length
+    ids = torch.randint(1, 99, (2, 12), generator=torch.Generator().manual_seed(1))
+    length = Dim("length", min=2, max=15)  # inputs shorter than n = 16 (a full-length input is its own graph)
+    with torch.no_grad():
+        exported = torch.export.export(model, (), {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                                       dynamic_shapes={"input_ids": {1: length}, "attention_mask": {1: length}})
+        short = ids[:, :7]
+        torch.testing.assert_close(exported.module()(input_ids=short, attention_mask=torch.ones_like(short))
+                                   .last_hidden_state, model(input_ids=short).last_hidden_state, atol=1e-6, rtol=0)
+
+
+def test_forward_keeps_bert_signature():
+    import inspect
+
+    from transformers import BertModel
+
+    for cls in (PartialBertModel,):
+        assert list(inspect.signature(cls.forward).parameters) == list(inspect.signature(BertModel.forward).parameters)
+        assert cls.main_input_name in inspect.signature(cls.forward).parameters
+
+
+@pytest.mark.parametrize("mode", ["fixed", "common", "per_layer"])
+def test_init_weights_sets_every_buffer_of_a_meta_device_model(mode):
+    # transformers' test_init_weights_can_init_buffers: big-model loading builds the model on the meta device,
+    # moves it with to_empty (garbage memory) and runs init_weights: every buffer must equal a direct build's.
+    config = dict(TINY, reconstruction=mode)
+    direct = PartialBertModel(PartialBertConfig(**config))
+    with torch.device("meta"):
+        meta = PartialBertModel(PartialBertConfig(**config))
+    meta.to_empty(device="cpu")
+    meta.init_weights()
+    built, initialised = dict(direct.named_buffers()), dict(meta.named_buffers())
+    assert sorted(built) == sorted(initialised)
+    assert [name for name in built if not torch.equal(built[name], initialised[name])] == []
+    pattern = meta.encoder.partial_pattern
+    assert pattern.block_rows == direct.encoder.partial_pattern.block_rows

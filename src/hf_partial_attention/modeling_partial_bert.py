@@ -148,6 +148,12 @@ class PartialBertPreTrainedModel(BertPreTrainedModel):
         if isinstance(module, PartialBertPattern):
             pattern = initial_for(self.config)
             init.copy_(module.indices, pattern.indices)
+            # The layout buffers are non-persistent: a model built on the meta device (big-model loading) gets them
+            # only here, derived from the P just installed.
+            layout = PatternLayout.from_indices(pattern.indices)
+            init.copy_(module.complement, layout.complement)
+            init.copy_(module.inverse_permutation, layout.inverse_permutation)
+            module.block_rows = layout.block_rows
             if getattr(module, "reconstruction", None) is not None:
                 init.copy_(module.reconstruction, pattern.reconstruction)
             if getattr(module, "reconstruction_bias", None) is not None:
@@ -314,19 +320,29 @@ class PartialBertModel(PartialBertPreTrainedModel, BertModel):
 
     _bert_class = BertModel
 
-    def forward(self, *args, **kwargs):
+    # BertModel's own signature, spelt out: torch.export binds keyword inputs to it, the Trainer reads it to keep
+    # the dataset's input columns, and transformers checks main_input_name against it.
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None, encoder_hidden_states: torch.Tensor | None = None,
+                encoder_attention_mask: torch.Tensor | None = None, cache=None, use_cache: bool | None = None,
+                **kwargs):
         """`BertModel.forward`. With ``output_attentions=True``, ``attentions[i]`` is layer i's map for every layer:
         exact layers run eager attention for that call (under sdpa or flash they return no map, which would shift
         the tuple to the partial layers only)."""
+        inputs = dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                      position_ids=position_ids, inputs_embeds=inputs_embeds,
+                      encoder_hidden_states=encoder_hidden_states, encoder_attention_mask=encoder_attention_mask,
+                      cache=cache, use_cache=use_cache, **kwargs)
         wants_maps = kwargs.get("output_attentions")
         if wants_maps is None:
             wants_maps = self.config.output_attentions
         previous = self.config._attn_implementation
         if not wants_maps or previous == "eager":
-            return super().forward(*args, **kwargs)
+            return super().forward(**inputs)
         self.config._attn_implementation = "eager"
         try:
-            return super().forward(*args, **kwargs)
+            return super().forward(**inputs)
         finally:
             self.config._attn_implementation = previous
 

@@ -278,8 +278,13 @@ def _interface_function(implementation: str) -> Callable:
             )
         layout, reconstruction, bias = tensors()
         training = needs_grad(query, key, value, reconstruction, bias)
-        kernel = PARTIAL_KERNELS[resolve_implementation(implementation, layout, query.shape[-1], reconstruction,
-                                                        training)]
+        if training and torch.compiler.is_exporting():
+            # An exported program keeps a kernel's forward ops, not its autograd.Function, and replays them under
+            # autograd: only the reference kernel's out-of-place ops run there (in-place `out=` ops refuse to).
+            kernel = PARTIAL_KERNELS["gather"]
+        else:
+            kernel = PARTIAL_KERNELS[resolve_implementation(implementation, layout, query.shape[-1], reconstruction,
+                                                            training)]
         return kernel(module, query, key, value, attention_mask, layout, reconstruction, bias,
                       module.scaling if scaling is None else scaling, dropout, need_weights=need_weights)
 
