@@ -52,10 +52,12 @@ def test_save_pretrained_merges_a_users_auto_map(tmp_path):
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "golden")
 
 
+@pytest.mark.parametrize("version", ["0.1.0", "0.2.0"])
 @pytest.mark.parametrize("mode", ["fixed", "common", "per_layer"])
-def test_checkpoints_of_version_0_1_0_load_bit_exactly(mode):
-    """Tiny checkpoints written by hf-partial-attention 0.1.0 (tests/data/golden/make_golden.py): same P, R, logits."""
-    folder = os.path.join(GOLDEN, f"v0.1.0-{mode}")
+def test_checkpoints_of_earlier_versions_load_bit_exactly(version, mode):
+    """Tiny checkpoints written by hf-partial-attention 0.1.0 and 0.2.0 (tests/data/golden/make_golden.py, run with
+    that release's code): same P, R, logits."""
+    folder = os.path.join(GOLDEN, f"v{version}-{mode}")
     model = AutoModelForMaskedLM.from_pretrained(folder).eval()
     ref = torch.load(os.path.join(folder, "reference.pt"))
     with torch.no_grad():

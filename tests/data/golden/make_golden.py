@@ -1,4 +1,7 @@
-"""Write tiny PartialBert checkpoints with the pre-refactor code, one per R mode, plus reference outputs."""
+"""Write tiny PartialBert checkpoints with one release's code, one per R mode, plus reference outputs.
+
+v0.1.0-*: written by 0.1.0; v0.2.0-*: by 0.2.0 (commit 4085891), before the attention path became one package.
+Only config.json, model.safetensors and reference.pt are kept (the copied modeling code is not)."""
 import sys, torch, json
 import hf_partial_attention as hpa
 from hf_partial_attention import PartialBertConfig, PartialBertForMaskedLM, PartialBertModel
