@@ -30,3 +30,18 @@ def test_render_sections():
     for piece in ("headline", "## Spectra: analyze", "## Patterns: derive_per_query", "**Budget k = 2**",
                   "| greedy P + R | k=2 | 0.9000 | 0.1000 | 0.1200 | 0.2000 |", "- a note"):
         assert piece in md
+
+
+def test_pattern_table_shows_heldout_and_rows_off_the_curve():
+    """A row kept from an earlier derive (k = 3, not on this run's curve) still shows its cost and file."""
+    section = {"scope": "per_query", "seq_len": 4, "head_dim": 8, "figures": {},
+               "patterns": [{"k": 2, "k_bar": 8, "path": "patterns/a_k2.safetensors", "predicted": 0.1,
+                             "heldout": 0.125, "relative_cost": 0.75},
+                            {"k": 3, "k_bar": 12, "path": "patterns/a_k3.safetensors", "predicted": 0.05,
+                             "relative_cost": 0.5}],
+               "curves": [{"scope": "per_query", "seq_len": 4, "k": [2], "k_bar": [8], "greedy": [0.1],
+                           "eigen": [0.0625]}]}
+    md = render_report({"derive_x": section})
+    assert "| predicted normalised error | held-out |" in md
+    assert "| 2 | 8 | 0.7500 | 0.1000 | 0.1250 | 0.0625 | patterns/a_k2.safetensors |" in md
+    assert "| 3 | 12 | 0.5000 | 0.0500 | – | – | patterns/a_k3.safetensors |" in md

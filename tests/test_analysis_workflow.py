@@ -8,6 +8,7 @@ import torch
 
 from hf_partial_attention import AttentionPattern
 from hf_partial_attention.analysis.corpus import default_texts
+from hf_partial_attention.analysis.report import _fmt
 from hf_partial_attention.analysis.workflow import analyze, convert, derive
 
 
@@ -45,6 +46,11 @@ def test_derive_per_query_with_heldout_baselines(analysed):
     report = open(os.path.join(out, "report.md")).read()
     assert "Held-out reconstruction error" in report and "**Budget k = 4**" in report
     assert "derive_per_query" in json.load(open(os.path.join(out, "results.json")))
+    # each file records its measured held-out error, shown beside the predicted one in the report's pattern table
+    for row, m in zip(result["patterns"], greedy):
+        saved = AttentionPattern.load(row["path"])
+        assert saved.heldout_error == m["heldout"] == row["heldout"] and saved.metadata["heldout_windows"] == 4
+        assert f"| {_fmt(m['predicted'])} | {_fmt(m['heldout'])} |" in report
 
 
 def test_derive_whole(analysed):
@@ -192,3 +198,42 @@ def test_paper_preset_at_a_tiny_n(tiny_bert_dir, tmp_path, monkeypatch):
         assert f"figures/{figure}.png" in report, figure
         assert (results / "figures" / f"{figure}.png").is_file()
     assert str(tmp_path) not in report and "Across training" in report and "skipped" in report
+
+
+def test_fit_size_warning_rule(analysed, caplog):
+    from hf_partial_attention.analysis.workflow import MIN_WINDOWS_PER_POSITION, fit_size_warning
+
+    assert MIN_WINDOWS_PER_POSITION == 1  # the rule docs/analysis.md states: at least n windows
+    assert fit_size_warning(16, 16) is None and fit_size_warning(128, 128) is None
+    assert "Fitted on 15 window(s) at n=16, fewer than 16" in fit_size_warning(15, 16)
+    out, _ = analysed  # 12 windows at n = 16: derive says so
+    with caplog.at_level("WARNING", logger="hf_partial_attention"):
+        derive(out, [2], "per_query", evaluate=False, section="fit_size")
+    assert any("Fitted on 12 window(s) at n=16, fewer than 16" in r.getMessage() for r in caplog.records)
+
+
+def test_analyze_warns_on_too_few_windows(tiny_bert_dir, tmp_path, caplog):
+    small = dict(seq_len=16, heldout_every=0, progress=False, max_k=8)
+    with caplog.at_level("WARNING", logger="hf_partial_attention"):
+        analyze(tiny_bert_dir, default_texts()[:6], str(tmp_path / "a"), max_sequences=4, **small)
+    assert [r.getMessage()[:40] for r in caplog.records] == ["Fitted on 4 window(s) at n=16, fewer tha"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hf_partial_attention"):
+        analyze(tiny_bert_dir, default_texts()[:6], str(tmp_path / "b"), max_sequences=16, **small)
+    assert not any("Fitted on" in r.getMessage() for r in caplog.records)  # n windows at n = 16: enough
+
+
+def test_failed_analyze_leaves_no_empty_folder(tiny_bert_dir, tmp_path):
+    seq_long = tmp_path / "too_long"
+    with pytest.raises(ValueError, match="pass --seq-len 64 or less"):  # the tiny model has 64 positions
+        analyze(tiny_bert_dir, default_texts()[:3], str(seq_long), seq_len=100, progress=False)
+    assert not seq_long.exists()
+    short = tmp_path / "short_text"  # fails inside the collection: no window of 16 tokens in one word
+    with pytest.raises(ValueError, match="No text is long enough"):
+        analyze(tiny_bert_dir, ["word"], str(short), seq_len=16, heldout_every=0, progress=False)
+    assert not short.exists()
+    existing = tmp_path / "existing"  # a folder the user made stays
+    existing.mkdir()
+    with pytest.raises(ValueError, match="No text is long enough"):
+        analyze(tiny_bert_dir, ["word"], str(existing), seq_len=16, heldout_every=0, progress=False)
+    assert existing.is_dir()

@@ -96,6 +96,44 @@ def test_load_rejects_foreign_files(tmp_path):
         AttentionPattern.load(tmp_path / "missing.safetensors")
 
 
+FIX = "written by `hf-partial-attention derive`"  # every load error says what a right file is
+
+
+def test_load_names_the_file_and_the_fix_for_files_that_are_not_patterns(tmp_path):
+    junk = tmp_path / "junk.safetensors"
+    junk.write_text("not a safetensors file at all")  # its first 8 bytes read as a huge header length
+    with pytest.raises(ValueError) as err:
+        AttentionPattern.load(junk)
+    message = str(err.value)
+    assert str(junk) in message and "not a safetensors file" in message and FIX in message
+    assert "SafetensorError" not in type(err.value).__name__
+    (tmp_path / "empty.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        AttentionPattern.load(tmp_path / "empty.safetensors")
+    with pytest.raises(FileNotFoundError, match=r"found a folder.*" + FIX.replace("`", ".")):
+        AttentionPattern.load(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"missing\.safetensors' \(found nothing\)"):
+        AttentionPattern.load(tmp_path / "missing.safetensors")
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "f.safetensors"))
+    with pytest.raises(ValueError, match=r"but not a pattern file .*" + FIX.replace("`", ".")):
+        AttentionPattern.load(tmp_path / "f.safetensors")
+
+
+def test_load_names_the_file_of_a_damaged_pattern(tmp_path):
+    import json
+
+    header = {"format_version": "1", "scope": "per_query", "seq_len": 6, "k": 2, "metadata": {}}
+    meta = {"hf_partial_attention": json.dumps(header)}
+    save_file({"indices": make().indices}, str(tmp_path / "no_r.safetensors"), metadata=meta)
+    with pytest.raises(ValueError, match=r"no_r\.safetensors' is a damaged pattern file: it lacks \['reconstruction"):
+        AttentionPattern.load(tmp_path / "no_r.safetensors")
+    p = make()
+    narrow = p.reconstruction[:, :1].contiguous()  # R (6, 1, 2) for P (6, 2): the constructor's check, file named
+    save_file({"indices": p.indices, "reconstruction": narrow}, str(tmp_path / "bad.safetensors"), metadata=meta)
+    with pytest.raises(ValueError, match=r"bad\.safetensors' holds an invalid pattern: reconstruction must have shape"):
+        AttentionPattern.load(tmp_path / "bad.safetensors")
+
+
 def test_load_checks_the_format_version(tmp_path):
     import json
 
@@ -110,3 +148,12 @@ def test_load_checks_the_format_version(tmp_path):
     save_file(tensors, str(tmp_path / "new.safetensors"), metadata={"hf_partial_attention": json.dumps(header)})
     with pytest.raises(ValueError, match="format version 2; this version of hf-partial-attention reads version 1"):
         AttentionPattern.load(tmp_path / "new.safetensors")
+
+
+def test_repr_shows_the_heldout_error_beside_the_predicted_one():
+    p = make()
+    assert repr(p).endswith("bias=False)") and p.heldout_error is None
+    p.metadata.update(normalized_error=0.094, heldout_normalized_error=0.375)
+    assert p.heldout_error == 0.375
+    assert repr(p) == ("AttentionPattern(scope='per_query', seq_len=6, k=2, bias=False, "
+                       "normalized_error=0.094 (held-out 0.375))")

@@ -1,10 +1,11 @@
 """Model cards for PartialBert checkpoints, built with `huggingface_hub.ModelCard`.
 
-`PartialBertPreTrainedModel.save_pretrained` writes one (``README.md``) when the folder has none; the training
-scripts rewrite it with evaluation results. A card's front matter holds ``library_name``, ``tags``,
-``pipeline_tag``, ``base_model``, ``datasets``, ``metrics`` and, with results, a ``model-index``; its body says
-what P and R are, k, the attention-cost saving and its formula, where the pattern came from, the results and
-how to load the model.
+`PartialBertPreTrainedModel.save_pretrained` writes one (``README.md``) when the folder has none; ``convert``
+writes one with the conversion's provenance; the training scripts rewrite it with evaluation results. A card's
+front matter holds ``library_name``, ``tags``, ``pipeline_tag``, ``base_model`` (Hub ids only), ``datasets``,
+``metrics`` and, with results, a ``model-index``; its body says what P and R are, k, the attention-cost saving and
+its formula, where the pattern came from, the results, how it was trained (or that it was converted and not
+retrained) and how to load the folder. Its sections' text is in `model_card_text`.
 
 Imported by `hub` (card on save and push); not part of the remote-code bundle.
 """
@@ -17,25 +18,53 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from .cost import score_cost
+from .model_card_text import PLACEHOLDER, loading_section, partial_section, provenance_section, training_section
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_model_card", "write_model_card", "validate_card_metadata", "CARD_TAGS"]
+__all__ = ["build_model_card", "write_model_card", "validate_card_metadata", "conversion_record", "CARD_TAGS",
+           "SENTENCE_TRANSFORMERS_TAGS"]
 
 CARD_TAGS = ["partial-attention", "attention-reconstruction", "bert", "custom_code"]
+# what sentence-transformers' own cards carry (sentence_transformers.base.model_card), plus transformers: the folder
+# loads with AutoModel as well
+SENTENCE_TRANSFORMERS_TAGS = ["sentence-transformers", "sentence-similarity", "feature-extraction", "transformers"]
 PAPER = "Eigen Analysis of Self-Attention and its Reconstruction from Partial Computation"
 ARXIV = "https://arxiv.org/abs/2106.08823"
 _PIPELINES = {"MaskedLM": "fill-mask", "SequenceClassification": "text-classification",
               "TokenClassification": "token-classification", "QuestionAnswering": "question-answering"}
 _AUTO = {"fill-mask": "AutoModelForMaskedLM", "text-classification": "AutoModelForSequenceClassification",
          "token-classification": "AutoModelForTokenClassification",
-         "question-answering": "AutoModelForQuestionAnswering", "feature-extraction": "AutoModel"}
+         "question-answering": "AutoModelForQuestionAnswering", "feature-extraction": "AutoModel",
+         "sentence-similarity": "AutoModel"}
 _REQUIRED = ("library_name", "tags", "pipeline_tag")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt")
+# the pattern metadata (selection._fit_metadata, select_patterns, derive) a conversion record keeps
+_RECORDED = {"scope": "scope", "method": "method", "family": "family", "objective": "objective",
+             "covariance": "covariance", "num_sequences": "num_sequences", "layer": "layer", "head": "head",
+             "normalized_error": "predicted_normalized_error",
+             "heldout_normalized_error": "heldout_normalized_error", "heldout_windows": "heldout_windows"}
 
 
-def _pipeline(model) -> str:
+def conversion_record(pattern, pattern_path: str | os.PathLike, source_model: str,
+                      command: str | None = None) -> dict[str, Any]:
+    """What a card says of a converted checkpoint's pattern, from the pattern and its file's metadata.
+
+    ``source_model`` names the model the pattern was derived on (a Hub id, or a folder's name: never a path of
+    this machine). `convert` stores the record as ``config.partial_conversion``, so every later card of the
+    checkpoint (a push, a trainer's) still says where P and R came from.
+    """
+    meta = pattern.metadata
+    record = {"pattern_file": os.path.basename(os.fspath(pattern_path)), "seq_len": pattern.seq_len, "k": pattern.k,
+              "source_model": source_model, "command": command}
+    record.update({out: meta[key] for key, out in _RECORDED.items() if meta.get(key) is not None})
+    return record
+
+
+def _pipeline(model, sentence_transformers: bool) -> str:
     name = type(model).__name__
+    if sentence_transformers and not any(name.endswith(f"For{suffix}") for suffix in _PIPELINES):
+        return "sentence-similarity"
     return next((tag for suffix, tag in _PIPELINES.items() if name.endswith(f"For{suffix}")), "feature-extraction")
 
 
@@ -58,53 +87,36 @@ def _results_table(results: list[EvalResult]) -> str:
     return "\n".join(rows)
 
 
-def _exact_layers_phrase(layers: list[int], total: int) -> str:
-    exact = [layer for layer in range(total) if layer not in layers]
-    if exact == [total - 1]:
-        return "the last layer stays exact, as in the paper"
-    if not exact:
-        return "every layer is partial; the paper keeps the last layer exact"
-    return f"layers {exact} stay exact; the paper keeps only the last layer exact"
+def _as_list(value: str | list[str] | None) -> list[str]:
+    return [value] if isinstance(value, str) else list(value or [])
 
 
-def _partial_section(config, prefix: str) -> str:
-    n, k = config.partial_seq_len, config.partial_k
-    layers, total = list(config.partial_layers), config.num_hidden_layers
-    d_head = config.hidden_size // config.num_attention_heads
-    cost = score_cost(n, k, d_head).per_query(n)  # one query row: k·d_h exact, (n−k)·k reconstructed
-    model_saving = cost.saving * len(layers) / total
-    mode = {
-        "fixed": f"fixed: a buffer `{prefix}encoder.partial_pattern.reconstruction`, never trained",
-        "common": f"common: one trainable tensor `{prefix}encoder.partial_pattern.reconstruction` shared by all "
-                  "partial layers",
-        "per_layer": f"per layer: a trainable tensor `{prefix}encoder.layer.{{l}}.attention.self.reconstruction` "
-                     "for each partial layer l",
-    }[config.reconstruction]
-    bias = " plus a per-query bias b_i" if config.partial_use_bias else ""
-    return f"""## Partial attention: P and R
+def _base_line(hub_bases: list[str], local_bases: list[str], record: dict[str, Any] | None) -> str:
+    """The body's sentence on the base model (the metadata holds Hub ids only)."""
+    if hub_bases:
+        links = ", ".join(f"[{b}](https://huggingface.co/{b})" for b in hub_bases)
+        return f"Base model: {links}.\n"
+    if local_bases:  # a path of the machine that wrote the card: its folder's name only
+        names = ", ".join(f"`{os.path.basename(os.path.normpath(b))}`" for b in local_bases)
+        return f"Base model: the local checkpoint {names}, which names no Hub repo (`base_model` is left out).\n"
+    if record:
+        source = f" (`{record['source_model']}`)" if record.get("source_model") else ""
+        return (f"Base model: no Hub id is recorded for the source{source}, so `base_model` is left out of the "
+                "metadata (`hf-partial-attention analyze --model-id <org/name>` records one).\n")
+    return ""
 
-In layers {layers} (of {total}; {_exact_layers_phrase(layers, total)}), query i computes the exact
-pre-softmax scores `a_ij = q_i·k_j / sqrt(d_h)` only for the **k = {k}** keys j in its set **P_i** (of n = {n}
-positions) and reconstructs the other n − k = {n - k} scores linearly, `a_(P̄_i) = R_i a_(P_i)`{bias}, before the
-padding mask and the softmax.
 
-- **P**: `{prefix}encoder.partial_pattern.indices`, an int64 buffer of shape (n, k) = ({n}, {k}), shared by all
-  partial layers and heads; it never changes during training.
-- **R**: shape (n, n − k, k) = ({n}, {n - k}, {k}); {mode}.
-- Inputs must have at most n = {n} tokens; shorter inputs behave as if padded with zero scores.
-
-## Attention cost
-
-Multiply-adds of the scores QKᵀ per query and head: exact part `k·d_h`, reconstruction `(n − k)·k`, dense
-`n·d_h`, so
-
-    saving = 1 − (k·d_h + (n − k)·k) / (n·d_h)
-
-Here n = {n}, k = {k}, d_h = {d_head}: {cost.total} instead of {cost.dense}
-multiply-adds, a saving of **{100 * cost.saving:.1f} %** in each partial layer, {100 * model_saving:.1f} % of
-the model's QKᵀ over all {total} layers. Softmax and the product with V are unchanged; wall-clock gains depend
-on the kernel.
-"""
+def _title(model_name: str | None, config, bases: list[str], record: dict[str, Any] | None) -> str:
+    """The model's own name: given, else the folder it was loaded from, else its source's with k."""
+    if model_name:
+        return model_name
+    loaded = os.path.basename(os.path.normpath(str(getattr(config, "_name_or_path", "") or "")))
+    if loaded and loaded != ".":
+        return loaded
+    source = (bases[0] if bases else (record or {}).get("source_model")) or ""
+    if source and getattr(config, "model_type", None) == "partial_bert":
+        return f"{os.path.basename(os.path.normpath(source))} with partial attention (k = {config.partial_k})"
+    return "partial-bert"
 
 
 def build_model_card(
@@ -120,57 +132,76 @@ def build_model_card(
     language: str | list[str] | None = "en",
     tags: list[str] | None = None,
     repo_id: str | None = None,
+    untrained_conversion: bool = False,
+    sentence_transformers: bool = False,
+    tokenizer_saved: bool | None = None,
 ) -> ModelCard:
     """A model card for a PartialBert (or, for baselines, a plain BERT) model.
 
     Args:
-        model: the model; its config gives n, k, d_h, the partial layers and the R mode.
-        model_name: the card's title and the model-index name (default: the config's ``_name_or_path``).
+        model: the model; its config gives n, k, d_h, the partial layers, the R mode and, for a checkpoint written
+            by ``convert``, the conversion record (``partial_conversion``, see `conversion_record`).
+        model_name: the card's title and the model-index name (default: the folder it was loaded from, else
+            "<source model> with partial attention (k = k)").
         base_model: Hub id(s) of the checkpoint it was converted or fine-tuned from (default: the config's
-            ``partial_base_model``, set by `from_bert`); local paths are named in the body only.
+            ``partial_base_model``); local paths are named in the body only, by their folder's name.
         datasets: Hub ids of the training data (or short names of local data).
-        pattern_source: where P and R came from (a pattern file and its derivation, "the checkpoint", ...).
+        pattern_source: where P and R came from (default: from the conversion record, else "not recorded").
         eval_results: `EvalResult` objects or their keyword dicts (``task_type``, ``dataset_type``,
             ``dataset_name``, ``metric_type``, ``metric_value``, optional ``dataset_config``, ``dataset_split``,
             ``metric_name``).
-        training_details: a Markdown paragraph on how it was trained (data, steps, command).
-        repo_id: shown in the loading snippet (default: a placeholder path).
+        training_details: a Markdown paragraph on how it was trained (data, steps, command); a trainer's card
+            gives it, and the card then no longer calls the checkpoint an untrained conversion.
+        repo_id: shown in the loading snippets (default: a placeholder path, ``path/to/this/folder``).
+        untrained_conversion: the card is written by ``convert``, before any training: it says "converted, not
+            retrained" (the paper finds such a model performs poorly).
+        sentence_transformers: the folder also holds sentence-transformers modules: the card takes their library
+            name, pipeline tag and tags, and a SentenceTransformer snippet.
+        tokenizer_saved: whether the folder holds a tokenizer (None: unknown); when False the card says how to
+            add one, since its snippets load it from the folder.
     """
     config = model.config
-    if base_model is None:  # recorded by from_bert
+    record = getattr(config, "partial_conversion", None) or None
+    if base_model is None:  # recorded by from_bert / convert
         base_model = getattr(config, "partial_base_model", None)
-    local_bases = [b for b in ([base_model] if isinstance(base_model, str) else base_model or []) if os.path.exists(b)]
-    if local_bases:  # the Hub's base_model must name Hub repos: local folders go to the body only
-        base_model = [b for b in ([base_model] if isinstance(base_model, str) else base_model) if b not in local_bases]
-        base_model = base_model or None
-        training_details = (training_details or "") + f" Started from the local checkpoint(s) {local_bases}."
-    name = model_name or os.path.basename(str(getattr(config, "_name_or_path", "") or "").rstrip("/")) or "partial-bert"
-    pipeline = _pipeline(model)
+    bases = _as_list(base_model)
+    local_bases = [b for b in bases if os.path.exists(b) or os.path.isabs(b)]
+    hub_bases = [b for b in bases if b not in local_bases]  # the Hub's base_model must name Hub repos
+    name = _title(model_name, config, hub_bases + local_bases, record)
+    pipeline = _pipeline(model, sentence_transformers)
     results = _eval_results(eval_results)
     partial = getattr(config, "model_type", None) == "partial_bert"
-    card_tags = list(dict.fromkeys([*(CARD_TAGS if partial else ["bert", "partial-attention-baseline"]),
+    ours = CARD_TAGS if partial else ["bert", "partial-attention-baseline"]
+    card_tags = list(dict.fromkeys([*ours, *(SENTENCE_TRANSFORMERS_TAGS if sentence_transformers else []),
                                     pipeline, *(tags or [])]))
     data = ModelCardData(
-        library_name="transformers", tags=card_tags, pipeline_tag=pipeline, base_model=base_model,
+        library_name="sentence-transformers" if sentence_transformers else "transformers", tags=card_tags,
+        pipeline_tag=pipeline, base_model=(hub_bases[0] if len(hub_bases) == 1 else hub_bases) or None,
         datasets=datasets, metrics=sorted({r.metric_type for r in results}) or None, license=license,
         language=language, model_name=name, eval_results=results or None,
     )
     if partial:
         prefix = f"{model.base_model_prefix}." if model.base_model_prefix in model._modules else ""
-        method = _partial_section(config, prefix)
-        source = pattern_source or "not recorded"
+        method = partial_section(config, prefix)
+        source = pattern_source or (provenance_section(record) if record else "not recorded")
     else:
         method = ("## Exact attention\n\nThis is an exact-attention BERT, the baseline of a partial-attention "
                   "comparison: every score is computed (k = n, no saving).\n")
         source = pattern_source or "none (exact attention)"
-    auto = _AUTO[pipeline]
-    where = repo_id or "path/to/this/folder"
+    base_name = f"`{hub_bases[0]}`" if hub_bases else (f"`{record['source_model']}`" if record and
+                                                       record.get("source_model") else "the source model")
+    status = ("\n**Converted, not retrained**: see Training below before using it.\n"
+              if untrained_conversion and not training_details else "")
+    loading = loading_section(_AUTO[pipeline], repo_id or PLACEHOLDER, hub=repo_id is not None,
+                              sentence_transformers=sentence_transformers, tokenizer_saved=tokenizer_saved,
+                              tokenizer_hint=hub_bases[0] if hub_bases else None)
     body = f"""
 # {name}
 
 A BERT{' with **partial attention**' if partial else ''} made with `hf-partial-attention`, a HuggingFace
 Transformers plugin implementing Bhojanapalli et al. (2021), *{PAPER}* ({ARXIV}).
-
+{status}
+{_base_line(hub_bases, local_bases, record)}
 {method}
 ## Where the pattern came from
 
@@ -182,21 +213,11 @@ Transformers plugin implementing Bhojanapalli et al. (2021), *{PAPER}* ({ARXIV})
 
 ## Training
 
-{training_details or 'Not recorded.'}
+{training_section(training_details, record if partial else None, untrained_conversion, base_name)}
 
 ## How to load
 
-```python
-import hf_partial_attention  # registers `partial_bert` with the Auto classes
-from transformers import {auto}, AutoTokenizer
-
-model = {auto}.from_pretrained("{where}")
-tokenizer = AutoTokenizer.from_pretrained("{where}")
-```
-
-Without the plugin installed, the modeling code saved next to the weights loads it:
-`{auto}.from_pretrained("{where}", trust_remote_code=True)`.
-
+{loading}
 ## Citation
 
 ```bibtex
@@ -237,10 +258,16 @@ def validate_card_metadata(card: ModelCard) -> None:
 
 
 def write_model_card(model, save_directory: str | os.PathLike, overwrite: bool = False, **card_kwargs) -> str | None:
-    """Write ``README.md`` into `save_directory` (kept if it exists, unless `overwrite`); returns its path or None."""
-    path = os.path.join(os.fspath(save_directory), "README.md")
+    """Write ``README.md`` into `save_directory` (kept if it exists, unless `overwrite`); returns its path or None.
+
+    Unless given, ``sentence_transformers`` and ``tokenizer_saved`` (`build_model_card`) are read from the folder:
+    sentence-transformers modules (``modules.json``) and tokenizer files there."""
+    folder = os.fspath(save_directory)
+    path = os.path.join(folder, "README.md")
     if os.path.exists(path) and not overwrite:
         logger.info("%s exists: model card not written (pass overwrite=True to replace it).", path)
         return None
+    card_kwargs.setdefault("sentence_transformers", os.path.isfile(os.path.join(folder, "modules.json")))
+    card_kwargs.setdefault("tokenizer_saved", any(os.path.isfile(os.path.join(folder, f)) for f in _TOKENIZER_FILES))
     build_model_card(model, **card_kwargs).save(path)
     return path

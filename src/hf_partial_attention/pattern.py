@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .reconstruction import complement_indices, local_prior
@@ -22,23 +22,39 @@ __all__ = ["AttentionPattern", "PATTERN_FORMAT_VERSION", "open_tagged_file"]
 PATTERN_FORMAT_VERSION = "1"
 SCOPES = ("per_query", "whole")
 _META_KEY = "hf_partial_attention"
+_EXPECTED = ("a pattern file written by `hf-partial-attention derive` (<out>/patterns/per_query_k<k>.safetensors) "
+             "or by AttentionPattern.save")
 
 
 @contextlib.contextmanager
-def open_tagged_file(path: str | os.PathLike, meta_key: str, what: str, format_version: str) -> Iterator[tuple]:
+def open_tagged_file(path: str | os.PathLike, meta_key: str, what: str, format_version: str,
+                     expected: str | None = None) -> Iterator[tuple]:
     """Open a safetensors file whose JSON header sits under ``meta_key``; yields ``(header, handle)``.
 
-    Raises FileNotFoundError for a missing file, ValueError for a file of another kind or of a format version this
-    code does not read (both name the file, what was found and the fix).
+    Raises FileNotFoundError for a missing file, ValueError for a file that is not safetensors, of another kind or
+    of a format version this code does not read (each names the file, what was found and the fix). ``expected``
+    says what a right file is and where it comes from (default: "a {what} file written by hf-partial-attention").
     """
     path = os.fspath(path)
+    expected = expected or f"a {what} file written by hf-partial-attention"
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"No {what} file at {path!r}.")
-    with safe_open(path, framework="pt") as f:
+        found = "a folder" if os.path.isdir(path) else "nothing"
+        raise FileNotFoundError(f"No {what} file at {path!r} (found {found}); pass {expected}.")
+    try:
+        handle = safe_open(path, framework="pt")
+    except SafetensorError as err:  # another kind of file: the Rust error speaks of headers, not of the fix
+        raise ValueError(f"{path!r} is not a {what} file: it is not a safetensors file ({err}). "
+                         f"Pass {expected}.") from err
+    with handle as f:
         meta = f.metadata() or {}
         if meta_key not in meta:
-            raise ValueError(f"{path!r} is a safetensors file but not a {what} file (no {meta_key!r} header).")
-        header = json.loads(meta[meta_key])
+            raise ValueError(f"{path!r} is a safetensors file but not a {what} file (no {meta_key!r} header). "
+                             f"Pass {expected}.")
+        try:
+            header = json.loads(meta[meta_key])
+        except ValueError as err:
+            raise ValueError(f"{path!r}: the {meta_key!r} header is not valid JSON ({err}); write the {what} "
+                             "file again.") from err
         found = str(header.get("format_version"))
         if found != format_version:
             raise ValueError(f"{path!r} is a {what} file of format version {found}; this version of "
@@ -135,6 +151,13 @@ class AttentionPattern:
         value = self.metadata.get("normalized_error")
         return None if value is None else float(value)
 
+    @property
+    def heldout_error(self) -> float | None:
+        """Normalised error measured on held-out windows (``metadata["heldout_normalized_error"]``, written by
+        `derive`), or None when not measured."""
+        value = self.metadata.get("heldout_normalized_error")
+        return None if value is None else float(value)
+
     def _validate(self) -> None:
         l, k = self.size, self.k
         if k < 1 or k > l:
@@ -197,13 +220,23 @@ class AttentionPattern:
     @classmethod
     def load(cls, path: str | os.PathLike) -> "AttentionPattern":
         """Read a file written by `save` (validated again on load)."""
-        with open_tagged_file(path, _META_KEY, "pattern", PATTERN_FORMAT_VERSION) as (header, f):
+        path = os.fspath(path)
+        with open_tagged_file(path, _META_KEY, "pattern", PATTERN_FORMAT_VERSION, expected=_EXPECTED) as (header, f):
             tensors = {name: f.get_tensor(name) for name in f.keys()}
-        return cls(tensors["indices"], tensors["reconstruction"], tensors.get("bias"), scope=header["scope"],
-                   seq_len=header["seq_len"], metadata=header.get("metadata", {}))
+        missing = [name for name in ("indices", "reconstruction") if name not in tensors]
+        missing += [key for key in ("scope", "seq_len") if key not in header]
+        if missing:
+            raise ValueError(f"{path!r} is a damaged pattern file: it lacks {missing}. Pass {_EXPECTED}.")
+        try:
+            return cls(tensors["indices"], tensors["reconstruction"], tensors.get("bias"), scope=header["scope"],
+                       seq_len=header["seq_len"], metadata=header.get("metadata", {}))
+        except (ValueError, TypeError) as err:  # name the file: the checks speak of tensors only
+            raise type(err)(f"{path!r} holds an invalid pattern: {err}") from err
 
     def __repr__(self) -> str:
-        err = self.normalized_error
+        err, held = self.normalized_error, self.heldout_error
         err_s = "" if err is None else f", normalized_error={err:.4g}"
+        if held is not None:  # the predicted error alone can flatter a pattern fitted on little text
+            err_s += f" (held-out {held:.4g})" if err is not None else f", heldout_error={held:.4g}"
         return (f"AttentionPattern(scope={self.scope!r}, seq_len={self.seq_len}, k={self.k}, "
                 f"bias={self.bias is not None}{err_s})")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
 from typing import Any
 
 import torch
@@ -16,7 +18,15 @@ from .distributed import process_info, reduce_covariance
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["collect_covariance", "load_model_and_tokenizer", "run_windows", "prepare_windows", "model_shape"]
+__all__ = ["collect_covariance", "load_model_and_tokenizer", "run_windows", "prepare_windows", "model_shape",
+           "display_name", "hub_id"]
+
+# "name" or "org/name" (https://huggingface.co/docs/hub/repositories: letters, digits, "-", "_", ".")
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+# the folder huggingface_hub downloads a repo into: <cache>/models--<org>--<name>/snapshots/<commit>
+_CACHE_SNAPSHOT = re.compile(r"models--(?P<repo>[^/\\]+)[/\\]snapshots[/\\][^/\\]+[/\\]?$")
+# sentence-transformers cards show how to load the model by its id: SentenceTransformer("org/name")
+_ST_SNIPPET = re.compile(r"""SentenceTransformer\(\s*["']([^"'\s]+/[^"'\s]+)["']""")
 
 
 def load_model_and_tokenizer(model: Any, tokenizer: Any = None, load_tokenizer: bool = True):
@@ -49,6 +59,50 @@ def display_name(model: Any) -> str:
         path = os.fspath(model)
         return os.path.basename(os.path.normpath(path)) if os.path.exists(path) else path
     return getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
+
+
+def _looks_like_hub_id(name: Any) -> bool:
+    return (isinstance(name, str) and bool(_HUB_ID.fullmatch(name)) and not os.path.exists(name)
+            and not name.endswith(".") and ".." not in name)
+
+
+def hub_id(model: Any) -> str | None:
+    """The Hub id of a model source, or None when it records none.
+
+    ``model`` is a Hub id (returned as it is), a local folder or a loaded model (its config's ``_name_or_path``).
+    A folder is named by, in this order: the Hub cache layout it sits in (``models--org--name/snapshots/…``); for a
+    sentence-transformers folder, the id its own card loads (``SentenceTransformer("org/name")`` in ``README.md``),
+    since its ``config.json`` names the transformer it was trained from (all-MiniLM-L6-v2's names
+    ``nreimers/MiniLM-L6-H384-uncased``); else the ``_name_or_path`` its ``config.json`` records, when that is a
+    Hub id and not a path. The folder's own name is never taken for an id: it names no Hub repo.
+    """
+    if not isinstance(model, (str, os.PathLike)):
+        name = getattr(getattr(model, "config", None), "_name_or_path", "")
+        return hub_id(name) if name else None
+    path = os.fspath(model)
+    if not os.path.exists(path):
+        return path if _looks_like_hub_id(path) else None
+    cached = _CACHE_SNAPSHOT.search(os.path.abspath(path) + os.sep)
+    if cached:
+        return cached.group("repo").replace("--", "/")
+    if not os.path.isdir(path):
+        return None
+    readme = os.path.join(path, "README.md")
+    if os.path.isfile(os.path.join(path, "modules.json")) and os.path.isfile(readme):
+        with open(readme, encoding="utf-8", errors="replace") as f:
+            found = _ST_SNIPPET.search(f.read())
+        if found and _looks_like_hub_id(found.group(1)):
+            return found.group(1)
+    config_path = os.path.join(path, "config.json")
+    if os.path.isfile(config_path):
+        try:
+            with open(config_path, encoding="utf-8") as f:
+                recorded = json.load(f).get("_name_or_path")
+        except (OSError, ValueError, AttributeError):  # not a JSON object: no id recorded
+            return None
+        if _looks_like_hub_id(recorded) and not os.path.isabs(recorded):
+            return recorded
+    return None
 
 
 def model_shape(model) -> tuple[int | None, int | None, int | None]:

@@ -71,12 +71,13 @@ def _derive(name: str, d: dict, base: str) -> list[str]:
            f"Patterns saved under `patterns/`. Took {d.get('seconds')} s.", ""]
     curve = {c["scope"]: c for c in d["curves"]}
     rows = []
-    for p in d["patterns"]:
+    for p in d["patterns"]:  # every pattern of the section, earlier derives' included (their k may be off the curve)
         c = curve.get(d["scope"], {})
         idx = c.get("k", []).index(p["k"]) if p["k"] in c.get("k", []) else None
-        rows.append([p["k"], p["k_bar"], None if idx is None else c.get("relative_cost", [None] * 99)[idx],
-                     p["predicted"], None if idx is None else c["eigen"][idx], os.path.relpath(p["path"], base)])
-    out += [markdown_table(["k", "k̄", f"cost / dense (d_h={dh})", "predicted normalised error",
+        cost = p.get("relative_cost", None if idx is None else c.get("relative_cost", [None] * 99)[idx])
+        rows.append([p["k"], p["k_bar"], cost, p["predicted"], p.get("heldout"),
+                     None if idx is None else c["eigen"][idx], os.path.relpath(p["path"], base)])
+    out += [markdown_table(["k", "k̄", f"cost / dense (d_h={dh})", "predicted normalised error", "held-out",
                             "eigenvector reference", "file"], rows), ""]
     for c in d["curves"]:
         out += [f"Fig. 9 data, {c['scope']} setting (n = {c['seq_len']}):", "",

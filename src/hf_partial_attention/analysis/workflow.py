@@ -16,22 +16,23 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..cost import score_cost
+from ..cost import saving_warning, score_cost
 from ..pattern import AttentionPattern
 from . import plots, spectra
 from .baselines import build_methods
-from .collect import collect_covariance, display_name, load_model_and_tokenizer, run_windows
+from .collect import collect_covariance, display_name, hub_id, load_model_and_tokenizer, run_windows
 from .corpus import load_texts, make_windows, split_heldout
 from .covariance import ScoreCovariance
 from .distributed import process_info
 from .evaluation import ErrorMeter, LinearReconstructor
+from .fit_checks import MIN_WINDOWS_PER_POSITION, check_seq_len, fit_size_warning
 from .report import write_report
 from .selection import error_curve, select_patterns
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["analyze", "derive", "convert", "spectra_summary", "load_results", "update_results",
-           "COVARIANCE_FILE", "HELDOUT_FILE"]
+           "fit_size_warning", "COVARIANCE_FILE", "HELDOUT_FILE", "MIN_WINDOWS_PER_POSITION"]
 
 COVARIANCE_FILE = "covariance.safetensors"
 HELDOUT_FILE = "heldout_windows.safetensors"
@@ -114,10 +115,15 @@ def analyze(model: Any, texts: Any = None, out: str = "runs/analysis", *, tokeni
     (`derive`). When held-out data is asked for (``heldout_every`` and ``heldout_sequences`` > 0) but none results,
     this is an error; ``heldout_every=0`` fits on everything and measures nothing. ``model_id`` is how reports name
     the model (default: ``model`` itself when it is a Hub id, the folder's name when it is a local path).
+
+    A ``seq_len`` beyond the model's positions and a corpus without held-out windows are refused before any
+    score is collected, and ``out`` is created only then (a folder this call created is removed again if the
+    collection fails before writing into it). Fitting on fewer than ``MIN_WINDOWS_PER_POSITION · seq_len``
+    windows logs a warning (`fit_size_warning`: the per-query covariance is then unstable).
     """
     start = time.perf_counter()
-    os.makedirs(out, exist_ok=True)
     model_obj, tok = load_model_and_tokenizer(model, tokenizer)
+    check_seq_len(model_obj, seq_len)
     all_texts = load_texts(texts, split=text_split) if not isinstance(texts, torch.Tensor) else texts
     want_heldout = bool(heldout_every and heldout_sequences)
     if want_heldout and not isinstance(all_texts, torch.Tensor):
@@ -129,23 +135,34 @@ def analyze(model: Any, texts: Any = None, out: str = "runs/analysis", *, tokeni
                              "the held-out measurement.")
     else:
         fit_texts, held_texts = all_texts, []
-    cov_path = os.path.join(out, COVARIANCE_FILE)
-    cov = collect_covariance(model_obj, fit_texts, tok, seq_len, max_sequences, scopes, granularity, centered,
-                             batch_size, resume_from=cov_path if resume else None, checkpoint_path=cov_path,
-                             progress=progress)
-    if process_info()[0] != 0:  # under accelerate launch the main process writes the outputs
-        return {}
-    if isinstance(model, (str, os.PathLike)):
-        cov.metadata["model"] = os.fspath(model)
-        cov.metadata["model_id"] = model_id or display_name(model)
-        cov.save(cov_path)
-    held = 0
-    if held_texts:
+    windows = None
+    if held_texts:  # before the collection: a corpus too short for held-out windows fails in seconds, not after it
         try:
             windows = make_windows(tok, held_texts, seq_len, heldout_sequences)
         except ValueError as err:
             raise ValueError(f"No held-out windows of {seq_len} tokens from {len(held_texts)} held-out text(s): "
                              f"{err} Pass more text or heldout_every=0 to skip the held-out measurement.") from err
+    cov_path = os.path.join(out, COVARIANCE_FILE)
+    created = not os.path.exists(out)
+    os.makedirs(out, exist_ok=True)
+    try:
+        cov = collect_covariance(model_obj, fit_texts, tok, seq_len, max_sequences, scopes, granularity, centered,
+                                 batch_size, resume_from=cov_path if resume else None, checkpoint_path=cov_path,
+                                 progress=progress)
+    except BaseException:
+        if created and not os.listdir(out):  # nothing written: leave no empty folder behind
+            os.rmdir(out)
+        raise
+    if process_info()[0] != 0:  # under accelerate launch the main process writes the outputs
+        return {}
+    if "per_query" in cov.scopes and (warning := fit_size_warning(cov.num_sequences, cov.seq_len)):
+        logger.warning(warning)
+    if isinstance(model, (str, os.PathLike)):
+        cov.metadata["model"] = os.fspath(model)
+        cov.metadata["model_id"] = model_id or hub_id(model) or ""  # a Hub id or nothing: never a folder's name
+        cov.save(cov_path)
+    held = 0
+    if windows is not None:
         save_file({"input_ids": windows}, os.path.join(out, HELDOUT_FILE), metadata={"model": cov.metadata["model"]})
         held = windows.shape[0]
     summary = spectra_summary(cov, os.path.join(out, "figures"), max_k=max_k)
@@ -170,14 +187,22 @@ def _curve_ks(scope: str, n: int, ks) -> list[int]:
 
 def derive(out: str, ks, scope: str = "per_query", *, evaluate: bool = True, baselines: bool = True,
            centered: bool | None = None, batch_size: int = 8, progress: bool = True, seed: int = 0,
-           section: str | None = None, family: str = "per_query", curve_scopes=None) -> dict:
+           section: str | None = None, family: str = "per_query", curve_scopes=None,
+           objective: str = "paper") -> dict:
     """Greedy patterns for each k from ``out/covariance.safetensors`` (Fig. 8–9), saved as `AttentionPattern`
     files, and, with held-out windows present, their measured error beside the equal-cost baselines.
 
     ``family`` (per_query scope): a constrained greedy whose exact part is a fast dense computation
     (``"columns"``, ``"blocks"``, ``"windows"``, ``"bands"``; see `selection`); files are then named
     ``per_query_<family>_k<k>.safetensors`` and the unconstrained greedy's curve stays as the reference.
-    ``curve_scopes``: the scopes whose error curves (Fig. 9) are drawn; default every collected scope."""
+    ``objective``: the error the greedy minimises (`selection.OBJECTIVES`; ``"paper"``: eq. 8); another one adds
+    ``_<objective>`` to the file names. ``curve_scopes``: the scopes whose error curves (Fig. 9) are drawn; default
+    every collected scope.
+
+    The measured held-out error of each pattern goes into its file (``metadata["heldout_normalized_error"]``).
+    Rows of an earlier derive into the same section are kept for the ks not derived again whose files remain, so
+    the report lists every pattern of the folder. Warnings are logged for a per-query k that saves no work
+    (`cost.saving_warning`) and for a covariance fitted on too few windows (`fit_size_warning`)."""
     if family != "per_query" and scope != "per_query":
         raise ValueError(f"family={family!r} constrains per-query patterns; use scope='per_query'.")
     start = time.perf_counter()
@@ -187,25 +212,39 @@ def derive(out: str, ks, scope: str = "per_query", *, evaluate: bool = True, bas
                          f"rerun analyze with --scopes {scope}.")
     n, d_head = cov.seq_len, cov.metadata.get("head_dim")
     ks = sorted({int(k) for k in ks})
+    limit = n if scope == "per_query" else n * n
+    bad = [k for k in ks if not 1 <= k <= limit]
+    if not ks or bad:  # the user's values only: the curve's own ks are added below, within range
+        raise ValueError(f"k must be in [1, {limit}] for scope={scope!r} at n={n} (the seq_len of {out!r}), got "
+                         f"k={', '.join(map(str, bad)) or 'none'}; pass --k values in that range or rerun analyze "
+                         "with a larger --seq-len.")
+    if scope == "per_query":
+        if warning := fit_size_warning(cov.num_sequences, n):
+            logger.warning(warning)
+        for k in ks if d_head else []:
+            if warning := saving_warning(n, k, d_head):
+                logger.warning(warning)
     os.makedirs(os.path.join(out, "patterns"), exist_ok=True)
     curve_ks = {s: _curve_ks(s, n, ks if s == scope else []) for s in (curve_scopes or cov.scopes)}
-    # The unconstrained greedy is nested: one run gives this scope's patterns and its curve.
-    same_run = family == "per_query" and scope in curve_ks
+    # The unconstrained greedy is nested: one run gives this scope's patterns and its curve (the paper's objective).
+    same_run = family == "per_query" and objective == "paper" and scope in curve_ks
     fitted = select_patterns(cov, sorted(set(ks) | set(curve_ks[scope] if same_run else [])), scope, family=family,
-                             centered=centered)
+                             centered=centered, objective=objective)
     curves = [error_curve(cov, ks_s, s, d_head=d_head, centered=centered,
                           patterns=fitted if same_run and s == scope else None) for s, ks_s in curve_ks.items()]
-    patterns, rows = {}, []
-    tag = scope if family == "per_query" else f"{scope}_{family}"
+    patterns, rows = {}, {}
+    tag = "_".join([scope, *([family] if family != "per_query" else []),
+                    *([objective] if objective != "paper" else [])])
     for k, pattern in ((k, fitted[k]) for k in ks):
         path = os.path.join(out, "patterns", f"{tag}_k{k}.safetensors")
         pattern.save(path)
         patterns[k] = pattern
-        rows.append({"k": k, "k_bar": pattern.indices.numel(), "path": path, "predicted": pattern.normalized_error,
-                     "greedy": pattern.metadata.get("greedy_normalized_error")})
+        rows[k] = {"k": k, "k_bar": pattern.indices.numel(), "path": path, "predicted": pattern.normalized_error,
+                   "greedy": pattern.metadata.get("greedy_normalized_error"),
+                   "relative_cost": score_cost(n, k, d_head, scope).relative if d_head else None}
     fig_dir = os.path.join(out, "figures")
-    result: dict[str, Any] = {"scope": scope, "seq_len": n, "head_dim": d_head, "patterns": rows, "curves": curves,
-                              "figures": {}}
+    result: dict[str, Any] = {"scope": scope, "seq_len": n, "head_dim": d_head, "patterns": list(rows.values()),
+                              "curves": curves, "figures": {}}
     result["figures"]["patterns"] = plots.plot_patterns(
         [(f"{scope}, k={k}" if scope == "per_query" else f"whole, k̄={k}", plots.pattern_mask(p))
          for k, p in patterns.items()],
@@ -216,14 +255,43 @@ def derive(out: str, ks, scope: str = "per_query", *, evaluate: bool = True, bas
     if evaluate and os.path.isfile(held_path):
         result["heldout"] = _evaluate(cov, patterns, scope, held_path, baselines and scope == "per_query" and d_head,
                                       batch_size, progress, seed, centered)
+        for m in result["heldout"]["methods"]:
+            if m["method"] == "greedy P + R":  # beside the predicted error wherever the pattern is shown
+                rows[m["k"]]["heldout"] = m["heldout"]
+                patterns[m["k"]].metadata.update(heldout_normalized_error=float(m["heldout"]),
+                                                 heldout_windows=result["heldout"]["windows"])
+                patterns[m["k"]].save(rows[m["k"]]["path"])
         series: dict[str, list] = {}
         for entry in result["heldout"]["methods"]:
             series.setdefault(entry["method"], []).append((entry["relative_cost"], entry["heldout"]))
         result["figures"]["baselines"] = plots.plot_baselines(
             series, os.path.join(fig_dir, f"baselines_{scope}.png"), f"Held-out error at equal cost (n={n})")
     result["seconds"] = round(time.perf_counter() - start, 1)
-    update_results(out, section or f"derive_{tag}", result)
+    section = section or f"derive_{tag}"
+    _keep_previous(load_results(out).get(section), result, out)
+    update_results(out, section, result)
     return result
+
+
+def _keep_previous(previous: dict | None, result: dict, out: str) -> None:
+    """Carry an earlier derive's rows of the same section into ``result`` for the ks not derived again whose
+    files remain (a second ``derive --k`` adds to the report instead of hiding the first one's patterns)."""
+    if not previous or previous.get("scope") != result["scope"]:
+        return
+    new_ks = {p["k"] for p in result["patterns"]}
+    kept = []
+    for p in previous.get("patterns", []):
+        path = os.path.join(out, "patterns", os.path.basename(p["path"]))  # this folder, whatever the cwd was then
+        if p["k"] not in new_ks and os.path.isfile(path):
+            kept.append({**p, "path": path})
+    if not kept:
+        return
+    result["patterns"] = sorted([*kept, *result["patterns"]], key=lambda p: p["k"])
+    kept_ks = {p["k"] for p in kept}
+    old_methods = [m for m in previous.get("heldout", {}).get("methods", []) if m["k"] in kept_ks]
+    if old_methods:
+        held = result.setdefault("heldout", {**previous["heldout"], "methods": []})
+        held["methods"] = sorted([*old_methods, *held["methods"]], key=lambda m: m["k"])  # stable within a k
 
 
 def _evaluate(cov, patterns: dict, scope: str, held_path: str, with_baselines, batch_size, progress, seed,
@@ -256,29 +324,49 @@ def _evaluate(cov, patterns: dict, scope: str, held_path: str, with_baselines, b
 
 
 def convert(pattern_path: str, out_dir: str, model: Any = None, *, reconstruction: str = "common",
-            verify: bool = True) -> dict:
+            verify: bool = True, command: str | None = None) -> dict:
     """Write a PartialBert checkpoint (weights of ``model``, P and R of the pattern) and check it reloads
     with ``AutoModel``. ``model`` defaults to the pattern's ``source_model``.
 
     The tokenizer is saved with ``model_max_length = n`` (pipelines with ``truncation=True`` then cut inputs to n);
     a sentence-transformers source also gets its modules, pooling and ``max_seq_length ≤ n`` (`sentence_folder`),
-    so that ``SentenceTransformer(out_dir, trust_remote_code=True)`` loads the converted model."""
+    so that ``SentenceTransformer(out_dir, trust_remote_code=True)`` loads the converted model.
+
+    The model card states where P and R came from (the pattern's method, source model, windows, predicted and
+    held-out errors), ``command`` (the command line that made the checkpoint, when given) and that the checkpoint
+    is converted, not retrained; the same record goes into ``config.partial_conversion`` for later cards. The
+    card's ``base_model`` is a Hub id (`convert_checks.base_model_id`) or left out.
+
+    Raises ValueError for a whole-matrix pattern, a file that is not a pattern, or a pattern for more positions
+    than the model has, and FileNotFoundError for a missing file. Logs a warning (also in ``result["warnings"]``)
+    when k saves no work at the model's d_h and when the pattern was derived on another model."""
     from transformers import AutoModel, AutoTokenizer
 
+    from ..model_card import conversion_record, write_model_card
     from ..modeling_partial_bert import PartialBertModel
     from ..sentence_folder import sentence_transformers_folder, write_sentence_transformers_files
+    from .convert_checks import (base_model_id, check_convertible, pattern_source_name, source_config,
+                                 source_warnings)
 
     pattern = AttentionPattern.load(pattern_path)
     source = model if model is not None else pattern.metadata.get("source_model")
     if not source:
         raise ValueError(f"{pattern_path!r} names no source_model; pass model=<path or Hub id of a BERT model>.")
+    base_id = base_model_id(pattern, model)
+    name = base_id or display_name(source)
+    config = source_config(source)
+    warnings = check_convertible(pattern, pattern_path, config, name)
+    warnings += source_warnings(pattern, pattern_path, model, config, name)
     partial = PartialBertModel.from_bert(source, pattern, reconstruction=reconstruction)
-    if pattern.metadata.get("source_model_id") and not os.path.exists(pattern.metadata["source_model_id"]):
-        partial.config.partial_base_model = pattern.metadata["source_model_id"]  # the Hub id, not a local path
-    partial.save_pretrained(out_dir)
+    partial.config.partial_base_model = base_id  # a Hub id or nothing: a local path names no Hub repo
+    record = conversion_record(pattern, pattern_path, pattern_source_name(pattern) or name, command)
+    record["converted_model"] = name
+    partial.config.partial_conversion = record
+    partial.save_pretrained(out_dir, write_model_card=False)  # the card comes last, when the folder is complete
     result = {"checkpoint": out_dir, "pattern": pattern_path, "source_model": str(source),
-              "source_model_id": pattern.metadata.get("source_model_id") or display_name(source), "k": pattern.k,
-              "seq_len": pattern.seq_len, "partial_layers": list(partial.config.partial_layers)}
+              "source_model_id": name, "base_model": base_id, "k": pattern.k,
+              "seq_len": pattern.seq_len, "partial_layers": list(partial.config.partial_layers),
+              "warnings": warnings}
     if isinstance(source, (str, os.PathLike)):
         tokenizer = AutoTokenizer.from_pretrained(os.fspath(source))
         tokenizer.model_max_length = min(tokenizer.model_max_length, pattern.seq_len)
@@ -286,6 +374,9 @@ def convert(pattern_path: str, out_dir: str, model: Any = None, *, reconstructio
         st_dir = sentence_transformers_folder(source)
         if st_dir is not None:
             result["sentence_transformers"] = write_sentence_transformers_files(st_dir, out_dir, pattern.seq_len)
+    short = os.path.basename(os.path.normpath(name))
+    result["card"] = write_model_card(partial, out_dir, overwrite=True, untrained_conversion=True,
+                                      model_name=f"{short} with partial attention (k = {pattern.k})")
     if verify:
         reloaded = AutoModel.from_pretrained(out_dir).eval()
         ids = torch.randint(0, partial.config.vocab_size, (1, pattern.seq_len))

@@ -60,7 +60,7 @@ class StudyArguments:
     finetune_train_file: str | None = None
     finetune_validation_file: str | None = None
     train_every: int = field(default=3, metadata={
-        "help": "Document i is a training document when i % train_every == 0; the others are held out."})
+        "help": "Document i is a training document when i %% train_every == 0; the others are held out."})
     max_seq_length: int = 128
     ks: str = "8,16"
     modes: str = "fixed,common,per_layer"

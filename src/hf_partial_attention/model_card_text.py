@@ -1,0 +1,198 @@
+"""The Markdown sections of this project's model cards: P and R, the cost, where the pattern came from, training,
+and how to load the folder. `model_card.build_model_card` assembles them.
+
+Imported by `model_card`; not part of the remote-code bundle.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .cost import score_cost
+
+__all__ = ["partial_section", "provenance_section", "training_section", "loading_section", "PLACEHOLDER",
+           "UNTRAINED_WARNING"]
+
+# Where the snippets load from when the card names no Hub repo; a user (or a test) puts the folder's path there.
+PLACEHOLDER = "path/to/this/folder"
+UNTRAINED_WARNING = ("The paper finds that a model converted without retraining performs poorly: fine-tune it "
+                     "(`examples/pretrain_mlm.py`, `examples/finetune_mnli.py` or "
+                     "`hf_partial_attention.training.PartialAttentionTrainer`) before use.")
+_METHODS = {"greedy": "greedy P", "local_prior": "the k nearest keys with R from a stationary prior "
+            "(`AttentionPattern.local`)", "exact": "every score exact (k = n)"}
+
+
+def _exact_layers_phrase(layers: list[int], total: int) -> str:
+    exact = [layer for layer in range(total) if layer not in layers]
+    if exact == [total - 1]:
+        return "the last layer stays exact, as in the paper"
+    if not exact:
+        return "every layer is partial; the paper keeps the last layer exact"
+    return f"layers {exact} stay exact; the paper keeps only the last layer exact"
+
+
+def partial_section(config, prefix: str) -> str:
+    """P and R (names, shapes, R mode) and the attention cost of a PartialBert config."""
+    n, k = config.partial_seq_len, config.partial_k
+    layers, total = list(config.partial_layers), config.num_hidden_layers
+    d_head = config.hidden_size // config.num_attention_heads
+    cost = score_cost(n, k, d_head).per_query(n)  # one query row: k·d_h exact, (n−k)·k reconstructed
+    model_saving = cost.saving * len(layers) / total
+    mode = {
+        "fixed": f"fixed: a buffer `{prefix}encoder.partial_pattern.reconstruction`, never trained",
+        "common": f"common: one trainable tensor `{prefix}encoder.partial_pattern.reconstruction` shared by all "
+                  "partial layers",
+        "per_layer": f"per layer: a trainable tensor `{prefix}encoder.layer.{{l}}.attention.self.reconstruction` "
+                     "for each partial layer l",
+    }[config.reconstruction]
+    bias = " plus a per-query bias b_i" if config.partial_use_bias else ""
+    return f"""## Partial attention: P and R
+
+In layers {layers} (of {total}; {_exact_layers_phrase(layers, total)}), query i computes the exact
+pre-softmax scores `a_ij = q_i·k_j / sqrt(d_h)` only for the **k = {k}** keys j in its set **P_i** (of n = {n}
+positions) and reconstructs the other n − k = {n - k} scores linearly, `a_(P̄_i) = R_i a_(P_i)`{bias}, before the
+padding mask and the softmax.
+
+- **P**: `{prefix}encoder.partial_pattern.indices`, an int64 buffer of shape (n, k) = ({n}, {k}), shared by all
+  partial layers and heads; it never changes during training.
+- **R**: shape (n, n − k, k) = ({n}, {n - k}, {k}); {mode}.
+- Inputs must have at most n = {n} tokens; shorter inputs behave as if padded with zero scores.
+
+## Attention cost
+
+Multiply-adds of the scores QKᵀ per query and head: exact part `k·d_h`, reconstruction `(n − k)·k`, dense
+`n·d_h`, so
+
+    saving = 1 − (k·d_h + (n − k)·k) / (n·d_h)
+
+Here n = {n}, k = {k}, d_h = {d_head}: {cost.total} instead of {cost.dense}
+multiply-adds, a saving of **{100 * cost.saving:.1f} %** in each partial layer, {100 * model_saving:.1f} % of
+the model's QKᵀ over all {total} layers. Softmax and the product with V are unchanged; wall-clock gains depend
+on the kernel.
+"""
+
+
+def _method(record: dict[str, Any]) -> str:
+    method = record.get("method")
+    if not method:
+        return "a method the pattern file does not record"
+    family = record.get("family")
+    text = _METHODS.get(method) or (f"greedy P within the `{family}` family" if family else f"method `{method}`")
+    if record.get("objective") and record["objective"] != "paper":
+        text += f" (objective `{record['objective']}`)"
+    return text
+
+
+def _error(value: Any) -> str | None:
+    return None if value is None else f"{float(value):.4f}"
+
+
+def provenance_section(record: dict[str, Any]) -> str:
+    """Where P and R came from, from a conversion record (`model_card.conversion_record`): the pattern file, its
+    method, source model and data, its predicted and held-out errors, and the command that made the checkpoint."""
+    n, k = record.get("seq_len"), record.get("k")
+    fitted = record.get("covariance")
+    where = (" pooled over all layers and heads" if record.get("layer") is None
+             else f" of layer {record['layer']}" + ("" if record.get("head") is None else f", head {record['head']}"))
+    sequences = record.get("num_sequences")
+    data = (f"{sequences} windows of n = {n} tokens" if sequences is not None
+            else "a number of windows the pattern file does not record")
+    source = f"`{record['source_model']}`" if record.get("source_model") else "a model the pattern file does not name"
+    fitted = {"centered": "covariance", "second_moment": "second moment"}.get(fitted, fitted)
+    fit = (f", R at its optimum (eq. 7 of the paper) for the {fitted} of the per-query "
+           f"pre-softmax scores of {source},{where}, over {data}" if fitted else f"; derived on {source}")
+    predicted = _error(record.get("predicted_normalized_error"))
+    heldout = _error(record.get("heldout_normalized_error"))
+    windows = f" on {record['heldout_windows']} held-out windows" if heldout and record.get("heldout_windows") else ""
+    rows = ["| normalized reconstruction error | value |", "|---|---|",
+            f"| predicted from the covariance | {predicted or 'not recorded'} |",
+            f"| held-out, measured by `derive`{windows} | {heldout or 'not measured'} |"]
+    note = ("" if heldout or not predicted else
+            "\nThe held-out error was not measured (`derive` found no held-out windows, or ran "
+            "without evaluation): the predicted error, fitted on the same windows, can be far below it.\n")
+    command = record.get("command")
+    made = (f"Made with:\n\n    {command}\n" if command
+            else "Made with `hf_partial_attention.analysis.workflow.convert` (no command line recorded).\n")
+    other = record.get("converted_model")
+    into = (f" The pattern was derived on {source} and installed in `{other}`, another model: the errors are "
+            f"{source}'s." if other and record.get("source_model") and other != record["source_model"] else "")
+    return (f"P and R are those of `{record.get('pattern_file', 'the pattern file')}` (k = {k}, n = {n}): "
+            f"{_method(record)}{fit}.{into}\n\n" + "\n".join(rows) + "\n" + note + "\n" + made)
+
+
+def training_section(training_details: str | None, record: dict[str, Any] | None, untrained_conversion: bool,
+                     base: str) -> str:
+    """The Training section: what the trainer wrote, else the state of a conversion (see `build_model_card`)."""
+    if training_details:
+        return training_details
+    if untrained_conversion:
+        return (f"No training: **converted, not retrained.** `hf-partial-attention convert` kept every weight of {base} "
+                f"and installed P and R; nothing was trained since. {UNTRAINED_WARNING}")
+    if record:
+        return ("Not recorded. This checkpoint comes from a conversion (see where the pattern came from); unless it "
+                f"was trained since, it is an untrained conversion. {UNTRAINED_WARNING}")
+    return "Not recorded."
+
+
+def _usage(auto: str) -> str:
+    if auto == "AutoModelForMaskedLM":
+        return ('inputs = tokenizer("Partial attention [MASK] most scores.", return_tensors="pt")\n'
+                "logits = model(**inputs).logits  # (batch, tokens, vocabulary)")
+    return ('inputs = tokenizer("Partial attention reconstructs most scores.", return_tensors="pt")\n'
+            "outputs = model(**inputs)")
+
+
+def loading_section(auto: str, where: str, *, hub: bool, sentence_transformers: bool, tokenizer_saved: bool | None,
+                    tokenizer_hint: str | None) -> str:
+    """How to load: snippets that run as printed on the folder (with the plugin, without it, sentence-transformers).
+
+    Without the plugin the tokenizer also needs ``trust_remote_code=True``: ``AutoTokenizer`` reads ``config.json``,
+    whose ``partial_bert`` config is remote code, and would otherwise ask on stdin."""
+    pin = ', revision="<commit sha>"' if hub else ""
+    usage = _usage(auto)
+    blocks = []
+    if sentence_transformers:
+        blocks.append(f"""With sentence-transformers (with or without the plugin; pooling and normalisation of the
+source are in this folder, and inputs are truncated to n tokens):
+
+```python
+from sentence_transformers import SentenceTransformer
+
+model = SentenceTransformer("{where}", trust_remote_code=True{pin})
+embeddings = model.encode(["Partial attention reconstructs most scores."])
+```
+""")
+    blocks.append(f"""With the plugin installed (`pip install hf-partial-attention`):
+
+```python
+import hf_partial_attention  # registers `partial_bert` with the Auto classes
+from transformers import {auto}, AutoTokenizer
+
+model = {auto}.from_pretrained("{where}")
+tokenizer = AutoTokenizer.from_pretrained("{where}")
+{usage}
+```
+
+Without the plugin, the modeling code saved next to the weights runs (read it first{'; pin a revision' if hub else ''});
+the tokenizer needs `trust_remote_code=True` too, as it reads the model's config:
+
+```python
+from transformers import {auto}, AutoTokenizer
+
+model = {auto}.from_pretrained("{where}", trust_remote_code=True{pin})
+tokenizer = AutoTokenizer.from_pretrained("{where}", trust_remote_code=True{pin})
+{usage}
+```
+""")
+    if tokenizer_saved is False:
+        fix = (f'`AutoTokenizer.from_pretrained("{tokenizer_hint}").save_pretrained("{where}")`' if tokenizer_hint
+               else f'`tokenizer.save_pretrained("{where}")` with the tokenizer the model was made with')
+        blocks.insert(0, "When this card was written the folder held no tokenizer, and the snippets below load one "
+                         f"from it: if it still holds none, save one beside the weights first, {fix}.\n")
+    if auto == "AutoModelForMaskedLM":
+        # transformers prints this report on every such load; the weights it names are the head's, not P or R
+        blocks.append("Loading this folder with `AutoModel` instead (the bare encoder, for hidden states) prints a "
+                      "load report with the masked-LM head's weights `cls.*` UNEXPECTED and `pooler.*` MISSING. "
+                      "That is expected: the bare model has no such head and a masked-LM checkpoint has no pooler "
+                      "(its `pooler_output` is untrained; use `last_hidden_state`). P and R load either way.\n")
+    return "\n".join(blocks)
