@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test test-fast demo paper related bench bench-model bench-quick fit-auto objectives table1 clean
+.PHONY: setup test test-fast demo paper related bench bench-model bench-quick objectives table1 clean
 
 setup: $(STAMP)
 
@@ -25,21 +25,22 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 
+# The studies live in experiments/ (not in the installed package), run by `python -m experiments <study>`.
 demo: setup
-	$(VENV)/bin/hf-partial-attention demo --out runs/demo
+	$(PY) -m experiments demo --out runs/demo
 
 # The analysis at the paper's scale (whole matrix at n = 128; about 20-26 min and 13.3 GiB on 2 cores) -> results/paper/.
 paper: setup
-	$(VENV)/bin/hf-partial-attention paper --out runs/paper --results results/paper
+	$(PY) -m experiments paper --out runs/paper --results results/paper
 
 # Paper vs shift-invariant vs Fisher selection objectives on the demo's MiniLM analysis (results/objectives/).
 objectives: setup
-	test -f runs/demo/covariance.safetensors || $(VENV)/bin/hf-partial-attention demo --out runs/demo
-	$(VENV)/bin/hf-partial-attention objectives runs/demo --k 8 16 --out results/objectives
+	test -f runs/demo/covariance.safetensors || $(PY) -m experiments demo --out runs/demo
+	$(PY) -m experiments objectives runs/demo --k 8 16 --out results/objectives
 
 # Table 1 on the real MiniLM (about 90 min on 2 cores; resumable: run it again after a kill) -> results/table1/.
 table1: setup
-	$(VENV)/bin/hf-partial-attention table1 --output_dir results/table1 --run_dir runs/table1
+	$(PY) -m experiments table1 --output_dir results/table1 --run_dir runs/table1
 
 related: setup
 	$(PY) -m research all --out results/related
@@ -57,10 +58,6 @@ bench-model: setup
 bench-quick: setup
 	$(PY) benchmarks/run.py --quick --out runs/bench-quick
 	$(PY) benchmarks/run.py --quick --allocator reuse --out runs/bench-quick
-
-# Refit the kernel choice of partial_implementation="auto" on this machine (about 8 min: under both allocator settings): rewrites auto_rule.py.
-fit-auto: setup
-	$(PY) benchmarks/fit_auto.py --write
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info src/*.egg-info .pytest_cache

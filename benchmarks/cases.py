@@ -13,28 +13,26 @@ from transformers.models.nystromformer.modeling_nystromformer import Nystromform
 
 from hf_partial_attention import AttentionPattern, PartialBertConfig, PartialBertModel
 from hf_partial_attention.cost import forward_ratio
-from hf_partial_attention.modeling_partial_bert import PartialBertPattern, PartialBertSelfAttention, initial_pattern
-from hf_partial_attention.partial_attention import (
-    PatternLayout,
-    exact_scores_method,
-    partial_attention_forward,
-    resolve_implementation,
-)
+from hf_partial_attention.modeling_partial_bert import PartialBertPattern, PartialBertSelfAttention
+from hf_partial_attention.analysis.selection import DEFAULT_BLOCK_ROWS
+from hf_partial_attention.attention_common import DerivedState, PatternLayout, PatternStructure
+from hf_partial_attention.attention_dispatch import auto_kernel, partial_attention_forward
 
-PATTERNS = ("per_query", "columns", "blocks", "shared")
-SHARED_ROWS = 32  # rows per block sharing P and R in the "shared" family (the shared_blocks patterns)
+# Pattern families, named as `derive --family` names them (their structure: `analysis.selection.FAMILY_STRUCTURE`).
+PATTERNS = ("per_query", "columns", "blocks", "shared_blocks")
+SHARED_ROWS = DEFAULT_BLOCK_ROWS  # rows per block sharing keys (blocks) and R too (shared_blocks)
 
 
 def pattern_indices(family: str, n: int, k: int) -> torch.Tensor:
     """P for timing. Speed depends on the structure only, not on which keys: per_query uses each query's k
     nearest keys (every row its own set, like the greedy per-query pattern); columns one shared set;
-    blocks: each block of gcd(n, 32) rows shares the k keys around it (block-local windows, any k); shared:
-    the blocks' P, with R shared by the block's rows too (`shared_r`)."""
+    blocks: each block of gcd(n, 32) rows shares the k keys around it (block-local windows, any k);
+    shared_blocks: the blocks' P, with R shared by the block's rows too (`shared_r`)."""
     if family == "per_query":
         return AttentionPattern.local(n, k).indices
     if family == "columns":
         return torch.linspace(0, n - 1, k).round().long().unique().expand(n, k).clone()
-    if family in ("blocks", "shared"):
+    if family in ("blocks", "shared_blocks"):
         rows = math.gcd(n, SHARED_ROWS)
         starts = (torch.arange(0, n, rows) + rows // 2 - k // 2).clamp(0, n - k)  # (n / rows,)
         block_keys = starts[:, None] + torch.arange(k)  # (n / rows, k)
@@ -45,8 +43,9 @@ def pattern_indices(family: str, n: int, k: int) -> torch.Tensor:
 def mac_ratio(n: int, d: int, k: int, implementation: str, indices: torch.Tensor) -> float:
     """Multiply-adds of one kernel's partial attention forward over dense (`hf_partial_attention.cost.forward_ratio`),
     counting what the kernel computes: the whole QKᵀ where it gets the exact scores that way
-    (`exact_scores_method`), all of [I | R] for fused and tiled."""
-    dense_exact = exact_scores_method(implementation, PatternLayout.from_indices(indices)) == "dense"
+    (every kernel but gather and triton for per-query patterns), all of [I | R] for fused and tiled."""
+    per_query = PatternLayout.from_indices(indices).structure is PatternStructure.PER_QUERY
+    dense_exact = per_query and implementation in ("fused", "tiled")
     return forward_ratio(n, k, d, dense_reconstruction=implementation in ("fused", "tiled"), dense_exact=dense_exact)
 
 
@@ -84,16 +83,17 @@ class AttentionInputs:
 
     def partial(self, implementation: str, indices: torch.Tensor, family: str = "per_query"):
         """Partial attention of one kernel; the attention map is not asked for (as in a model's forward)."""
-        layout = PatternLayout.from_indices(indices)
-        r = self.r_shared if family == "shared" else self.r
+        r = self.r_shared if family == "shared_blocks" else self.r
+        layout = PatternLayout.from_indices(indices, r)  # built once, as a model's pattern module keeps it
+        derived = DerivedState()  # W of a frozen R kept across calls, as in a model
         return lambda: partial_attention_forward(
             self.module, self.q, self.k, self.v, None, layout=layout, reconstruction=r,
-            scaling=self.scaling, implementation=implementation, need_weights=False)[0]
+            scaling=self.scaling, implementation=implementation, need_weights=False, derived=derived)[0]
 
     def resolved(self, indices: torch.Tensor, family: str, training: bool) -> str:
         """The kernel ``partial_implementation="auto"`` runs for this pattern."""
-        r = self.r_shared if family == "shared" else self.r
-        return resolve_implementation("auto", PatternLayout.from_indices(indices), self.q.shape[-1], r, training)
+        r = self.r_shared if family == "shared_blocks" else self.r
+        return auto_kernel(PatternLayout.from_indices(indices, r), self.q.device, self.q.shape[-1], training)
 
 
 def shared_r(r: torch.Tensor, n: int) -> torch.Tensor:
@@ -114,8 +114,11 @@ def peer_modules(b: int, n: int, hidden: int, heads: int, k: int, seed: int = 0)
                              partial_seq_len=n, partial_k=k, max_position_embeddings=max(512, n),
                              partial_implementation="fused")
     encoder = nn.Module()  # the layer reads P and R from its encoder's pattern module
-    with initial_pattern(AttentionPattern(pattern_indices("columns", n, k), 0.1 * torch.randn(n, n - k, k))):
-        encoder.partial_pattern = PartialBertPattern(pcfg)
+    encoder.partial_pattern = PartialBertPattern(pcfg)
+    with torch.no_grad():  # the columns pattern, installed as set_pattern does
+        encoder.partial_pattern.indices.copy_(pattern_indices("columns", n, k))
+        encoder.partial_pattern.reconstruction.copy_(0.1 * torch.randn(n, n - k, k))
+        encoder.partial_pattern.refresh_layout()
     partial = PartialBertSelfAttention(pcfg, encoder).eval()
     landmarks = min(64, n // 2)  # HF's default 64 landmarks; fewer for tiny test shapes
     nys_cfg = NystromformerConfig(hidden_size=hidden, num_attention_heads=heads, segment_means_seq_len=n,
@@ -147,7 +150,7 @@ def base_models(layers: int, hidden: int, heads: int, n: int, k: int, seed: int 
     sdpa = BertModel(BertConfig(**cfg, attn_implementation="sdpa"))
     sdpa.load_state_dict(bert.state_dict())
     local = AttentionPattern.local(n, k)
-    shared = AttentionPattern(pattern_indices("shared", n, k), shared_r(local.reconstruction, n))
+    shared = AttentionPattern(pattern_indices("shared_blocks", n, k), shared_r(local.reconstruction, n))
     models = {"BertModel eager": bert, "BertModel sdpa": sdpa}
     for name, pattern in (("PartialBert shared", shared), ("PartialBert per_query", local)):
         models[name] = PartialBertModel.from_bert(bert, pattern, reconstruction="fixed", attn_implementation="sdpa")

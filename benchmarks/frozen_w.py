@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hf_partial_attention.partial_attention import PatternLayout, partial_attention_forward
+from hf_partial_attention.attention_common import DerivedState, PartialTensors, PatternLayout
+from hf_partial_attention.attention_fused import fused_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import command_line, interleaved_medians  # noqa: E402
@@ -33,15 +34,15 @@ def rows(shape: dict, repeats: int, heads: int = 12, d: int = 64) -> dict:
     r = 0.1 * torch.randn(n, n - k, k, generator=gen)
     module = nn.Module().eval()
 
-    def fused(recon):
-        return lambda: partial_attention_forward(module, q, key, v, None, layout=layout, reconstruction=recon(),
-                                                 scaling=d ** -0.5, implementation="fused")
+    def fused(derived):  # the owner's cache of W (a model's pattern module holds one), or none: built every call
+        return lambda: fused_attention(module, q, key, v, None, d ** -0.5,
+                                       partial=PartialTensors(layout, r, None, derived))[0]
 
     cases = {
         "dense_eager": lambda: torch.softmax(q @ key.transpose(-1, -2) * d ** -0.5, -1) @ v,
         "sdpa": lambda: nn.functional.scaled_dot_product_attention(q, key, v),
-        "fused, W cached": fused(lambda: r),
-        "fused, W rebuilt": fused(lambda: r.clone()),  # a new R tensor every call: W is built again
+        "fused, W cached": fused(DerivedState()),
+        "fused, W rebuilt": fused(None),
     }
     with torch.no_grad():
         med = interleaved_medians(cases, repeats)

@@ -31,10 +31,9 @@ if "--dry-run" in sys.argv:
 
 import torch  # noqa: E402
 
-from hf_partial_attention.partial_attention import (  # noqa: E402
-    PatternLayout, partial_attention_forward, reconstruction_matrix,
-)
-from hf_partial_attention.triton_kernel import triton_partial_attention  # noqa: E402
+from hf_partial_attention.attention_common import PatternLayout, reconstruction_matrix  # noqa: E402
+from hf_partial_attention.attention_dispatch import partial_attention_forward  # noqa: E402
+from hf_partial_attention.attention_triton import triton_partial_attention  # noqa: E402
 
 # Dense bf16 tensor-core peak (TFLOP/s, no sparsity) by device name, for the achieved-rate column.
 MATRIX_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
@@ -115,7 +114,7 @@ def check(device) -> float:
 
     layer = Layer().eval()
     outs = [partial_attention_forward(layer, q, key, v, mask, layout=layout, reconstruction=r, scaling=d ** -0.5,
-                                      implementation=impl)[0] for impl in ("gather", "triton")]
+                                      implementation=impl, need_weights=False)[0] for impl in ("gather", "triton")]
     return float((outs[0] - outs[1]).abs().max())
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-STRUCTURED = ("columns", "blocks", "shared")
+STRUCTURED = ("columns", "blocks", "shared_blocks")
+# A case is a rule miss where another kernel beats the kernel `auto` chose by more than this factor.
+RULE_MISS_FACTOR = 1.10
 
 
 def _rows(att, **match):
@@ -51,6 +53,23 @@ def goal_rows(result: dict) -> list[dict]:
     slowest = max(auto, key=lambda r: r["ratio"], default=None)
     goals.append(("slowest configuration `auto` picks, any k < d / eager", slowest, "ratio", 1.2))
     return [goal_row(name, row, key, bound) for name, row, key, bound in goals]
+
+
+def rule_misses(att: list[dict]) -> list[dict]:
+    """The cases (shape, k, mode, pattern) where another timed kernel beat the kernel `auto` chose by more than
+    `RULE_MISS_FACTOR`: ``{n, b, k, mode, pattern, auto, auto_ms, fastest, fastest_ms}`` each."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in att:
+        if r["pattern"] != "-":
+            groups.setdefault((r["n"], r["b"], r["k"], r["mode"], r["pattern"]), []).append(r)
+    misses = []
+    for (n, b, k, mode, pattern), rows in groups.items():
+        chosen = next((r for r in rows if r["auto"]), None)
+        fastest = min(rows, key=lambda r: r["ms"])
+        if chosen is not None and fastest["ms"] * RULE_MISS_FACTOR < chosen["ms"]:
+            misses.append({"n": n, "b": b, "k": k, "mode": mode, "pattern": pattern, "auto": chosen["implementation"],
+                           "auto_ms": chosen["ms"], "fastest": fastest["implementation"], "fastest_ms": fastest["ms"]})
+    return misses
 
 
 def goal_row(name: str, row: dict | None, key: str, bound: float) -> dict:
@@ -138,8 +157,8 @@ def markdown(result: dict) -> str:
              f"Allocator: {_allocator(m)}  ",
              "Ratios are partial / dense eager attention (and / SDPA) at the same shapes, measured side by side in one "
              "process (cases interleaved, medians). Patterns: `per_query` (each query its own keys), `columns` (one "
-             "key set), `blocks` (blocks of 32 rows share keys, each row its own R), `shared` (blocks of 32 rows "
-             "share keys and R: the `shared_blocks` family). `auto` marks the kernel `partial_implementation=\"auto\"` "
+             "key set), `blocks` (blocks of 32 rows share keys, each row its own R), `shared_blocks` (blocks of 32 rows "
+             "share keys and R). `auto` marks the kernel `partial_implementation=\"auto\"` "
              "picks. `mac_ratio` = multiply-adds of the kernel's attention forward over dense, "
              "(k·d + (n−k)·k + n·d) / (2·n·d), counting what the kernel computes: fused and tiled multiply by all of "
              "[I|R] (n·k), and every kernel but gather gets a per-query pattern's exact scores from the whole QKᵀ "
@@ -151,6 +170,14 @@ def markdown(result: dict) -> str:
     for g in goal_rows(result):
         lines.append(f"| {g['goal']} | {_x(g['measured'])} | {interval_text(g)} | {_x(g['eager'])} | "
                      f"{_x(g['sdpa'])} | <= {g['bound']} | {verdict_text(g)} | {g['case']} |")
+    misses = rule_misses(result["attention"])
+    lines += ["", "## Rule misses", "", f"Cases where another kernel beats the one `auto` picks by more than "
+              f"{round(100 * (RULE_MISS_FACTOR - 1))} % (attention function below): "
+              f"{len(misses) or 'none'}.", ""]
+    if misses:
+        lines += ["| n | B | k | mode | pattern | auto | ms | fastest | ms |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {m['n']} | {m['b']} | {m['k']} | {m['mode']} | {m['pattern']} | rule miss: {m['auto']} | "
+                  f"{m['auto_ms']:.2f} | {m['fastest']} | {m['fastest_ms']:.2f} |" for m in misses]
     lines += ["", "## Whole model (BertModel, 12 layers unless --quick; PartialBert: all layers but the last partial)",
               "", "Ratios are medians of per-round ratios (the models of a round run back to back); the range is "
               "the lowest and highest round: the noise a single comparison would show.", "",

@@ -24,7 +24,7 @@ from cases import PATTERNS, AttentionInputs, base_models, mac_ratio, pattern_ind
 from timing import (command_line, forward_and_backward, interleaved_medians, interleaved_times,  # noqa: E402
                     no_grad, paired_ratios, saved_bytes)
 
-from hf_partial_attention.partial_attention import IMPLEMENTATIONS  # noqa: E402
+from hf_partial_attention.configuration_partial_bert import KERNEL_NAMES  # noqa: E402
 
 logger = logging.getLogger("bench")
 
@@ -37,7 +37,9 @@ QUICK = {"shapes": [dict(b=2, h=2, n=16, d=8, ks=[4, 8]), dict(b=1, h=2, n=32, d
          "models": [dict(layers=2, hidden=32, heads=4, b=2, n=16, k=4, modes=["inference", "training step"]),
                     dict(layers=2, hidden=32, heads=4, b=1, n=32, k=4, modes=["inference"])],
          "repeats": 2, "model_repeats": 1}
-KERNELS = tuple(impl for impl in IMPLEMENTATIONS if impl != "gather")  # gather: the reference, timed where small
+# The kernels timed on a CPU (triton: benchmarks/gpu.py); gather, the reference, only where small.
+IMPLEMENTATIONS = tuple(impl for impl in KERNEL_NAMES if impl != "triton")
+KERNELS = tuple(impl for impl in IMPLEMENTATIONS if impl != "gather")
 
 
 def machine() -> dict:
@@ -64,8 +66,8 @@ def attention_rows(shape: dict, repeats: int, skip_gather_over: int) -> list[dic
                 auto[family] = inp.resolved(idx, family, grad)
                 gather_ok = b * h * n * k * d <= skip_gather_over  # the reference: O(B·H·n·k·d) memory
                 for impl in (IMPLEMENTATIONS if gather_ok else KERNELS):
-                    if impl == "tiled" and grad and family != "shared":
-                        continue  # blocks of one row: 8-13x eager with autograd (2026-12-01 run); auto never picks it
+                    if impl == "tiled" and grad:
+                        continue  # inference only: under autograd a tiled call runs fused
                     fns[f"{impl}/{family}"] = inp.partial(impl, idx, family)
             mem = {name: saved_bytes(fn) for name, fn in fns.items()} if grad else {}
             run = {name: (forward_and_backward(fn, inp.tensors()) if grad else no_grad(fn)) for name, fn in fns.items()}
@@ -222,9 +224,10 @@ def main(argv: list[str] | None = None) -> dict:
         result["peers"] += peer_rows(shape, k_mid, repeats)
     for model_spec in spec["models"]:
         result["model"] += model_rows_in_a_fresh_process(model_spec, spec["model_repeats"], args.threads)
-    from report import goal_rows, markdown  # noqa: E402  (sibling module)
+    from report import goal_rows, markdown, rule_misses  # noqa: E402  (sibling module)
 
     result["goals"] = goal_rows(result)
+    result["rule_misses"] = rule_misses(result["attention"])
     out.mkdir(parents=True, exist_ok=True)
     (out / f"results{suffix}.json").write_text(json.dumps(result, indent=1))
     text = markdown(result)

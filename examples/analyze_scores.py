@@ -4,7 +4,7 @@
     python examples/analyze_scores.py --model bert-base-uncased --text-file my.txt --seq-len 128 --k 32
     accelerate launch --multi_gpu --num_processes 2 examples/analyze_scores.py   # covariance reduced across processes
 
-The CLI (`hf-partial-attention analyze | derive | convert | demo`) does the same with figures and a report.
+The CLI (`hf-partial-attention analyze | derive | convert`) does the same with figures and a report.
 """
 
 import argparse
@@ -14,7 +14,7 @@ import torch
 
 from hf_partial_attention.analysis import collect_covariance, select_pattern, spectra
 from hf_partial_attention.analysis.corpus import default_texts
-from hf_partial_attention.analysis.demo import default_model_path
+from hf_partial_attention.analysis.defaults import default_model_path
 from hf_partial_attention.analysis.distributed import process_info
 
 logger = logging.getLogger("analyze_scores")

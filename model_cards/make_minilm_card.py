@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Writes model_cards/minilm-partial-k16/README.md, the card of the checkpoint `make demo` converts.
 
-`hf-partial-attention demo` converts the real all-MiniLM-L6-v2 at k = 16 (n = 128, R common; 43.8 % of QKᵀ saved at d_h = 32) into
+`make demo` (`python -m experiments demo`) converts the real all-MiniLM-L6-v2 at k = 16 (n = 128, R common) into
 runs/demo/checkpoint, which is not committed. The card depends only on the model's configuration (n, k, layers,
 d_h, R mode), so it is built here from the same conversion with the default pattern standing in for the demo's
 greedy one (same shapes). Run: python model_cards/make_minilm_card.py
@@ -26,7 +26,7 @@ def main() -> None:
         model, OUT, overwrite=True, model_name="minilm-partial-k16", repo_id="runs/demo/checkpoint",
         base_model="sentence-transformers/all-MiniLM-L6-v2", license="apache-2.0",
         pattern_source=(
-            "`hf-partial-attention demo` (`make demo`): per-query covariances of the pre-softmax scores of "
+            "`make demo` (`python -m experiments demo`): per-query covariances of the pre-softmax scores of "
             "all-MiniLM-L6-v2 at n = 128, pooled over its 6 layers and 12 heads, on the prose of CPython's "
             "`pydoc_data.topics` (documents split fit / held-out; 320 fit windows by default); P for k = 16 by the "
             "greedy algorithm and R at its optimum (eq. 7). The pattern is "

@@ -8,7 +8,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # The triton kernel's tests run it on CPU tensors with Triton's interpreter, which Triton reads when the kernels
-# are defined (at the first import of hf_partial_attention.triton_kernel): set it before any test imports it.
+# are defined (at the first import of hf_partial_attention.attention_triton): set it before any test imports it.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 

@@ -22,7 +22,7 @@ from hf_partial_attention.analysis.selection import (
     objective_metric,
     select_pattern,
 )
-from hf_partial_attention.partial_attention import block_rows
+from hf_partial_attention.attention_common import block_rows
 from hf_partial_attention.reconstruction import solve_reconstruction
 
 
@@ -398,7 +398,7 @@ def _shared_error(cov, idx, recon):
 
 
 def test_shared_blocks_share_p_and_r_and_r_is_optimal_for_the_block():
-    from hf_partial_attention.tiled_kernel import shared_rows
+    from hf_partial_attention.attention_common import shared_rows
 
     cov = per_query_cov(12, seed=4)
     pattern = select_pattern(cov, 3, family="shared_blocks", block_rows=4)

@@ -65,7 +65,7 @@ def test_derive_whole(analysed):
 def test_derive_each_family(analysed, family, structure):
     from hf_partial_attention.analysis import select_pattern
     from hf_partial_attention.analysis.covariance import ScoreCovariance
-    from hf_partial_attention.partial_attention import block_rows
+    from hf_partial_attention.attention_common import block_rows
 
     out, _ = analysed
     result = derive(out, [4], "per_query", evaluate=False, family=family, section=f"family_{family}")
@@ -135,9 +135,9 @@ def test_analyze_text_file_holds_out_paragraphs_and_refuses_without_any(tiny_ber
 
 
 def test_objectives_comparison_on_a_tiny_model(analysed, tmp_path):
-    """The objectives study end to end (what `hf-partial-attention objectives` runs), tiny."""
-    from hf_partial_attention import cli
-    from hf_partial_attention.analysis.objectives import compare_objectives
+    """The objectives study end to end (what `python -m experiments objectives` runs), tiny."""
+    from experiments import cli
+    from experiments.objectives import compare_objectives
 
     out, _ = analysed
     result = compare_objectives(out, ks=(4,), out=str(tmp_path), progress=False)
@@ -174,13 +174,13 @@ def test_objectives_comparison_on_a_tiny_model(analysed, tmp_path):
 
 
 def test_paper_preset_at_a_tiny_n(tiny_bert_dir, tmp_path, monkeypatch):
-    """`make paper`'s code path (hf-partial-attention paper) at n = 8 on the tiny model."""
-    from hf_partial_attention import cli
+    """`make paper`'s code path (python -m experiments paper) at n = 8 on the tiny model."""
+    from experiments import cli
 
     monkeypatch.chdir(tmp_path)  # no runs/table1 here, whatever the checkout holds: the report says it is skipped
 
     out, results = tmp_path / "run", tmp_path / "results"
-    assert cli.main(["paper", "--out", str(out), "--results", str(results), "--model", tiny_bert_dir,
+    assert cli.main(["paper", "--out", "run", "--results", "results", "--model", tiny_bert_dir,
                      "--seq-len", "8", "--fit-sequences", "24", "--heldout-sequences", "6", "--whole-k", "4", "16",
                      "--k", "2", "--max-k", "16", "--second-sequences", "8", "--no-progress"]) == 0
     saved = json.load(open(results / "results.json"))
@@ -198,6 +198,8 @@ def test_paper_preset_at_a_tiny_n(tiny_bert_dir, tmp_path, monkeypatch):
         assert f"figures/{figure}.png" in report, figure
         assert (results / "figures" / f"{figure}.png").is_file()
     assert str(tmp_path) not in report and "Across training" in report and "skipped" in report
+    # the command as typed (relative paths here, as in `make paper`), to rerun it
+    assert f"Command: `python -m experiments paper --out run --results results --model {tiny_bert_dir} " in report
 
 
 def test_fit_size_warning_rule(analysed, caplog):

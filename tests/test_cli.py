@@ -1,4 +1,4 @@
-"""The command line: registry, analyze → derive → convert on a tiny model, and the demo (slow)."""
+"""The command line: registry, analyze → derive → convert on a tiny model (the studies: test_experiments)."""
 
 import json
 import os
@@ -8,11 +8,11 @@ import pytest
 
 from hf_partial_attention import AttentionPattern, cli
 from hf_partial_attention.analysis.corpus import default_texts
-from hf_partial_attention.partial_attention import block_rows
+from hf_partial_attention.attention_common import block_rows
 
 
 def test_registry_lists_commands_and_refuses_duplicates():
-    assert {"analyze", "derive", "convert", "demo"} <= set(cli.COMMANDS)
+    assert list(cli.COMMANDS) == ["analyze", "derive", "convert"]  # a user's commands; studies: `experiments`
     with pytest.raises(ValueError, match="already registered"):
         cli.register_command("analyze", "x", lambda p: None, lambda a: 0)
     parser = cli.build_parser()
@@ -54,23 +54,6 @@ def test_analyze_derive_convert(tiny_bert_dir, tmp_path, capsys):
     assert shared.metadata["family"] == "columns" and block_rows(shared.indices) == 16
     results = json.load(open(os.path.join(out, "results.json")))
     assert "derive_per_query_columns" in results and "derive_per_query" in results
-
-
-@pytest.mark.slow
-def test_demo_small(tmp_path, minilm_path, capsys):
-    out = str(tmp_path / "demo")
-    assert cli.main(["demo", "--out", out, "--fit-sequences", "16", "--heldout-sequences", "8", "--k", "16", "32",
-                     "--whole-seq-len", "16", "--whole-sequences", "32", "--no-progress"]) == 0
-    printed = capsys.readouterr().out
-    assert printed.startswith(f"Wrote {os.path.join(out, 'report.md')} in ")
-    assert printed.rstrip().endswith(f"checkpoint {os.path.join(out, 'checkpoint')} (k = 16)")
-    report = open(os.path.join(out, "report.md")).read()
-    assert "Headline, k = 16 at n = 128" in report and "Conversion and sentence embeddings" in report
-    assert "saves 43.8% of QKᵀ" in report  # the headline is at a k that saves work (d_h = 32)
-    # the model is named by its Hub id, never by a path of this machine
-    assert "sentence-transformers/all-MiniLM-L6-v2" in report
-    assert minilm_path not in report and str(tmp_path) not in report
-    assert os.path.isfile(os.path.join(out, "checkpoint", "config.json"))
 
 
 def _one_line_error(capsys) -> str:

@@ -18,7 +18,10 @@ from hf_partial_attention import (
     PartialBertModel,
 )
 from hf_partial_attention import partial_pattern
-from hf_partial_attention.partial_attention import IMPLEMENTATIONS, PARTIAL_KERNELS, attention_function_name
+from hf_partial_attention.attention_dispatch import attention_function_name, kernel_function
+from hf_partial_attention.configuration_partial_bert import KERNEL_NAMES, PARTIAL_IMPLEMENTATIONS
+
+IMPLEMENTATIONS = ("gather", "fused", "tiled")  # the triton kernel: tests/test_triton_kernel.py (float32, interpreter)
 
 TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37,
             partial_seq_len=16, partial_k=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -45,7 +48,10 @@ def _batch(t=12):
 
 
 def test_kernels_are_registered_with_transformers():
-    for name in PARTIAL_KERNELS:
+    assert PARTIAL_IMPLEMENTATIONS == ("auto", *KERNEL_NAMES)
+    for name in KERNEL_NAMES:
+        assert kernel_function(name).__name__ == f"{name}_attention"  # one function per kernel, by its name
+    for name in PARTIAL_IMPLEMENTATIONS:
         assert attention_function_name(name) in AttentionInterface._global_mapping
         # a name without a mask function would silently receive attention_mask=None
         assert attention_function_name(name) in AttentionMaskInterface._global_mapping
@@ -57,7 +63,7 @@ def test_every_kernel_in_the_model_equals_the_reference(mode, structured, bias):
     """Outputs and gradients (q/k/v weights and R) of the whole model, each kernel against "gather"."""
     ids, mask = _batch()
     results = {}
-    for kernel in IMPLEMENTATIONS:  # the triton kernel: tests/test_triton_kernel.py (float32, interpreter)
+    for kernel in IMPLEMENTATIONS:
         torch.manual_seed(0)
         config = PartialBertConfig(**TINY, reconstruction=mode, partial_use_bias=bias)
         model = PartialBertModel(config).double()
@@ -79,14 +85,14 @@ def test_every_kernel_in_the_model_equals_the_reference(mode, structured, bias):
 
 def test_the_kernel_runs_through_the_registry(monkeypatch):
     calls = []
-    original = AttentionInterface._global_mapping[attention_function_name("dense")]
+    original = AttentionInterface._global_mapping[attention_function_name("fused")]
 
     def spy(module, *args, **kwargs):
         calls.append(module.layer_idx)
         return original(module, *args, **kwargs)
 
-    monkeypatch.setitem(AttentionInterface._global_mapping, attention_function_name("dense"), spy)
-    model = PartialBertModel(PartialBertConfig(**TINY, partial_implementation="dense")).eval()
+    monkeypatch.setitem(AttentionInterface._global_mapping, attention_function_name("fused"), spy)
+    model = PartialBertModel(PartialBertConfig(**TINY, partial_implementation="fused")).eval()
     model(input_ids=_batch()[0])
     assert calls == [0, 1]  # the two partial layers; the last layer is exact
 
@@ -99,8 +105,8 @@ def test_kernel_is_a_runtime_setting_not_a_checkpoint_one(tmp_path):
     stored = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**stored, "partial_implementation": "gather"}))
     assert AutoModel.from_pretrained(tmp_path).config.partial_implementation == "auto"
-    loaded = AutoModel.from_pretrained(tmp_path, partial_implementation="dense")
-    assert loaded.config.partial_implementation == "dense"
+    loaded = AutoModel.from_pretrained(tmp_path, partial_implementation="tiled")
+    assert loaded.config.partial_implementation == "tiled"
     loaded.set_partial_implementation("fused")
     assert loaded.config.partial_implementation == "fused"
     with pytest.raises(ValueError, match="partial_implementation must be one of"):
@@ -141,17 +147,25 @@ def test_exact_layers_keep_attn_implementation(exact, monkeypatch):
 
 @pytest.mark.parametrize("cls", HEADS)
 def test_heads_are_berts_own_classes_with_a_partial_body(cls):
-    assert "__init__" not in cls.__dict__  # BERT's constructor builds the head
     model = cls(PartialBertConfig(**TINY, num_labels=3))
     body = model if cls is PartialBertModel else model.bert
     assert type(body) is PartialBertModel
     kinds = [type(layer.attention.self).__name__ for layer in body.encoder.layer]
-    assert kinds == ["PartialBertSelfAttention", "PartialBertSelfAttention", "BertSelfAttention"]
-    bert = cls.__mro__[2]  # BertModel, BertForMaskedLM, ...
-    assert set(model.state_dict()) - set(bert(BertConfig(**{k: v for k, v in TINY.items()
-                                                            if not k.startswith("partial")}, num_labels=3)).state_dict()) \
-        == {f"{'' if cls is PartialBertModel else 'bert.'}encoder.partial_pattern.{t}" for t in
-            ("indices", "reconstruction")}
+    assert kinds == ["PartialBertSelfAttention", "PartialBertSelfAttention", "PartialBertExactSelfAttention"]
+    bert_cls = cls.__mro__[2]  # BertModel, BertForMaskedLM, ...
+    assert issubclass(cls, bert_cls) and bert_cls.__module__ == "transformers.models.bert.modeling_bert"
+    bert = bert_cls(BertConfig(**{k: v for k, v in TINY.items() if not k.startswith("partial")}, num_labels=3))
+    prefix = "" if cls is PartialBertModel else "bert."
+    assert set(model.state_dict()) - set(bert.state_dict()) == {f"{prefix}encoder.partial_pattern.{t}" for t in
+                                                                ("indices", "reconstruction")}
+    # the head __init__ written out here builds BERT's modules, of BERT's types, in BERT's places
+    ours = {name: type(m).__name__ for name, m in model.named_modules() if "partial_pattern" not in name}
+    theirs = {name: type(m).__name__ for name, m in bert.named_modules()}
+    renamed = {"PartialBertSelfAttention": "BertSelfAttention", "PartialBertExactSelfAttention": "BertSelfAttention",
+               cls.__name__: bert_cls.__name__, "PartialBertModel": "BertModel"}
+    assert {name: renamed.get(kind, kind) for name, kind in ours.items()} == theirs
+    assert [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)] == \
+        [m.p for m in bert.modules() if isinstance(m, torch.nn.Dropout)]
 
 
 def test_from_bert_never_builds_the_default_pattern(monkeypatch):

@@ -4,8 +4,9 @@ import pytest
 import torch
 from torch import nn
 
-import hf_partial_attention.fused_autograd as fused_autograd
-from hf_partial_attention.partial_attention import PatternLayout, partial_attention_forward
+import hf_partial_attention.attention_fused as fused_autograd
+from hf_partial_attention.attention_common import PatternLayout
+from hf_partial_attention.attention_dispatch import partial_attention_forward
 
 DT = torch.float64
 N, K = 8, 3
@@ -101,13 +102,12 @@ def test_dropout_scales_kept_probabilities_and_its_gradient_checks(family):
     assert 0.3 < kept.double().mean() < 0.7
     torch.testing.assert_close(dropped[kept], probs[kept] / 0.5, rtol=1e-10, atol=1e-12)
 
-    with torch.no_grad():  # without autograd, the map returned is the one that multiplied V (after dropout)
-        q_, k_, v_ = (x.transpose(1, 2) for x in (q, k, eye))
-        out, dropped_map = partial_attention_forward(module, q_, k_, v_, None, layout=PatternLayout.from_indices(p),
-                                                     reconstruction=r, scaling=0.4, dropout=0.5,
-                                                     implementation="fused", need_weights=True)
-    assert (dropped_map == 0).any()
-    torch.testing.assert_close(dropped_map, out.transpose(1, 2), rtol=0, atol=0)
+    with torch.no_grad():  # without autograd (the in-place path) dropout drops too, and keeps the kept ones exact
+        torch.manual_seed(1)
+        in_place = _run("fused", [q, k, eye], None, p, r, None, module=module, dropout=0.5).transpose(1, 2)
+    kept = in_place != 0
+    assert 0.3 < kept.double().mean() < 0.7
+    torch.testing.assert_close(in_place[kept], probs[kept] / 0.5, rtol=1e-10, atol=1e-12)
 
     def f(q, k, v, r):
         torch.manual_seed(0)  # the same dropout draws at every evaluation
@@ -116,15 +116,18 @@ def test_dropout_scales_kept_probabilities_and_its_gradient_checks(family):
     assert torch.autograd.gradcheck(f, (q, k, v, r.requires_grad_()))
 
 
-def test_weights_asked_for_keep_the_autograd_path(monkeypatch):
+def test_weights_asked_for_run_the_reference(monkeypatch):
+    """Asked for the map, a fused call runs the reference kernel (the one that writes the map)."""
     for function in (fused_autograd._PerQueryFused, fused_autograd._RowsFused):
         monkeypatch.setattr(function, "apply", lambda *a: pytest.fail("hand-written path taken"))
     for family in ("per_query", "blocks"):
         p, r, _ = _pattern(family=family)
         q, k, v = (x.transpose(1, 2) for x in _inputs(8))
-        _, probs = partial_attention_forward(nn.Module().eval(), q, k, v, None, layout=PatternLayout.from_indices(p),
-                                             reconstruction=r, scaling=0.4, implementation="fused", need_weights=True)
-        assert probs is not None
+        args = (nn.Module().eval(), q, k, v, None)
+        kw = dict(layout=PatternLayout.from_indices(p), reconstruction=r, scaling=0.4)
+        out, probs = partial_attention_forward(*args, **kw, implementation="fused", need_weights=True)
+        ref, ref_probs = partial_attention_forward(*args, **kw, implementation="gather")
+        assert torch.equal(out, ref) and torch.equal(probs, ref_probs)
 
 
 @pytest.mark.parametrize("family", ["per_query", "blocks"])

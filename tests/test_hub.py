@@ -34,7 +34,8 @@ def test_save_pretrained_writes_auto_map_and_code(tmp_path):
     bundle = {p.name for p in tmp_path.glob("*.py")}
     # the model's files and their sibling imports; the Hub layer (registration, cards) stays out of the bundle
     assert bundle == {"modeling_partial_bert.py", "configuration_partial_bert.py", "pattern.py", "reconstruction.py",
-                      "partial_attention.py", "conversion.py", "partial_pattern.py", "triton_kernel.py", "tiled_kernel.py", "auto_rule.py", "partial_scores.py", "fused_autograd.py"}, bundle
+                      "cost.py", "conversion.py", "partial_pattern.py", "attention_common.py",
+                      "attention_gather.py", "attention_fused.py", "attention_tiled.py", "attention_triton.py", "attention_dispatch.py"}, bundle
     assert "partial_implementation" not in json.loads((tmp_path / "config.json").read_text())
 
 

@@ -14,8 +14,9 @@ from hf_partial_attention import AttentionPattern, PartialBertConfig, PartialBer
 
 TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37,
             partial_seq_len=16, partial_k=4)
-BUNDLE = {"modeling_partial_bert.py", "configuration_partial_bert.py", "partial_attention.py", "pattern.py",
-          "reconstruction.py", "conversion.py", "partial_pattern.py", "triton_kernel.py", "tiled_kernel.py", "auto_rule.py", "partial_scores.py", "fused_autograd.py"}
+BUNDLE = {"modeling_partial_bert.py", "configuration_partial_bert.py", "pattern.py", "reconstruction.py",
+          "cost.py", "conversion.py", "partial_pattern.py", "attention_common.py",
+          "attention_gather.py", "attention_fused.py", "attention_tiled.py", "attention_triton.py", "attention_dispatch.py"}
 
 
 @pytest.fixture

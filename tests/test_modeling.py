@@ -224,3 +224,56 @@ def test_output_attentions_of_a_training_forward_are_the_reference_maps(implemen
     assert len(maps) == 3 and all(m is not None for m in maps)
     for got, want in zip(maps, ref):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_pattern_passed_to_the_constructor_is_the_one_it_starts_with(monkeypatch):
+    # from_bert's path: the pattern goes to the constructor, explicitly; no default pattern is built for a model
+    # that gets another one (the default costs an n×n solve per query)
+    from hf_partial_attention import partial_pattern
+
+    g = torch.Generator().manual_seed(4)
+    idx = torch.sort(torch.argsort(torch.rand(16, 16, generator=g), -1)[:, :4], -1).values
+    pattern = AttentionPattern(idx, torch.randn(16, 12, 4, generator=g))
+
+    def no_default(*args):
+        raise AssertionError("a default pattern was built")
+
+    monkeypatch.setattr(partial_pattern, "_local_pattern", no_default)
+    for mode in MODES:
+        config = PartialBertConfig(**TINY, reconstruction=mode)
+        for cls in (PartialBertModel, PartialBertForMaskedLM, PartialBertForSequenceClassification):
+            model = cls(config, pattern=pattern)
+            for layer in config.partial_layers if mode == "per_layer" else [None]:
+                got = model.get_pattern(layer)
+                assert torch.equal(got.indices, idx) and torch.equal(got.reconstruction, pattern.reconstruction)
+            assert model._initial_pattern is None  # not kept after construction: no second copy of R
+    with pytest.raises(ValueError, match="pattern has seq_len=16, k=4 but the config has partial_seq_len=16, "
+                                         "partial_k=5"):
+        PartialBertModel(PartialBertConfig(**{**TINY, "partial_k": 5}), pattern=pattern)
+
+
+def test_maps_of_exact_layers_without_changing_the_config():
+    # output_attentions under sdpa: the exact layer runs eager for that call, and the config is never touched
+    # (a forward that switched config._attn_implementation would leak into other threads and compiled graphs)
+    config = PartialBertConfig(**TINY)
+    config._attn_implementation = "sdpa"
+    model = PartialBertModel(config).eval()
+    seen = []
+    exact = model.encoder.layer[2].attention.self
+    exact.register_forward_pre_hook(lambda module, args: seen.append(model.config._attn_implementation))
+    with torch.no_grad():
+        out = model(**batch(), output_attentions=True)
+    assert seen == ["sdpa"]
+    assert len(out.attentions) == 3 and all(a is not None for a in out.attentions)
+    torch.testing.assert_close(out.attentions[2].sum(-1), torch.ones_like(out.attentions[2].sum(-1)))
+
+
+def test_transformers_output_recorder_is_found():
+    # The kernels skip writing attention maps unless transformers' output recorder (a private symbol) asks for
+    # them; if it moves, every forward would silently take the slow, map-writing path: fail here instead.
+    from hf_partial_attention import modeling_partial_bert
+
+    assert modeling_partial_bert._active_collector is not None
+    from transformers.utils.output_capturing import _active_collector
+
+    assert modeling_partial_bert._active_collector is _active_collector

@@ -4,16 +4,14 @@ import pytest
 import torch
 from torch import nn
 
-from hf_partial_attention.partial_attention import (
-    IMPLEMENTATIONS,
-    PatternLayout,
-    block_rows,
-    exact_scores_method,
-    partial_attention_forward,
-)
+from hf_partial_attention.attention_common import PatternLayout, PatternStructure, block_rows, structured_scores
+from hf_partial_attention.attention_dispatch import partial_attention_forward
 from hf_partial_attention.reconstruction import solve_reconstruction
 
 DT = torch.float64
+# The kernels that run on any device in PyTorch alone (and in float64): the triton kernel is tested in
+# tests/test_triton_kernel.py (float32, interpreter).
+IMPLEMENTATIONS = ("gather", "fused", "tiled")
 
 
 class Dummy(nn.Module):
@@ -35,9 +33,12 @@ def random_pattern(n, k, seed):
 
 
 def run(q, k, v, mask, idx, r, bias=None, impl="gather"):
+    """``(output, probabilities)`` of one kernel; a kernel other than the reference runs without the map (asked
+    for, the map would send the call to the reference), so its probabilities are None."""
     module = Dummy().eval()
-    return partial_attention_forward(module, q, k, v, mask, layout=PatternLayout.from_indices(idx),
-                                     reconstruction=r, bias=bias, scaling=0.3, implementation=impl)
+    return partial_attention_forward(module, q, k, v, mask, layout=PatternLayout.from_indices(idx, r),
+                                     reconstruction=r, bias=bias, scaling=0.3, implementation=impl,
+                                     need_weights=impl == "gather")
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
@@ -57,7 +58,10 @@ def test_reconstructible_scores_give_dense_attention(impl):
     out, probs = run(q, key, v, None, idx, r, impl=impl)
     ref_out, ref_probs = dense(q, key, v, None, 0.3)
     torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=1e-10)
-    torch.testing.assert_close(probs, ref_probs, atol=1e-10, rtol=1e-10)
+    if impl == "gather":
+        torch.testing.assert_close(probs, ref_probs, atol=1e-10, rtol=1e-10)
+    else:
+        assert probs is None
 
 
 def test_implementations_agree_in_values_and_gradients():
@@ -148,15 +152,27 @@ def test_block_rows_detects_structure(family):
     assert block_rows(idx) == rows
 
 
-@pytest.mark.parametrize("family, structured", [("columns", "blocks"), ("blocks", "blocks"), ("per_query", "dense")])
-def test_exact_scores_method_by_kernel_and_pattern(family, structured):
-    # fused and tiled use block GEMMs where rows share keys, else the whole QKᵀ (what the benchmarks' cost counts)
-    layout = PatternLayout.from_indices(structured_patterns()[family][0])
-    methods = {impl: exact_scores_method(impl, layout) for impl in ("gather", "dense", "fused", "tiled", "triton")}
-    assert methods == {"gather": "gather", "dense": "dense", "fused": structured, "tiled": structured,
-                       "triton": "gather"}
-    with pytest.raises(ValueError, match="implementation must be one of"):
-        exact_scores_method("auto", layout)
+@pytest.mark.parametrize("family, structure", [("columns", PatternStructure.BLOCKS_SHARING_KEYS),
+                                               ("blocks", PatternStructure.BLOCKS_SHARING_KEYS),
+                                               ("per_query", PatternStructure.PER_QUERY)])
+def test_structured_scores_cost_what_the_cost_model_counts(family, structure):
+    """The fast kernels' exact scores equal the gathered ones and cost k·d multiply-adds per query where rows share
+    keys (one GEMM per block), n·d where they do not (QKᵀ then select): what `cost.forward_ratio` counts."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hf_partial_attention.attention_common import gathered_scores
+
+    idx = structured_patterns()[family][0]
+    layout = PatternLayout.from_indices(idx)
+    assert layout.structure is structure
+    b, h, n, d, k = 2, 3, 8, 5, idx.shape[1]
+    g = torch.Generator().manual_seed(11)
+    q, key = (torch.randn(b, h, n, d, generator=g, dtype=DT) for _ in range(2))
+    with FlopCounterMode(display=False) as counter:
+        scores = structured_scores(q, key, layout, 0.3)
+    torch.testing.assert_close(scores, gathered_scores(q, key, idx, 0.3), rtol=1e-12, atol=1e-12)
+    per_query = k if structure is PatternStructure.BLOCKS_SHARING_KEYS else n
+    assert counter.get_total_flops() == 2 * b * h * n * per_query * d
 
 
 @pytest.mark.parametrize("family", ["columns", "blocks"])
@@ -172,8 +188,8 @@ def test_fused_structured_path_matches_reference(family, t):
     mask[1, ..., t - 2:] = False
     results = []
     for impl in ("gather", "fused"):
-        out, probs = run(q, key, v, mask, idx, r, bias, impl=impl)
-        results.append((out, probs, *torch.autograd.grad(out.pow(2).sum(), [q, key, v, r, bias])))
+        out, _ = run(q, key, v, mask, idx, r, bias, impl=impl)
+        results.append((out, *torch.autograd.grad(out.pow(2).sum(), [q, key, v, r, bias])))
     for a, c in zip(*results):
         torch.testing.assert_close(a, c)
 
@@ -186,21 +202,81 @@ def test_gradcheck_fused_blocks():
     assert torch.autograd.gradcheck(lambda *t: run(*t[:3], None, idx, t[3], impl="fused")[0], (q, key, v, r))
 
 
-def test_auto_implementation_choice():
-    """The committed rule (auto_rule.RULE) answers for each structure with a kernel that runs it."""
-    from hf_partial_attention.auto_rule import RULE, auto_implementation
-    from hf_partial_attention.partial_attention import PARTIAL_KERNELS
+def _layout(structure: str, n: int, rows: int = 32, k: int = 4) -> PatternLayout:
+    """A layout of each structure at length n: per-query keys; blocks of ``rows`` rows sharing keys, each row its own
+    R; the same blocks sharing R too."""
+    g = torch.Generator().manual_seed(12)
+    if structure == "per_query":
+        idx = random_pattern(n, k, seed=13)
+    else:
+        idx = torch.stack([torch.randperm(n, generator=g)[:k].sort().values for _ in range(n // rows)])
+        idx = idx.repeat_interleave(rows, 0)  # (n, k)
+    r = torch.randn(n // rows if structure == "shared" else n, n - k, k, generator=g)
+    r = r.repeat_interleave(rows, 0) if structure == "shared" else r  # (n, n-k, k)
+    return PatternLayout.from_indices(idx, r)
 
-    kernels = {auto_implementation(n, k, 64, rows, shared, mode)
-               for n in (128, 512) for k in (16, 32, 64) for rows, shared in ((None, 1), (32, 1), (32, 32))
-               for mode in ("inference", "training")}
-    assert kernels <= set(PARTIAL_KERNELS) - {"triton", "gather"}
-    assert {c["kernel"] for c in RULE["cells"]} <= set(PARTIAL_KERNELS)
+
+@pytest.mark.parametrize("structure", ["per_query", "blocks", "shared"])
+@pytest.mark.parametrize("n", [128, 256, 512])
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("triton_installed", [False, True])
+def test_auto_rule(structure, n, training, device, triton_installed, monkeypatch):
+    """`auto`: triton on CUDA where triton is installed; else tiled for rows sharing P and R in inference at
+    n >= 256; else fused. Never gather (no map asked for), never triton off CUDA."""
+    from hf_partial_attention import attention_dispatch
+
+    monkeypatch.setattr(attention_dispatch, "_triton_installed", lambda: triton_installed)
+    layout = _layout(structure, n)
+    if device == "cuda" and triton_installed:
+        want = "triton"
+    elif structure == "shared" and not training and n >= 256:
+        want = "tiled"
+    else:
+        want = "fused"
+    assert attention_dispatch.auto_kernel(layout, device, 64, training) == want
+    if want == "triton":  # a head size or attention dropout the triton kernel refuses: the rule goes on
+        assert attention_dispatch.auto_kernel(layout, device, 48, training) != "triton"
+        assert attention_dispatch.auto_kernel(layout, device, 64, training, dropout=0.1) != "triton"
+
+
+def test_structure_needs_blocks_of_min_shared_rows():
+    from hf_partial_attention.attention_common import MIN_SHARED_ROWS
+
+    assert _layout("shared", 256, rows=MIN_SHARED_ROWS).structure is PatternStructure.ROWS_SHARING_P_AND_R
+    assert _layout("shared", 256, rows=MIN_SHARED_ROWS // 2).structure is PatternStructure.BLOCKS_SHARING_KEYS
+    assert _layout("blocks", 256).structure is PatternStructure.BLOCKS_SHARING_KEYS
+    assert _layout("per_query", 256).structure is PatternStructure.PER_QUERY
+
+
+def test_auto_runs_its_choice_in_a_model_and_the_map_runs_the_reference(monkeypatch):
+    """In a model: auto runs tiled for rows sharing P and R at n = 256 in inference, fused with autograd, and a call
+    asking for the attention maps runs the reference kernel."""
+    from hf_partial_attention import AttentionPattern, PartialBertConfig, PartialBertModel, attention_dispatch
+
+    ran = []
+    real = attention_dispatch.kernel_function
+    monkeypatch.setattr(attention_dispatch, "kernel_function", lambda name: ran.append(name) or real(name))
+    layout = _layout("shared", 256)
+    g = torch.Generator().manual_seed(14)
+    r = torch.randn(256 // 32, 252, 4, generator=g).repeat_interleave(32, 0) * 0.1
+    config = PartialBertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                               intermediate_size=37, partial_seq_len=256, partial_k=4, max_position_embeddings=256,
+                               reconstruction="fixed", attention_probs_dropout_prob=0.0)
+    model = PartialBertModel(config).eval()
+    model.set_pattern(AttentionPattern(layout.indices, r))
+    ids = torch.randint(1, 99, (1, 256), generator=g)
+    with torch.no_grad():
+        model(input_ids=ids)
+    model(input_ids=ids).last_hidden_state.sum().backward()
+    with torch.no_grad():
+        model(input_ids=ids, output_attentions=True)
+    assert ran == ["tiled", "fused", "gather"]
 
 
 def test_frozen_r_builds_w_once_and_notices_changes(monkeypatch):
     """W = [I | R] is reused while R is frozen and rebuilt when R (or P) changes; values equal a fresh build."""
-    import hf_partial_attention.partial_scores as ps
+    import hf_partial_attention.attention_common as ps
     from hf_partial_attention import AttentionPattern, PartialBertConfig, PartialBertModel
 
     builds = []

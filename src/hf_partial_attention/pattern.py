@@ -15,12 +15,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from .cost import SCOPES
 from .reconstruction import complement_indices, local_prior
 
 __all__ = ["AttentionPattern", "PATTERN_FORMAT_VERSION", "open_tagged_file"]
 
 PATTERN_FORMAT_VERSION = "1"
-SCOPES = ("per_query", "whole")
 _META_KEY = "hf_partial_attention"
 _EXPECTED = ("a pattern file written by `hf-partial-attention derive` (<out>/patterns/per_query_k<k>.safetensors) "
              "or by AttentionPattern.save")

@@ -1,8 +1,8 @@
 """Thread control for batches of small linear-algebra problems.
 
 Batched LAPACK calls on many small matrices (n problems of n×n) parallelise poorly: with several OpenMP
-threads on a busy machine, ``torch.linalg.eigh`` over 128 matrices of 128×128 was measured 40–100× slower
-than with one thread. Such calls run inside `single_thread()`.
+threads on a busy machine, a batched ``torch.linalg.eigh`` over such matrices can be many times slower than with
+one thread. Such calls run inside `single_thread()`.
 """
 
 from __future__ import annotations

@@ -23,13 +23,13 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from ..cost import SCOPES
 from ..pattern import open_tagged_file
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ScoreCovariance", "GRANULARITIES", "SCOPES", "estimate_bytes", "available_memory_bytes"]
+__all__ = ["ScoreCovariance", "GRANULARITIES", "estimate_bytes", "available_memory_bytes"]
 
-SCOPES = ("per_query", "whole")
 GRANULARITIES = ("pooled", "layer", "head")
 _META_KEY = "hf_partial_attention_covariance"
 _FORMAT_VERSION = "1"

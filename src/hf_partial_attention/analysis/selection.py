@@ -11,7 +11,7 @@ same candidate at every step, and each candidate maps to a key per row (docs/met
 - ``"bands"``: diagonal offsets shared by every query, P_i = {(i + o) mod n : o ∈ O} [ours: circular at the
   edges, so every row keeps exactly k distinct keys];
 - ``"windows"``: no greedy: block-local windows, rows of block b (k rows each) compute the keys of block b;
-- ``"shared_blocks"``: blocks of ``block_rows`` rows share P *and* R (`shared_rows`): the greedy and eq. 7 run
+- ``"shared_blocks"``: blocks of ``block_rows`` rows share P *and* R (`shared_blocks`): the greedy and eq. 7 run
   on each block's pooled covariance, and the `tiled` kernel runs it as plain matrix products.
 
 The objective the greedy minimises is `score_metrics.objective_metric` (re-exported here).
@@ -28,22 +28,30 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..cost import dense_cost, score_cost
+from ..attention_common import PatternStructure
+from ..cost import SCOPES, dense_cost, score_cost
 from ..pattern import AttentionPattern
 from ..reconstruction import solve_reconstruction
 from ._threads import single_thread
 from .covariance import ScoreCovariance
 from .score_metrics import OBJECTIVES, objective_metric
-from .shared_rows import fit_shared_blocks, pooled_blocks
+from .shared_blocks import fit_shared_blocks, pooled_blocks
 from .spectra import eigh_desc, top_eigh
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FAMILIES", "OBJECTIVES", "covariance_for", "greedy_select", "family_constraint", "window_indices",
+__all__ = ["FAMILIES", "FAMILY_STRUCTURE", "DEFAULT_BLOCK_ROWS", "OBJECTIVES", "covariance_for", "greedy_select", "family_constraint", "window_indices",
            "objective_metric", "fit_pattern", "select_pattern", "select_patterns", "error_curve"]
 
 FAMILIES = ("per_query", "columns", "blocks", "bands", "windows", "shared_blocks")
-SCOPES = ("per_query", "whole")
+# The structure each family's patterns have (what the kernels and `auto` read from a pattern's layout, where it is
+# computed from P and R): bands are per-query key sets; windows blocks of k rows sharing keys; shared_blocks rows
+# sharing P and R when their blocks hold at least `attention_common.MIN_SHARED_ROWS` rows.
+FAMILY_STRUCTURE = {"per_query": PatternStructure.PER_QUERY, "columns": PatternStructure.BLOCKS_SHARING_KEYS,
+                    "blocks": PatternStructure.BLOCKS_SHARING_KEYS, "bands": PatternStructure.PER_QUERY,
+                    "windows": PatternStructure.BLOCKS_SHARING_KEYS,
+                    "shared_blocks": PatternStructure.ROWS_SHARING_P_AND_R}
+DEFAULT_BLOCK_ROWS = 32  # rows per block of the blocks and shared_blocks families (at most: gcd(n, 32))
 
 
 def covariance_for(cov: ScoreCovariance | torch.Tensor, scope: str, centered: bool | None = None,
@@ -125,7 +133,7 @@ def greedy_select(cov: torch.Tensor, k: int, groups: torch.Tensor | None = None,
         energy = torch.cat([(c[:, :, a:a + 1024] ** 2).sum(-2) for a in range(0, l, 1024)], dim=-1)
     basis = torch.zeros(r, l, k, dtype=cov.dtype)  # (R, l, k): L
     path = torch.empty(r, k, dtype=cov.dtype) if order else None  # residual after each step
-    # a progress bar where a run takes minutes (whole-matrix covariances at n = 128: 0.1 s a step)
+    # a progress bar where a run takes minutes (whole-matrix covariances, l = n² >= 4096)
     for step in tqdm(range(k), desc=f"greedy (l={l})", disable=l < 4096, leave=False, unit="step"):
         gain = torch.where(diag > tol, energy / diag.clamp_min(tiny), torch.zeros_like(diag))
         pooled = torch.zeros(num_groups, candidates.shape[1], dtype=cov.dtype).index_add_(
@@ -169,7 +177,7 @@ def window_indices(n: int, k: int) -> torch.Tensor:
 
 
 def _block_rows(n: int, block_rows: int | None) -> int:
-    rows = block_rows or math.gcd(n, 32)  # [ours] default: blocks of 32 rows (when 32 divides n)
+    rows = block_rows or math.gcd(n, DEFAULT_BLOCK_ROWS)  # [ours] default: blocks of 32 rows (when 32 divides n)
     if rows < 1 or n % rows:
         raise ValueError(f"block_rows must divide n={n}, got {rows}.")
     return rows

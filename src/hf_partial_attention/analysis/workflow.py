@@ -180,7 +180,7 @@ def _curve_ks(scope: str, n: int, ks) -> list[int]:
     if scope == "per_query":
         base = [1, 2, 4, 8, 16, 32, 64]
         return sorted({k for k in [*base, *ks] if k <= n})
-    # each whole-matrix greedy step reads the n²×n² covariance once (0.1 s at n = 128): the curve goes to k̄ = 2048
+    # each whole-matrix greedy step reads the n²×n² covariance once: the curve stops at k̄ = 2048
     cap = min(n * n, 2048)
     return sorted({k for k in [n // 4, n // 2, n, 2 * n, 4 * n, 8 * n, *ks] if 1 <= k <= cap})
 

@@ -1,8 +1,8 @@
 """Training with partial attention built in: `PartialAttentionTrainer`, its arguments, data and model builders.
 
 Needs the ``train`` extra (``accelerate``, ``datasets``, ``evaluate``). The example scripts in ``examples/``
-(``pretrain_mlm.py``, ``finetune_mnli.py``) and the Table-1 study (``studies.table1``) are thin layers over
-this package.
+(``pretrain_mlm.py``, ``finetune_mnli.py``) and the repository's Table-1 study (``experiments/table1.py``) are thin
+layers over this package.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ class PartialAttentionTrainingArguments(TrainingArguments):
     mlm_logits_at_masked_only: bool = field(
         default=False,
         metadata={"help": "MLM models (with .bert and .cls): compute vocabulary logits only at the labelled "
-                          "positions (same loss and gradients, about 2x faster when the vocabulary is large)."},
+                          "positions (same loss and gradients; less work when the vocabulary is large)."},
     )
 
     def __post_init__(self):

@@ -1,36 +1,38 @@
-"""The ``fused`` kernel with autograd: autograd Functions whose backward is written out by hand; and its
-forward without autograd (`rows_first_attention`, in one n×n buffer worked in place, for every pattern).
+"""The ``fused`` kernel: full rows of scores by one batched matmul with ``W_i = [I at P_i | R_iᵀ at P̄_i]`` (no
+scatter), then mask, softmax, dropout and ·V, with a backward written out by hand; without autograd the same in one
+n×n buffer per group of (batch, head) pairs, worked in place. Returns no attention map (like SDPA): the dispatcher
+runs the reference kernel when the map is asked for.
 
 Part of the remote-code bundle (imports: torch and siblings only).
 
-Autograd through the ops of `partial_attention._fused_group` costs more than the arithmetic needs (per-query
-pattern, n = 512, B = 8, H = 12, k = 32, fwd + bwd on a 2-core CPU: 1.28x of eager attention before this module
-and 0.86x with it, in the results of ``make bench`` committed at `fa9d962` and `1cda05a`):
+Why by hand rather than autograd through the ops (the committed ``make bench`` results in benchmarks/results/
+show the difference):
 
-- the scores are reconstructed rows first, ``(T, B·H, T)``, and the gradient of the probabilities reaches the
-  softmax backward as ``(B·H, T, T)``; the softmax backward then copies one of them (an n×n pass) and works on
-  mixed layouts. Here the gradient of the probabilities is written straight into the rows-first layout.
-- every step allocates its own n×n tensor; under glibc's default malloc each one above the mmap threshold costs
-  fresh pages (at n = 512, B = 8, H = 12: 100 MB each). Here the forward and the backward each allocate one and
-  work in it in place: reconstruction into QKᵀ's memory, softmax and its backward in place, and the gradient of
-  QKᵀ (``gather``'s backward, a zero n×n tensor) in the memory of the scores' gradient.
-- W = [I | Rᵀ] is rebuilt under autograd, and its backward scatters into another (n, k, n) zero tensor; here it is
-  built without autograd and R's gradient is gathered from W's.
+- the scores are reconstructed rows first, ``(T, B·H, T)``, and the gradient of the probabilities would reach the
+  softmax backward as ``(B·H, T, T)``, copied once more (an n×n pass) and worked on in mixed layouts. Here the
+  gradient of the probabilities is written straight into the rows-first layout.
+- every step would allocate its own n×n tensor; under glibc's default malloc each one above the mmap threshold
+  costs fresh pages. Here the forward and the backward each allocate one and work in it in place:
+  reconstruction into QKᵀ's memory, softmax and its backward in place, and the gradient of QKᵀ (``gather``'s
+  backward, a zero n×n tensor) in the memory of the scores' gradient.
+- W = [I | Rᵀ] would be rebuilt under autograd, its backward scattering into another (n, k, n) zero tensor; here
+  it is built without autograd and R's gradient is gathered from W's.
 
-Per-query patterns (`partial_scores.block_rows` is None) run `_PerQueryFused`, exact scores included. Patterns
-whose blocks of rows share keys get their exact scores from block GEMMs under autograd (small tensors), then
-`_RowsFused`. The numbers and gradients are the reference kernel's (tested in float64 against ``gather``).
+Per-query patterns run `_PerQueryFused`, exact scores included. Patterns whose blocks of rows share keys get their
+exact scores from block GEMMs under autograd (small tensors), then `_RowsFused`. The numbers and gradients are the
+reference kernel's (tested in float64 against ``gather``).
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-from .partial_scores import (PatternLayout, _bias_full, _exact_masked, _masked_keys, _reconstruction_matrix_for,
-                             check_length, masked_at_p, rows_first, structured_exact_method)
-from .tiled_kernel import normalised_in_place
+from .attention_common import (PartialTensors, PatternLayout, PatternStructure, bias_in_key_order, broadcast_slice,
+                               check_length, masked_at_p, masked_exact_scores, masked_keys, needs_grad,
+                               normalised_in_place, rows_first, tile_groups)
 
-__all__ = ["fused_attention_with_autograd", "rows_first_attention"]
+__all__ = ["fused_attention"]
 
 
 def _scatter_to_complement(full: torch.Tensor, layout: PatternLayout, t: int, dim_k: bool) -> torch.Tensor:
@@ -47,9 +49,9 @@ def _scatter_to_complement(full: torch.Tensor, layout: PatternLayout, t: int, di
     return full.gather(-1, comp)  # (n, n-k)
 
 
-# Under glibc's default malloc every fresh n×n tensor above the mmap threshold costs page faults (at n = 512,
-# B = 8, H = 12: 100 MB each), so the forward and the backward each allocate one and work in it
-# in place (`tiled_kernel.normalised_in_place`; the softmax backward likewise on CPU only).
+# Under glibc's default malloc every fresh n×n tensor above the mmap threshold costs page faults, so the forward
+# and the backward each allocate one and work in it in place (`attention_common.normalised_in_place`; the softmax
+# backward likewise, on CPU only).
 def _softmax_backward_in_place(grad: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     if grad.device.type != "cpu":
         return torch._softmax_backward_data(grad, probs, -1, probs.dtype)
@@ -126,39 +128,40 @@ def _rows_backward(ctx, grad_out, rows, w, v3, probs, keep, need_rows, need_v, n
     return grad_s, grad_rows, grad_v, grad_r, grad_bias
 
 
-def _w_and_bias(ctx, layout, reconstruction, bias, dtype, device):
-    ctx.layout = layout
+def _w_and_bias(ctx, partial: PartialTensors, reconstruction, bias, dtype, device):
+    """W (from the owner's cache where R is frozen; built without autograd where R trains: its gradient is gathered
+    from W's) and the bias in key order; records on ``ctx`` what the backward needs."""
+    ctx.layout = partial.layout
     ctx.dtypes = (reconstruction.dtype, None if bias is None else bias.dtype)
-    w = _reconstruction_matrix_for(layout, reconstruction, dtype, fresh=reconstruction.requires_grad)
-    return w, _bias_full(layout, bias, dtype, device)
+    w = partial.matrix(dtype, fresh=reconstruction.requires_grad)  # (n, k, n)
+    return w, bias_in_key_order(partial.layout, bias, dtype, device)
 
 
-def rows_first_attention(query, key, value, attention_mask, layout, w, bias_full, scaling, dropout=0.0):
-    """The forward without autograd (inference, or a group of pairs of it), in one n×n buffer worked in place:
-    ``(B, H, T, D)`` -> ``(output (B, T, H, Dv), probabilities (B, H, T, T), a view of the rows-first ones)``.
-    Exact scores by QKᵀ then select P (per-query patterns), or by block GEMMs where blocks of rows share keys."""
+def _no_grad_attention(query, key, value, attention_mask, layout, w, bias_full, scaling, dropout=0.0):
+    """The forward without autograd on one group of (batch, head) pairs, in one n×n buffer worked in place:
+    ``(B, H, T, D)`` -> output ``(B, T, H, Dv)``. Exact scores by QKᵀ then select P (per-query patterns), or by
+    block GEMMs where blocks of rows share keys."""
     t, n = query.shape[2], layout.indices.shape[0]
     check_length(t, n)
     b, h = query.shape[:2]
-    if structured_exact_method(layout) == "dense":
-        additive, masked = _masked_keys(attention_mask, t, query.dtype)
+    if layout.structure is PatternStructure.PER_QUERY:
+        additive, masked = masked_keys(attention_mask, t, query.dtype)
         zero_at = masked_at_p(masked, layout.indices, t)  # (B|1, 1|H, T, k) or None
         rows, dense, _ = _dense_exact_rows(query, key, layout.indices, scaling, zero_at)
     else:
-        exact, additive = _exact_masked(query, key, attention_mask, layout, scaling, "blocks")  # (B, H, T, k)
+        exact, additive = masked_exact_scores(query, key, attention_mask, layout, scaling, True)  # (B, H, T, k)
         rows, dense = rows_first(exact), None  # (T, B·H, k)
-    out, _, _, kept, _ = _rows_forward(rows, value, w, bias_full, additive, dropout, scores_out=dense)
-    # The map after dropout, as eager attention returns it.
-    return out.view(b, h, t, -1).transpose(1, 2).contiguous(), kept.view(t, b, h, t).permute(1, 2, 0, 3)
+    out = _rows_forward(rows, value, w, bias_full, additive, dropout, scores_out=dense)[0]  # (B·H, T, Dv)
+    return out.view(b, h, t, -1).transpose(1, 2)  # (B, T, H, Dv) view
 
 
 class _PerQueryFused(torch.autograd.Function):
     """Exact scores by QKᵀ then select P, full rows by one batched matmul with W, mask, softmax, dropout, ·V."""
 
     @staticmethod
-    def forward(ctx, query, key, value, reconstruction, bias, layout, additive, zero_at, scaling, dropout):
-        w, bias_full = _w_and_bias(ctx, layout, reconstruction, bias, query.dtype, query.device)
-        rows, dense, (q3, k3t, index) = _dense_exact_rows(query, key, layout.indices, scaling, zero_at)
+    def forward(ctx, query, key, value, reconstruction, bias, partial, additive, zero_at, scaling, dropout):
+        w, bias_full = _w_and_bias(ctx, partial, reconstruction, bias, query.dtype, query.device)
+        rows, dense, (q3, k3t, index) = _dense_exact_rows(query, key, partial.layout.indices, scaling, zero_at)
         out, probs, keep, _, v3 = _rows_forward(rows, value, w, bias_full, additive, dropout, scores_out=dense)
         ctx.save_for_backward(q3, k3t, v3, rows, w, probs, keep, index, zero_at)
         ctx.scaling, ctx.dropout, ctx.value_shape = scaling, dropout, value.shape
@@ -191,8 +194,8 @@ class _RowsFused(torch.autograd.Function):
     """The same after the exact scores, which autograd computes and differentiates (block patterns: small GEMMs)."""
 
     @staticmethod
-    def forward(ctx, exact, value, reconstruction, bias, layout, additive, dropout):
-        w, bias_full = _w_and_bias(ctx, layout, reconstruction, bias, exact.dtype, exact.device)
+    def forward(ctx, exact, value, reconstruction, bias, partial, additive, dropout):
+        w, bias_full = _w_and_bias(ctx, partial, reconstruction, bias, exact.dtype, exact.device)
         rows = rows_first(exact)  # (T, B·H, k)
         out, probs, keep, _, v3 = _rows_forward(rows, value, w, bias_full, additive, dropout)
         ctx.save_for_backward(rows, w, v3, probs, keep)
@@ -212,21 +215,50 @@ class _RowsFused(torch.autograd.Function):
         return grad_exact, grad_v, grad_r, grad_bias, None, None, None
 
 
-def fused_attention_with_autograd(query, key, value, attention_mask, layout, reconstruction, bias, scaling,
-                                  dropout=0.0):
-    """Partial attention with autograd and a backward written out by hand: ``(B, H, T, D)`` -> ``(B, T, H, D)``,
-    no attention map. ``attention_mask`` as in `partial_attention.partial_attention_forward`; ``dropout``: the
-    probability of dropping an attention probability (0 outside training). Per-query patterns run
-    `_PerQueryFused`; patterns whose blocks of rows share keys (`partial_scores.block_rows`) get their exact
-    scores from block GEMMs under autograd, then `_RowsFused`."""
+def _with_autograd(query, key, value, attention_mask, partial: PartialTensors, scaling, dropout):
+    """``(B, H, T, D)`` -> ``(B, T, H, D)`` under autograd, by the hand-written backward: `_PerQueryFused` for
+    per-query patterns; patterns whose blocks of rows share keys get their exact scores from block GEMMs under
+    autograd, then `_RowsFused`."""
+    layout, reconstruction, bias = partial.layout, partial.reconstruction, partial.bias
     t, n = query.shape[2], layout.indices.shape[0]
     check_length(t, n)
-    if structured_exact_method(layout) == "dense":
-        additive, masked = _masked_keys(attention_mask, t, query.dtype)
+    if layout.structure is PatternStructure.PER_QUERY:
+        additive, masked = masked_keys(attention_mask, t, query.dtype)
         zero_at = masked_at_p(masked, layout.indices, t)  # (B|1, 1|H, T, k) or None
-        out = _PerQueryFused.apply(query, key, value, reconstruction, bias, layout, additive, zero_at, scaling,
+        out = _PerQueryFused.apply(query, key, value, reconstruction, bias, partial, additive, zero_at, scaling,
                                    dropout)
     else:
-        exact, additive = _exact_masked(query, key, attention_mask, layout, scaling, "blocks")  # (B, H, T, k)
-        out = _RowsFused.apply(exact, value, reconstruction, bias, layout, additive, dropout)
+        exact, additive = masked_exact_scores(query, key, attention_mask, layout, scaling, True)  # (B, H, T, k)
+        out = _RowsFused.apply(exact, value, reconstruction, bias, partial, additive, dropout)
     return out.transpose(1, 2).contiguous()  # (B, T, H, D)
+
+
+def fused_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0, *,
+                    partial: PartialTensors | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """Partial attention by the fused kernel, in transformers' calling convention (arguments as
+    `attention_gather.gather_attention`): ``(output (B, T, H, D), None)``, the reference kernel's numbers.
+
+    With autograd: the hand-written backward. Without: groups of (batch, head) pairs whose n×n scores hold about
+    `attention_common.TILE_ELEMENTS` values each, written into one output, so that B·H·n² values are never
+    allocated at once."""
+    partial = module.partial_tensors() if partial is None else partial
+    scaling = module.scaling if scaling is None else scaling
+    dropout = dropout if module.training else 0.0
+    if needs_grad(query, key, value, partial.reconstruction, partial.bias):
+        return _with_autograd(query, key, value, attention_mask, partial, scaling, dropout), None
+    layout = partial.layout
+    w = partial.matrix(query.dtype)  # (n, k, n)
+    bias_full = bias_in_key_order(layout, partial.bias, query.dtype, query.device)
+    b, h, t, d = query.shape
+    k = layout.indices.shape[1]
+    # Every group reads all of W (n·k·n values): where W does not stay in cache (over 8 MiB), groups hold at least
+    # 8·k pairs so that reading W costs at most an eighth of the scores they write.
+    pairs = 8 * k if w.numel() * w.element_size() > 8 * 2**20 else 2
+    out = value.new_empty(b, t, h, value.shape[-1])  # (B, T, H, Dv)
+    for group in tile_groups(b, h, t, t, pairs):
+        # (B|1, 1|H, T, T): slice the dimensions that do not broadcast
+        mask = None if attention_mask is None else attention_mask[broadcast_slice(group, attention_mask)]
+        out[group[0], :, group[1]] = _no_grad_attention(query[group], key[group], value[group], mask, layout, w,
+                                                        bias_full, scaling, dropout)
+    return out, None

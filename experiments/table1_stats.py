@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .table1_spec import Arm, StudyArms
+
 __all__ = ["mlm_loss", "paired_loss_difference", "accuracy_summary", "accuracy_difference", "verdicts",
            "MIN_EFFECT_NATS"]
 
@@ -91,24 +93,27 @@ def _combine(verdicts: list[str]) -> str:
     return "not distinguishable" if set(verdicts) == {"not distinguishable"} else "mixed"
 
 
-def verdicts(ks: list[int], modes: list[str], mlm: dict[str, dict], phase1: dict,
+def verdicts(arms: StudyArms, mlm: dict[str, dict], phase1: dict,
              finetune: dict[str, list[dict]]) -> dict[str, dict[str, Any]]:
     """One verdict per claim of the paper, with the numbers behind it.
 
-    ``mlm[arm]`` are the phase-2 jobs (with ``converted`` for partial arms), ``phase1`` the phase-1 job,
-    ``finetune[arm]`` the fine-tuning runs. MLM losses decide (they are measured far more precisely than
-    accuracies); accuracy differences are reported beside them.
+    ``mlm[name]`` are the phase-2 jobs of ``arms.mlm`` by arm name (with ``converted`` for partial arms),
+    ``phase1`` the phase-1 job, ``finetune[name]`` the fine-tuning runs of ``arms.finetune``. MLM losses decide
+    (they are measured far more precisely than accuracies); accuracy differences are reported beside them.
     """
     out: dict[str, dict[str, Any]] = {}
-    partial = [f"k{k}_{m}" for k in ks for m in modes]
+    exact = Arm().name
+    partial = [arm.name for arm in arms.mlm if not arm.is_exact]
+    ks = list(dict.fromkeys(arm.k for arm in arms.mlm if not arm.is_exact))
+    modes = list(dict.fromkeys(arm.reconstruction for arm in arms.mlm if not arm.is_exact))
     # (a) conversion alone loses: converted loss above the exact model it was converted from.
     lines, votes = [], []
     for arm in partial:
         diff, se = paired_loss_difference(mlm[arm]["converted"], phase1)
         votes.append(_verdict(-diff, se))  # the claim: converted loss is higher
         lines.append(f"{arm}: converted − exact {_fmt(diff, se)}")
-    for arm in [a for a in finetune if a.endswith("_converted")]:
-        diff, se = accuracy_difference(finetune[arm], finetune["exact"])
+    for arm in [a.name for a in arms.finetune if not a.recovery]:
+        diff, se = accuracy_difference(finetune[arm], finetune[exact])
         lines.append(f"{arm} fine-tuned without recovery − exact: {_fmt(diff, se, 'acc')}")
     out["a"] = {"claim": "inserting the approximation into an exactly trained model loses accuracy",
                 "verdict": _combine(votes), "evidence": lines}
@@ -117,12 +122,12 @@ def verdicts(ks: list[int], modes: list[str], mlm: dict[str, dict], phase1: dict
     lines, votes, acc_lost = [], [], []
     for arm in partial:
         before, se_b = paired_loss_difference(mlm[arm]["converted"], phase1)
-        after, se_a = paired_loss_difference(mlm[arm], mlm["exact"])
+        after, se_a = paired_loss_difference(mlm[arm], mlm[exact])
         shrink, se = after - before, math.sqrt(se_a ** 2 + se_b ** 2)
         recovered = 1 - after / before if before > 0 else float("nan")
         vote = _verdict(shrink, se)
         votes.append("partly supported" if vote == "supported" and not recovered >= 0.5 else vote)
-        acc = accuracy_difference(finetune[arm], finetune["exact"])
+        acc = accuracy_difference(finetune[arm], finetune[exact])
         if acc[0] < -max(2 * acc[1], 0.01):  # more than twice its error, and more than one point
             acc_lost.append(arm)
         lines.append(f"{arm}: MLM gap to exact {before:.4f} → {after:.4f} nats ({100 * recovered:.0f} % recovered; "
@@ -136,12 +141,14 @@ def verdicts(ks: list[int], modes: list[str], mlm: dict[str, dict], phase1: dict
     # (c) trained R beats fixed R.
     lines, votes = [], []
     for k in ks:
-        if f"k{k}_fixed" not in mlm:
+        fixed = Arm(k, "fixed").name
+        if fixed not in mlm:
             continue
         for mode in [m for m in modes if m != "fixed"]:
-            diff, se = paired_loss_difference(mlm[f"k{k}_{mode}"], mlm[f"k{k}_fixed"])
+            trained = Arm(k, mode).name
+            diff, se = paired_loss_difference(mlm[trained], mlm[fixed])
             votes.append(_verdict(diff, se))
-            acc = accuracy_difference(finetune[f"k{k}_{mode}"], finetune[f"k{k}_fixed"])
+            acc = accuracy_difference(finetune[trained], finetune[fixed])
             lines.append(f"k={k} {mode} − fixed: MLM {_fmt(diff, se)}, accuracy {_fmt(*acc, 'acc')}")
     out["c"] = {"claim": "trained R beats fixed R", "verdict": _combine(votes) if votes else "not run",
                 "evidence": lines}
@@ -149,9 +156,10 @@ def verdicts(ks: list[int], modes: list[str], mlm: dict[str, dict], phase1: dict
     lines, votes = [], []
     if {"common", "per_layer"} <= set(modes) and len(ks) > 1:
         for k, common_better in ((min(ks), True), (max(ks), False)):
-            diff, se = paired_loss_difference(mlm[f"k{k}_common"], mlm[f"k{k}_per_layer"])
+            common, per_layer = Arm(k, "common").name, Arm(k, "per_layer").name
+            diff, se = paired_loss_difference(mlm[common], mlm[per_layer])
             votes.append(_verdict(diff, se, better_when_negative=common_better))
-            acc = accuracy_difference(finetune[f"k{k}_common"], finetune[f"k{k}_per_layer"])
+            acc = accuracy_difference(finetune[common], finetune[per_layer])
             lines.append(f"k={k} common − per_layer: MLM {_fmt(diff, se)}, accuracy {_fmt(*acc, 'acc')}")
     out["d"] = {"claim": "a common R is better at small k, per-layer R at larger k",
                 "verdict": _combine(votes) if votes else "not run", "evidence": lines}

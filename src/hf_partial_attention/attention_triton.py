@@ -1,6 +1,8 @@
 """A fused partial-attention kernel in Triton (``partial_implementation="triton"``): the n×n scores are never
 written to memory, forward or backward.
 
+Returns no attention map (like SDPA): the dispatcher runs the reference kernel when the map is asked for.
+
 Per tile of BLOCK_M query rows and each (batch, head), one program computes the k exact scores of every row at
 its P_i (gathered keys, k·d multiply-adds per row), then walks the keys in tiles of BLOCK_N: the reconstructed
 scores ``a_i = s_i W_i (+ bias, + mask)`` with ``W_i = [I | R_iᵀ]`` in key order (the same W the ``fused``
@@ -10,7 +12,7 @@ dW (hence dR, by autograd through W) and the bias gradient; keys shared by sever
 every batch and head, are accumulated with atomic adds in float32.
 
 Works for any P (per-query included) and any R mode; the exact scores at masked keys enter R as zero, keys
-beyond a shorter input are dropped, exactly as in the reference kernel (`partial_attention.PARTIAL_KERNELS`).
+beyond a shorter input are dropped, exactly as in the reference kernel (`attention_gather`).
 Inputs in float32, bfloat16 or float16 (accumulation in float32); attention dropout is not supported (set
 ``attention_probs_dropout_prob=0`` or evaluate with ``model.eval()``).
 
@@ -23,8 +25,11 @@ from __future__ import annotations
 import os
 
 import torch
+from torch import nn
 
-__all__ = ["triton_partial_attention", "triton_available", "TritonUnavailable"]
+from .attention_common import PartialTensors, bias_in_key_order, check_length, masked_at_p, masked_keys
+
+__all__ = ["triton_attention", "triton_partial_attention", "triton_available", "TritonUnavailable"]
 
 
 class TritonUnavailable(RuntimeError):
@@ -51,7 +56,7 @@ def triton_available(device: torch.device | str = "cuda") -> tuple[bool, str]:
     if _interpreting() and _INTERPRETED:
         return True, ""
     return False, (f"tensors are on {torch.device(device).type}: the triton kernel needs a CUDA GPU (or "
-                   "TRITON_INTERPRET=1 set before hf_partial_attention.triton_kernel is imported, to run it on CPU "
+                   "TRITON_INTERPRET=1 set before hf_partial_attention.attention_triton is imported, to run it on CPU "
                    "for testing)")
 
 
@@ -246,7 +251,7 @@ def triton_partial_attention(query, key, value, w, bias_full, additive_mask, mas
 
     Args:
         query, key, value: ``(B, H, T, D)``, D a power of two >= 16.
-        w: ``(n, k, n)`` W in key order (`partial_scores.reconstruction_matrix`); bias_full ``(n, n)`` or None.
+        w: ``(n, k, n)`` W in key order (`attention_common.reconstruction_matrix`); bias_full ``(n, n)`` or None.
         additive_mask: ``(B|1, H|1, T, T)`` float or None; masked_at_p: ``(B|1, H|1, T, k)`` bool or None (the
             keys of P that are masked: their exact score enters R as zero).
         indices: P, ``(n, k)``. blocks: (BLOCK_M, BLOCK_N), powers of two >= 16.
@@ -265,3 +270,27 @@ def triton_partial_attention(query, key, value, w, bias_full, additive_mask, mas
     msel = None if masked_at_p is None else masked_at_p.to(torch.int8)
     return _TritonPartial.apply(q, k, v, w.contiguous(), None if bias_full is None else bias_full.contiguous(),
                                 additive_mask, msel, idx, float(scaling), tuple(blocks))
+
+
+def triton_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0, *,
+                     partial: PartialTensors | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """Partial attention by the Triton kernel, in transformers' calling convention (arguments as
+    `attention_gather.gather_attention`): ``(output (B, T, H, D), None)``; no attention dropout."""
+    partial = module.partial_tensors() if partial is None else partial
+    scaling = module.scaling if scaling is None else scaling
+    layout = partial.layout
+    if module.training and dropout > 0:
+        raise ValueError(f"partial_implementation='triton' has no attention dropout (got p={dropout} in training); "
+                         "set config.attention_probs_dropout_prob=0, or use partial_implementation='fused'.")
+    t = query.shape[2]
+    check_length(t, layout.indices.shape[0])
+    additive, masked = masked_keys(attention_mask, t, torch.float32)
+    zero_at = None
+    if masked is not None:
+        zero_at = masked_at_p(masked, layout.indices, t)  # (B|1, 1|H, T, k)
+        additive = additive if additive.stride(-1) == 1 else additive.contiguous()
+    w = partial.matrix(torch.float32)  # (n, k, n), float32 whatever the input
+    bias_full = bias_in_key_order(layout, partial.bias, torch.float32, query.device)
+    out = triton_partial_attention(query, key, value, w, bias_full, additive, zero_at, layout.indices, scaling)
+    return out.transpose(1, 2).contiguous(), None  # (B, T, H, D)

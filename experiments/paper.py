@@ -1,4 +1,5 @@
-"""`make paper`: the analysis at the paper's scale, whole matrix at n = 128, on the real MiniLM and the demo's text.
+"""`make paper` (``python -m experiments paper``): the analysis at the paper's scale, whole matrix at n = 128,
+on the real MiniLM and the demo's text.
 
 Steps, each a section of ``results.json`` / ``report.md`` (figures in ``figures/``):
 
@@ -10,9 +11,6 @@ Steps, each a section of ``results.json`` / ``report.md`` (figures in ``figures/
    time so that memory holds two n² × n² matrices, not one per layer;
 4. across datasets (Fig. 4): installed packages' READMEs projected on the pydoc eigenspace;
 5. across training: the Table-1 study's checkpoints on the original eigenspace, when that study has run.
-
-Measured on 2 cores: a fresh run took 26 min wall and 13.3 GiB peak resident memory (under 16 GiB) before a second
-greedy run of step 2 was removed (about 6 min); the committed report is a rerun that resumed the saved covariance; the greedy's one product of C with a vector per step keeps step 2 at about 0.1 s a step.
 """
 
 from __future__ import annotations
@@ -21,17 +19,18 @@ import logging
 import os
 import platform
 import shutil
-import sys
 import time
 
 import torch
 
-from . import plots, spectra
-from .collect import collect_covariance, load_model_and_tokenizer, prepare_windows, run_windows
-from .corpus import default_texts, package_readmes, split_heldout
-from .covariance import ScoreCovariance
-from .demo import resolve_model
-from .workflow import COVARIANCE_FILE, analyze, derive, load_results, update_results
+from hf_partial_attention.analysis import plots, spectra
+from hf_partial_attention.analysis.collect import (
+    collect_covariance, load_model_and_tokenizer, prepare_windows, run_windows,
+)
+from hf_partial_attention.analysis.corpus import default_texts, package_readmes, split_heldout
+from hf_partial_attention.analysis.covariance import ScoreCovariance
+from hf_partial_attention.analysis.defaults import resolve_model
+from hf_partial_attention.analysis.workflow import COVARIANCE_FILE, analyze, derive, load_results, update_results
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +96,11 @@ def run_paper(out: str = "runs/paper", results_dir: str | None = "results/paper"
               seq_len: int = 128, fit_sequences: int = 320, heldout_sequences: int = 64,
               whole_ks=(32, 64, 128, 256, 512, 1024, 2048), query_ks=(8, 16, 32), max_k: int = 512,
               second_sequences: int = 160, batch_size: int = 8, progress: bool = True,
-              table1_dir: str = "runs/table1") -> dict:
-    """Run every step into ``out`` and copy the report, ``results.json`` and the figures to ``results_dir``."""
+              table1_dir: str = "runs/table1", command: str = "run_paper") -> dict:
+    """Run every step into ``out`` and copy the report, ``results.json`` and the figures to ``results_dir``.
+
+    ``command`` is the command line the report cites (the CLI passes what was typed).
+    """
     start = time.perf_counter()
     model, model_id = resolve_model(model)
     texts = default_texts()
@@ -128,7 +130,7 @@ def run_paper(out: str = "runs/paper", results_dir: str | None = "results/paper"
     seconds["across datasets (Fig. 4)"] = time.perf_counter() - t
     update_results(out, f"analyze_n{seq_len}", section)
     notes = [
-        f"Command: `{' '.join(os.path.basename(a) if i == 0 else a for i, a in enumerate(sys.argv)) or 'run_paper'}`"
+        f"Command: `{command}`"
         f" (`make paper`). Wall time {time.perf_counter() - start:.0f} s on {torch.get_num_threads()} threads "
         f"({platform.processor() or platform.machine()}; torch {torch.__version__}): "
         + ", ".join(f"{name}: {s:.0f} s" for name, s in seconds.items()) + ".",
@@ -137,8 +139,8 @@ def run_paper(out: str = "runs/paper", results_dir: str | None = "results/paper"
         "Across training (Fig. 3's checkpoints): " + (
             f"the Table-1 study's checkpoints are in `{table1_dir}`; project them with "
             "`spectra.projection_energy` on this run's eigenvectors." if os.path.isdir(table1_dir) else
-            f"skipped: the Table-1 study has not run here (no `{table1_dir}`); run `hf-partial-attention table1` "
-            "first."),
+            f"skipped: the Table-1 study has not run here (no `{table1_dir}`); run `make table1` "
+            "(`python -m experiments table1`) first."),
         "Cost axis of Fig. 9: k̄, the number of exactly computed scores per score matrix (per-query k̄ = n·k); "
         "the multiply-add cost of each setting is in the error-curve tables (`relative_cost`).",
     ]

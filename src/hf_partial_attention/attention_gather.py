@@ -1,0 +1,61 @@
+"""The reference kernel, ``partial_implementation="gather"``: only the k exact scores per query, full rows by
+concatenation with R's reconstruction and one gather into key order, then mask, softmax, dropout, ·V.
+
+Every other kernel equals it (tested in float64, outputs and gradients); it is also the one that returns the
+attention map, so the dispatcher runs it whenever the map is asked for. Part of the remote-code bundle.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention_common import PartialTensors, masked_exact_scores
+
+__all__ = ["gather_attention", "reconstruct_scores"]
+
+
+def reconstruct_scores(exact: torch.Tensor, reconstruction: torch.Tensor, bias: torch.Tensor | None,
+                       inverse_permutation: torch.Tensor) -> torch.Tensor:
+    """Full rows from the exact scores: ``(B, H, T, k) -> (B, H, T, n)`` in key order.
+
+    ``reconstruction`` is ``(n, n−k, k)``, ``bias`` ``(n, n−k)``, ``inverse_permutation`` ``(n, n)`` maps each
+    key position to its slot in ``cat(P_i, P̄_i)``.
+    """
+    b, h, t, k = exact.shape
+    n = inverse_permutation.shape[-1]
+    rest = torch.einsum("bhtk,tmk->bhtm", exact, reconstruction[:t])  # (B, H, T, n-k)
+    if bias is not None:
+        rest = rest + bias[:t]
+    both = torch.cat([exact, rest], dim=-1)  # (B, H, T, n) in the order cat(P_i, P̄_i)
+    return both.gather(-1, inverse_permutation[:t].expand(b, h, t, n))  # (B, H, T, n) in key order
+
+
+def gather_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0, *,
+                     partial: PartialTensors | None = None, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial attention by the reference kernel, in transformers' calling convention.
+
+    Args:
+        query, key, value: ``(B, H, T, D)`` with T <= n.
+        attention_mask: ``None``, bool ``(B|1, 1|H, T, T)`` (True = attend) or additive float of that shape.
+        scaling: the scores' scale (``module.scaling`` when None); dropout: the probability of dropping an
+            attention probability (applied in training mode only).
+        partial: P's layout, R and the bias (``module.partial_tensors()`` when None).
+
+    Returns:
+        ``(output (B, T, H, D), probabilities (B, H, T, T))`` like ``eager_attention_forward``.
+    """
+    partial = module.partial_tensors() if partial is None else partial
+    scaling = module.scaling if scaling is None else scaling
+    layout, reconstruction, bias = partial.layout, partial.reconstruction, partial.bias
+    exact, additive = masked_exact_scores(query, key, attention_mask, layout, scaling, structured=False)
+    scores = reconstruct_scores(exact, reconstruction.to(exact.dtype), None if bias is None else bias.to(exact.dtype),
+                                layout.inverse_permutation)
+    scores = scores[..., :query.shape[2]]  # (B, H, T, T): reconstructed scores of keys beyond the input are dropped
+    if additive is not None:
+        scores = scores + additive
+    probs = nn.functional.softmax(scores, dim=-1)
+    probs = nn.functional.dropout(probs, p=dropout, training=module.training)
+    out = torch.matmul(probs, value)  # (B, H, T, D)
+    return out.transpose(1, 2).contiguous(), probs  # (B, T, H, D)

@@ -1,0 +1,198 @@
+"""The repository's studies (`experiments/`, run by `python -m experiments` and the Makefile), apart from the
+installed package: what the package no longer holds, the Table-1 arms' names, the command lines, no import cycle,
+and the demo (slow)."""
+
+import ast
+import dataclasses
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from experiments import cli as studies_cli
+from experiments.table1_spec import Arm, StudyArguments, job_names, study_arms
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("module", ["hf_partial_attention.studies", "hf_partial_attention.analysis.demo",
+                                    "hf_partial_attention.analysis.paper", "hf_partial_attention.analysis.objectives"])
+def test_the_installed_package_holds_no_study(module):
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(module)
+
+
+def test_the_package_keeps_what_its_commands_need():
+    from setuptools import find_packages
+
+    from hf_partial_attention import cli
+    from hf_partial_attention.analysis.defaults import DEFAULT_MODEL_ID, resolve_model
+    from hf_partial_attention.analysis.selection import FAMILIES, OBJECTIVES
+
+    assert list(cli.COMMANDS) == ["analyze", "derive", "convert"]
+    assert OBJECTIVES == ("paper", "shift", "fisher") and "shared_blocks" in FAMILIES
+    assert resolve_model(None)[1] == DEFAULT_MODEL_ID and resolve_model("bert-base-uncased") == ("bert-base-uncased",
+                                                                                                None)
+    # what the wheel packs (pyproject: packages.find where = ["src"]): the plugin only, no study
+    packages = find_packages(os.path.join(ROOT, "src"))
+    assert "hf_partial_attention" in packages
+    assert not [p for p in packages if p.split(".")[0] != "hf_partial_attention" or "studies" in p]
+
+
+@pytest.mark.parametrize("flags", [{}, dict(ks="8,16,32", modes="per_layer,common", no_recovery_ks="16,32"),
+                                   dict(ks="8", modes="fixed", no_recovery_ks="")],
+                         ids=["default", "three_ks", "one_arm"])
+def test_arm_names_round_trip(flags):
+    a = StudyArguments(**flags)
+    arms = a.arms()
+    by_name = arms.by_name()
+    assert len(by_name) == len(arms.finetune)  # every arm its own name
+    for arm in arms.finetune:
+        assert by_name[arm.name] == arm  # name -> Arm -> name
+        assert Arm(**dataclasses.asdict(arm)) == arm and Arm(**dataclasses.asdict(arm)).name == arm.name
+    assert arms.mlm == arms.finetune[:len(arms.mlm)] and all(arm.recovery for arm in arms.mlm)
+    assert [arm for arm in arms.finetune if not arm.recovery] == [Arm(k, "common", recovery=False)
+                                                                  for k in a.no_recovery_k_list]
+    # every job of an arm is named by it (the run folder's files, which a resumed run reads)
+    jobs = job_names(a)
+    assert len(set(jobs)) == len(jobs)
+    assert {f"mlm_{arm.name}" for arm in arms.mlm} <= set(jobs)
+
+
+def test_committed_table1_reads_back_by_arm():
+    """results/table1/table1.json: its rows are the arms of the arguments it stores, by the same names."""
+    from experiments.table1_report import report_arms
+
+    with open(os.path.join(ROOT, "results", "table1", "table1.json")) as f:
+        report = json.load(f)
+    arms = report_arms(report)
+    assert [arm.name for arm in arms.finetune] == list(report["rows"])
+    assert [arm.name for arm in arms.finetune] == ["exact", "k8_fixed", "k8_common", "k8_per_layer", "k16_fixed",
+                                                   "k16_common", "k16_per_layer", "k8_converted"]
+    for arm in arms.finetune:
+        assert report["rows"][arm.name]["k"] == arm.k and report["rows"][arm.name]["mode"] == arm.mode
+
+
+@pytest.mark.parametrize("fields, words", [
+    (dict(k=8), "reconstruction=None"), (dict(reconstruction="common"), "k=None"),
+    (dict(recovery=False), "needs a k"), (dict(k=0, reconstruction="fixed"), "k must be an int >= 1"),
+    (dict(k=8, reconstruction="shared"), "use one of"),
+    (dict(k=8, reconstruction="fixed", recovery=False), "reconstruction='common'"),
+])
+def test_arm_refuses_what_has_no_name(fields, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        Arm(**fields)
+
+
+def test_study_arms_refuse_a_name_twice():
+    with pytest.raises(ValueError, match="repeat a name"):
+        study_arms([8, 8], ["fixed"])
+    with pytest.raises(ValueError, match="repeat a name"):
+        StudyArguments(modes="fixed,fixed")
+
+
+@pytest.mark.parametrize("command", [None, *studies_cli.COMMANDS])
+def test_help_of_every_study_prints_usage(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        studies_cli.main([command, "--help"] if command else ["--help"])
+    assert exit_info.value.code in (0, None)
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: python -m experiments{' ' + command if command else ''}")
+
+
+def test_makefile_targets_run_the_studies():
+    """`make demo / paper / objectives / table1` (dry run): each line is a `python -m experiments` command that
+    parses, with the outputs the targets promise."""
+    proc = subprocess.run(["make", "-n", "--no-print-directory", "demo", "paper", "objectives", "table1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, check=True)
+    lines = [line.split(" -m experiments ", 1)[1].split() for line in proc.stdout.splitlines()
+             if " -m experiments " in line]
+    assert [line[0] for line in lines] == ["demo", "paper", "demo", "objectives", "table1"]
+    for argv in lines:
+        if argv[0] != "table1":
+            studies_cli.build_parser().parse_args(argv)  # exits on an unknown flag
+    from transformers import HfArgumentParser
+
+    (study,) = HfArgumentParser(StudyArguments).parse_args_into_dataclasses(lines[-1][1:])
+    assert (study.output_dir, study.run_dir) == ("results/table1", "runs/table1")
+    assert lines[0][1:] == ["--out", "runs/demo"] and lines[1][1:] == ["--out", "runs/paper", "--results",
+                                                                      "results/paper"]
+    assert lines[3][-2:] == ["--out", "results/objectives"]
+
+
+def test_python_m_experiments_in_a_fresh_process():
+    proc = subprocess.run([sys.executable, "-m", "experiments", "objectives", "does-not-exist", "--no-progress"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 2, proc.stderr  # a user error, in one line
+    assert proc.stderr.startswith("error: ") and len(proc.stderr.strip().splitlines()) == 1
+
+
+def _import_graph(folders: dict[str, str]) -> dict[str, set[str]]:
+    """Module -> the repository's modules it imports (every import statement, at the top or inside functions)."""
+    files = {}
+    for folder, base in folders.items():
+        for dirpath, _, names in os.walk(os.path.join(ROOT, folder)):
+            for name in names:
+                if name.endswith(".py"):
+                    path = os.path.join(dirpath, name)
+                    module = os.path.relpath(path, os.path.join(ROOT, base))[:-3].replace(os.sep, ".")
+                    files[module.removesuffix(".__init__")] = path
+    graph = {}
+    for module, path in files.items():
+        package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+            if isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                parts = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
+                source = ".".join(parts + ([node.module] if node.module else []))
+                targets |= {f"{source}.{a.name}" if f"{source}.{a.name}" in files else source for a in node.names}
+        for target in targets:
+            while target and target not in files:  # a name inside a module: the module
+                target = target.rpartition(".")[0]
+            if target and target != module:
+                graph.setdefault(module, set()).add(target)
+    return graph
+
+
+def test_no_import_cycle_in_the_repository():
+    graph = _import_graph({"src/hf_partial_attention": "src", "experiments": ".", "research": ".",
+                           "benchmarks": "."})
+    assert "experiments.table1_spec" in graph.get("experiments.table1_report", set())  # the graph sees imports
+
+    def on_a_cycle(module):  # does a path of imports lead from the module back to it?
+        seen, todo = set(), list(graph.get(module, ()))
+        while todo:
+            nxt = todo.pop()
+            if nxt == module:
+                return True
+            if nxt not in seen:
+                seen.add(nxt)
+                todo += graph.get(nxt, ())
+        return False
+
+    cycles = sorted(module for module in graph if on_a_cycle(module))
+    assert not cycles, f"modules on an import cycle: {cycles}"
+
+
+@pytest.mark.slow
+def test_demo_small(tmp_path, minilm_path, capsys):
+    out = str(tmp_path / "demo")
+    assert studies_cli.main(["demo", "--out", out, "--fit-sequences", "16", "--heldout-sequences", "8", "--k", "16",
+                             "32", "--whole-seq-len", "16", "--whole-sequences", "32", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"Wrote {os.path.join(out, 'report.md')} in ")
+    assert printed.rstrip().endswith(f"checkpoint {os.path.join(out, 'checkpoint')} (k = 16)")
+    report = open(os.path.join(out, "report.md")).read()
+    assert "Headline, k = 16 at n = 128" in report and "Conversion and sentence embeddings" in report
+    assert "saves 43.8% of QKᵀ" in report  # the headline is at a k that saves work (d_h = 32)
+    # the model is named by its Hub id, never by a path of this machine
+    assert "sentence-transformers/all-MiniLM-L6-v2" in report
+    assert minilm_path not in report and str(tmp_path) not in report
+    assert os.path.isfile(os.path.join(out, "checkpoint", "config.json"))
