@@ -14,31 +14,11 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-from hf_partial_attention.cli import USER_ERRORS
+from hf_partial_attention.cli import USER_ERRORS, HelpFormatter, common_arguments
 
 __all__ = ["main", "build_parser", "COMMANDS", "PROG"]
 
 PROG = "python -m experiments"
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """``(default: …)`` after each option's help, unless the help already says it or there is no value to show."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
-            return text
-        return super()._get_help_string(action)
-
-
-def _threads(value: str) -> int:
-    return max(1, int(value))
-
-
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=_threads, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
-    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level; errors with their traceback")
 
 
 def _demo_args(p):
@@ -126,12 +106,12 @@ _TABLE1_HELP = ("Table 1 on the real MiniLM: conversion loses, training with par
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every study but ``table1`` (whose flags are its dataclass); each option's help shows its
     default."""
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0], formatter_class=_HelpFormatter)
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (text, add_arguments, _) in _SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=text, description=text, formatter_class=_HelpFormatter)
+        p = sub.add_parser(name, help=text, description=text, formatter_class=HelpFormatter)
         add_arguments(p)
-        _common(p)
+        common_arguments(p)
     p = sub.add_parser("table1", help=_TABLE1_HELP, description=_TABLE1_HELP, add_help=False)
     p.add_argument("study_args", nargs=argparse.REMAINDER,
                    help=f"the study's own flags (StudyArguments; `{PROG} table1 -h` lists them)")

@@ -24,7 +24,8 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["main", "register_command", "COMMANDS", "build_parser", "USER_ERRORS"]
+__all__ = ["main", "register_command", "COMMANDS", "build_parser", "USER_ERRORS", "HelpFormatter",
+           "common_arguments"]
 
 # What a user's input raises (the library's errors name the value and the fix): one line, not a traceback. Other
 # exceptions (TypeError, RuntimeError, ...) are bugs and keep their traceback.
@@ -48,7 +49,7 @@ def register_command(name: str, help: str, add_arguments: Callable, run: Callabl
     COMMANDS[name] = Command(help, add_arguments, run)
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """``(default: …)`` after each option's help, unless the help already says it or there is no value to show."""
 
     def _get_help_string(self, action):
@@ -62,7 +63,8 @@ def _threads(value: str) -> int:
     return max(1, int(value))
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def common_arguments(p: argparse.ArgumentParser) -> None:
+    """The options every command takes: --threads, --no-progress, -v (shared with `python -m experiments`)."""
     p.add_argument("--threads", type=_threads, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level; errors with their traceback")
@@ -106,7 +108,7 @@ def _analyze_args(p):
     p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
     p.add_argument("--no-resume", action="store_true", help="start afresh even if OUT holds a partial covariance")
     p.add_argument("--out", required=True)
-    _common(p)
+    common_arguments(p)
 
 
 def _run_analyze(args) -> int:
@@ -152,7 +154,7 @@ def _derive_args(p):
     p.add_argument("--no-evaluate", action="store_true", help="skip the held-out measurement")
     p.add_argument("--no-baselines", action="store_true", help="skip the equal-cost baselines")
     p.add_argument("--batch-size", type=int, default=8, help="held-out windows per forward pass")
-    _common(p)
+    common_arguments(p)
 
 
 def _run_derive(args) -> int:
@@ -176,7 +178,7 @@ def _convert_args(p):
     p.add_argument("--model", default=None, help="BERT model path or Hub id (default: the pattern's source_model)")
     p.add_argument("--reconstruction", default="common", choices=["fixed", "common", "per_layer"],
                    help="R of the checkpoint: fixed (a buffer), common (one trainable R) or per_layer (one each)")
-    _common(p)
+    common_arguments(p)
 
 
 def _run_convert(args) -> int:
@@ -207,12 +209,12 @@ def build_parser() -> argparse.ArgumentParser:
     from .version import __version__
 
     parser = argparse.ArgumentParser(prog="hf-partial-attention", description=__doc__.splitlines()[0],
-                                     formatter_class=_HelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, command in COMMANDS.items():
         command.add_arguments(sub.add_parser(name, help=command.help, description=command.help,
-                                             formatter_class=_HelpFormatter))
+                                             formatter_class=HelpFormatter))
     return parser
 
 
