@@ -14,7 +14,7 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-from hf_partial_attention.cli import USER_ERRORS, HelpFormatter, common_arguments
+from hf_partial_attention.cli import USER_ERRORS, HelpFormatter, common_arguments, report_user_error
 
 __all__ = ["main", "build_parser", "COMMANDS", "PROG"]
 
@@ -160,6 +160,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     except USER_ERRORS as err:
         if verbose:
             raise
-        message = " ".join(str(err).split()) or type(err).__name__  # one line, whatever the message's layout
-        print(f"error: {message} (-v shows the traceback)", file=sys.stderr)
-        return 2
+        return report_user_error(err)

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = ["main", "register_command", "COMMANDS", "build_parser", "USER_ERRORS", "HelpFormatter",
-           "common_arguments"]
+           "common_arguments", "report_user_error"]
 
 # What a user's input raises (the library's errors name the value and the fix): one line, not a traceback. Other
 # exceptions (TypeError, RuntimeError, ...) are bugs and keep their traceback.
@@ -61,6 +61,13 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def _threads(value: str) -> int:
     return max(1, int(value))
+
+
+def report_user_error(err: BaseException) -> int:
+    """Print a user error as one line on stderr, ``error: <what and the fix>``; the exit code 2."""
+    message = " ".join(str(err).split()) or type(err).__name__  # one line, whatever the message's layout
+    print(f"error: {message} (-v shows the traceback)", file=sys.stderr)
+    return 2
 
 
 def common_arguments(p: argparse.ArgumentParser) -> None:
@@ -240,9 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as err:
         if verbose:
             raise
-        message = " ".join(str(err).split()) or type(err).__name__  # one line, whatever the message's layout
-        print(f"error: {message} (-v shows the traceback)", file=sys.stderr)
-        return 2
+        return report_user_error(err)
 
 
 if __name__ == "__main__":

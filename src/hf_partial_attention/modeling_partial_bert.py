@@ -67,6 +67,15 @@ __all__ = [
 
 
 
+def _project(attention: BertSelfAttention, hidden_states: torch.Tensor, cache) -> tuple[torch.Tensor, ...]:
+    """BERT's query, key and value projections of ``hidden_states`` (B, T, H·D), each as (B, H, T, D)."""
+    if cache is not None:
+        raise ValueError("PartialBert is an encoder and does not take a cache (got cache).")
+    hidden_shape = (*hidden_states.shape[:-1], -1, attention.attention_head_size)
+    return tuple(proj(hidden_states).view(*hidden_shape).transpose(1, 2)  # (B, H, T, D)
+                 for proj in (attention.query, attention.key, attention.value))
+
+
 class PartialBertSelfAttention(BertSelfAttention):
     """`BertSelfAttention` (same q/k/v parameters) whose scores are computed at P and reconstructed elsewhere.
 
@@ -93,13 +102,8 @@ class PartialBertSelfAttention(BertSelfAttention):
         return self._encoder.partial_pattern()
 
     def forward(self, hidden_states, attention_mask=None, cache=None, **kwargs):
-        if cache is not None:
-            raise ValueError("PartialBert is an encoder and does not take a cache (got cache).")
         input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.attention_head_size)
-        query = self.query(hidden_states).view(*hidden_shape).transpose(1, 2)  # (B, H, T, D)
-        key = self.key(hidden_states).view(*hidden_shape).transpose(1, 2)  # (B, H, T, D)
-        value = self.value(hidden_states).view(*hidden_shape).transpose(1, 2)  # (B, H, T, D)
+        query, key, value = _project(self, hidden_states, cache)  # (B, H, T, D) each
         # "partial_auto" picks its kernel from P inside the call (one read of the layer's P and R per call)
         name = attention_function_name(self.config.partial_implementation)
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS[name]
@@ -129,13 +133,8 @@ class PartialBertExactSelfAttention(BertSelfAttention):
     def forward(self, hidden_states, attention_mask=None, cache=None, **kwargs):
         if self.config._attn_implementation == "eager" or not _attention_weights_requested(self.config, kwargs):
             return super().forward(hidden_states, attention_mask, cache, **kwargs)
-        if cache is not None:
-            raise ValueError("PartialBert is an encoder and does not take a cache (got cache).")
         input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.attention_head_size)
-        query = self.query(hidden_states).view(*hidden_shape).transpose(1, 2)  # (B, H, T, D)
-        key = self.key(hidden_states).view(*hidden_shape).transpose(1, 2)  # (B, H, T, D)
-        value = self.value(hidden_states).view(*hidden_shape).transpose(1, 2)  # (B, H, T, D)
+        query, key, value = _project(self, hidden_states, cache)  # (B, H, T, D) each
         if attention_mask is not None and attention_mask.dtype == torch.bool:  # built for sdpa: True = attend
             attention_mask = torch.zeros_like(attention_mask, dtype=query.dtype).masked_fill_(
                 ~attention_mask, torch.finfo(query.dtype).min)  # (B|1, 1|H, T, T): eager's additive form
