@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mixed import mixed_length_rows  # noqa: E402
 from cases import PATTERNS, AttentionInputs, base_models, mac_ratio, pattern_indices, peer_modules  # noqa: E402
 from timing import (command_line, forward_and_backward, interleaved_medians, interleaved_times,  # noqa: E402
                     no_grad, paired_ratios, saved_bytes)
@@ -32,10 +33,14 @@ logger = logging.getLogger("bench")
 FULL = {"shapes": [dict(b=32, h=12, n=128, d=64, ks=[16, 32, 64]), dict(b=8, h=12, n=512, d=64, ks=[32, 64])],
         "models": [dict(layers=12, hidden=768, heads=12, b=32, n=128, k=16, modes=["inference", "training step"]),
                    dict(layers=12, hidden=768, heads=12, b=8, n=512, k=32, modes=["inference"])],
+        # A batch of real-input lengths (issue 23): MiniLM's shape (d_h = 32), buckets as the demo's checkpoint.
+        "mixed": [dict(layers=6, hidden=384, heads=12, b=32, n=128, k=16, lengths=[16, 32, 64, 128],
+                       t_range=[10, 75])],
         "repeats": 7, "model_repeats": 5}
 QUICK = {"shapes": [dict(b=2, h=2, n=16, d=8, ks=[4, 8]), dict(b=1, h=2, n=32, d=8, ks=[4])],
          "models": [dict(layers=2, hidden=32, heads=4, b=2, n=16, k=4, modes=["inference", "training step"]),
                     dict(layers=2, hidden=32, heads=4, b=1, n=32, k=4, modes=["inference"])],
+         "mixed": [dict(layers=2, hidden=32, heads=4, b=4, n=32, k=4, lengths=[8, 16, 32], t_range=[3, 30])],
          "repeats": 2, "model_repeats": 1}
 # The kernels timed on a CPU (triton: benchmarks/gpu.py); gather, the reference, only where small.
 IMPLEMENTATIONS = tuple(impl for impl in KERNEL_NAMES if impl != "triton")
@@ -200,7 +205,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.model_spec:  # the child of `model_rows_in_a_fresh_process`: rows as JSON on stdout
         if args.threads:
             torch.set_num_threads(args.threads)
-        sys.stdout.write(json.dumps(model_rows(json.loads(args.model_spec), args.model_repeats)) + "\n")
+        spec = json.loads(args.model_spec)
+        rows = mixed_length_rows(spec, args.model_repeats) if "lengths" in spec else model_rows(spec, args.model_repeats)
+        sys.stdout.write(json.dumps(rows) + "\n")
         return {}
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     suffix = "" if args.allocator == "default" else f"_{args.allocator}"
@@ -224,6 +231,9 @@ def main(argv: list[str] | None = None) -> dict:
         result["peers"] += peer_rows(shape, k_mid, repeats)
     for model_spec in spec["models"]:
         result["model"] += model_rows_in_a_fresh_process(model_spec, spec["model_repeats"], args.threads)
+    result["mixed"] = []
+    for model_spec in spec["mixed"]:  # mixed_length_rows, in a fresh process as the other whole-model rows
+        result["mixed"] += model_rows_in_a_fresh_process(model_spec, spec["model_repeats"], args.threads)
     from report import goal_rows, markdown, rule_misses  # noqa: E402  (sibling module)
 
     result["goals"] = goal_rows(result)

@@ -3,8 +3,10 @@
 
 Data: ``nyu-mll/glue`` / ``mnli`` from the Hub (default), or local JSON lines with ``premise``, ``hypothesis`` and
 ``label`` (``--train_file``, ``--validation_file`` for matched, ``--validation_mismatched_file``). Every pair is
-truncated and padded to n tokens (partial attention's P and R are defined for n positions). Accuracy comes from
-``evaluate``: the Hub metric when reachable, else the bundled local module (same numbers), so it works offline.
+truncated to n tokens (partial attention's P and R are defined for n positions) and keeps its own length, each
+batch padded to its longest pair (``--pad_to_max_length`` pads every pair to n instead; ``--group_by_length``
+batches pairs of similar length). Accuracy comes from ``evaluate``: the Hub metric when reachable, else the
+bundled local module (same numbers), so it works offline.
 
 Model: usually the output of ``pretrain_mlm.py`` (``--model_name_or_path``); also a BERT checkpoint converted with
 ``--pattern``, or ``--attention exact`` for the baseline. Every `TrainingArguments` flag works.
@@ -50,11 +52,12 @@ def parse_args(argv: list[str] | None = None):
 
 
 def get_datasets(data_args, model_args, training_args, tokenizer, n: int):
-    """Tokenized MNLI splits, each pair padded to n tokens (tests may swap this function)."""
+    """Tokenized MNLI splits, each pair truncated to n tokens and, with ``--pad_to_max_length``, padded to n (tests
+    may swap this function)."""
     with training_args.main_process_first(desc="loading and tokenizing MNLI"):
         raw = load_mnli(data_args, cache_dir=model_args.cache_dir, token=model_args.token)
         encoded = tokenize_pairs(raw, tokenizer, n, num_proc=data_args.preprocessing_num_workers,
-                                 load_from_cache_file=not data_args.overwrite_cache)
+                                 load_from_cache_file=not data_args.overwrite_cache, pad=data_args.pad_to_max_length)
     if data_args.max_train_samples is not None and "train" in encoded:
         encoded["train"] = encoded["train"].select(range(min(len(encoded["train"]), data_args.max_train_samples)))
     if data_args.max_eval_samples is not None:
@@ -79,12 +82,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                         max_seq_length=data_args.max_seq_length, **labels)
     model = built.model
     n = sequence_length(model, data_args.max_seq_length)
-    logger.info("Model %s, n=%d, pattern: %s", type(model).__name__, n, built.pattern_source)
+    logger.info("Model %s, n=%d, pattern: %s, pairs padded to %s, sampling: %s", type(model).__name__, n,
+                built.pattern_source, "n" if data_args.pad_to_max_length else "each batch's longest",
+                training_args.train_sampling_strategy)
 
     data = get_datasets(data_args, model_args, training_args, tokenizer, n)
     trainer = PartialAttentionTrainer(
         model=model, args=training_args, processing_class=tokenizer,
-        data_collator=DataCollatorWithPadding(tokenizer),  # pairs are already n long: this only stacks them
+        # pads each batch to its longest pair (already n long with --pad_to_max_length: then it only stacks them)
+        data_collator=DataCollatorWithPadding(tokenizer, pad_to_multiple_of=data_args.pad_to_multiple_of),
         train_dataset=data["train"] if training_args.do_train else None,
         eval_dataset=data.get("validation_matched") if training_args.do_eval else None,
         compute_metrics=classification_metrics(),
@@ -125,7 +131,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             datasets=data_args.dataset_name if data_args.train_file is None else None,
             pattern_source=built.pattern_source, eval_results=evals or None,
             training_details=(f"MNLI fine-tuning with `examples/finetune_mnli.py`: {trainer.state.global_step} steps, "
-                              f"pairs padded to n = {n} tokens, learning rate {training_args.learning_rate}."),
+                              f"pairs {'padded' if data_args.pad_to_max_length else 'truncated'} to n = {n} tokens, "
+                              f"learning rate {training_args.learning_rate}."),
         )
     return results
 

@@ -2,9 +2,12 @@
 """Masked-language-model pretraining of a BERT with partial attention (or of the exact baseline).
 
 Data: any `datasets` Hub dataset (``--dataset_name``) or local text files (``--train_file``), tokenized and cut
-into windows of exactly n tokens, ``[CLS] … [SEP]``. Model: from scratch (``--config_overrides``), from a BERT
-checkpoint converted with its weights kept, or a PartialBert checkpoint (``--model_name_or_path``); P and R from
-``--pattern``; R trained as ``--reconstruction fixed|common|per_layer``. Every `TrainingArguments` flag works,
+into windows of exactly n tokens, ``[CLS] … [SEP]`` (``--mlm_inputs windows``, the default), or one example per
+line / sentence at its own length, at most n (``--mlm_inputs lines|sentences``), each batch padded to its longest
+example; ``--group_by_length`` (= ``--train_sampling_strategy group_by_length``) batches similar lengths.
+Model: from scratch (``--config_overrides``), from a BERT checkpoint converted with its weights kept, or a
+PartialBert checkpoint (``--model_name_or_path``); P and R from ``--pattern``; R trained as
+``--reconstruction fixed|common|per_layer``. Every `TrainingArguments` flag works,
 plus ``--reconstruction_learning_rate`` and ``--reconstruction_weight_decay``.
 
 Runs the same way on one CPU, N CPU processes, one GPU or many:
@@ -32,6 +35,7 @@ from hf_partial_attention.training import (
     PartialAttentionTrainer,
     PartialAttentionTrainingArguments,
     build_model,
+    examples_at_own_length,
     group_into_windows,
     load_text_datasets,
 )
@@ -48,13 +52,17 @@ def parse_args(argv: list[str] | None = None):
 
 
 def get_datasets(data_args, model_args, training_args, tokenizer, n: int):
-    """Train / validation windows of n tokens (tests may swap this function)."""
-    with training_args.main_process_first(desc="loading and grouping texts"):
+    """Train / validation examples: windows of n tokens, or lines / sentences of at most n (``--mlm_inputs``;
+    tests may swap this function)."""
+    with training_args.main_process_first(desc="loading and tokenizing texts"):
         raw = load_text_datasets(data_args, cache_dir=model_args.cache_dir, token=model_args.token)
-        windows = group_into_windows(raw, tokenizer, n, data_args.text_column_name,
-                                     num_proc=data_args.preprocessing_num_workers,
-                                     load_from_cache_file=not data_args.overwrite_cache)
-    train, evaluation = windows["train"], windows.get("validation")
+        options = dict(num_proc=data_args.preprocessing_num_workers, load_from_cache_file=not data_args.overwrite_cache)
+        if data_args.mlm_inputs == "windows":
+            examples = group_into_windows(raw, tokenizer, n, data_args.text_column_name, **options)
+        else:
+            examples = examples_at_own_length(raw, tokenizer, n, data_args.mlm_inputs, data_args.text_column_name,
+                                              **options)
+    train, evaluation = examples["train"], examples.get("validation")
     if data_args.max_train_samples is not None:
         train = train.select(range(min(len(train), data_args.max_train_samples)))
     if evaluation is not None and data_args.max_eval_samples is not None:
@@ -74,11 +82,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     built = build_model("masked_lm", model_args, tokenizer, max_seq_length=data_args.max_seq_length)
     model = built.model
     n = sequence_length(model, data_args.max_seq_length)
-    logger.info("Model %s, n=%d, pattern: %s", type(model).__name__, n, built.pattern_source)
+    logger.info("Model %s, n=%d, pattern: %s, inputs: %s, sampling: %s", type(model).__name__, n,
+                built.pattern_source, data_args.mlm_inputs, training_args.train_sampling_strategy)
 
     train_dataset, eval_dataset = get_datasets(data_args, model_args, training_args, tokenizer, n)
     collator = MlmCollator(tokenizer, mlm_probability=data_args.mlm_probability,
-                           seed=training_args.data_seed if training_args.data_seed is not None else training_args.seed)
+                           seed=training_args.data_seed if training_args.data_seed is not None else training_args.seed,
+                           pad_to_multiple_of=data_args.pad_to_multiple_of)
     trainer = PartialAttentionTrainer(
         model=model, args=training_args, data_collator=collator, processing_class=tokenizer,
         train_dataset=train_dataset if training_args.do_train else None,
@@ -111,12 +121,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                    "dataset_config": data_args.dataset_config_name, "dataset_split": "validation",
                    "metric_type": "perplexity", "metric_value": results["perplexity"]}]
                  if "perplexity" in results else None)
+        inputs = (f"n = {n} tokens per window" if data_args.mlm_inputs == "windows" else
+                  f"one example per {data_args.mlm_inputs[:-1]} at its own length (at most n = {n} tokens)")
         write_model_card(
             trainer.accelerator.unwrap_model(trainer.model), training_args.output_dir, overwrite=True,
             model_name=os.path.basename(os.path.abspath(training_args.output_dir)), base_model=built.base_model,
             datasets=data_args.dataset_name, pattern_source=built.pattern_source, eval_results=evals,
             training_details=(f"MLM pretraining with `examples/pretrain_mlm.py` on {dataset}: "
-                              f"{trainer.state.global_step} steps, n = {n} tokens per window, "
+                              f"{trainer.state.global_step} steps, {inputs}, "
                               f"learning rate {training_args.learning_rate}."),
         )
     return results

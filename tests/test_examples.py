@@ -195,3 +195,62 @@ def test_exact_baseline_runs_through_the_script(tmp_path):
     check_train_loss(str(tmp_path), results["train_loss"], vocab_size(str(tmp_path)))
     with open(os.path.join(tmp_path, "config.json")) as f:
         assert json.load(f)["model_type"] == "bert"
+
+
+# ---------------------------------------------------------------- inputs at their own length
+def _recording(collator_cls, seen):
+    """A subclass of `collator_cls` that appends each batch's attention mask to `seen`."""
+
+    class Recording(collator_cls):
+        def __call__(self, examples):
+            batch = collator_cls.__call__(self, examples)
+            seen.append(batch["attention_mask"].clone())  # (B, T)
+            return batch
+
+    return Recording
+
+
+def test_pretrain_mlm_on_sentences_grouped_by_length(tmp_path):
+    """--mlm_inputs sentences --group_by_length: every batch is padded to its longest sentence (not to n) and
+    sorted longest first (the length-grouped sampler, not a random one), and training and evaluation run."""
+    module = load_example("pretrain_mlm")
+    seen = []
+    module.MlmCollator = _recording(module.MlmCollator, seen)
+    out = str(tmp_path)
+    results = module.main(mlm_args(out) + ["--mlm_inputs", "sentences", "--group_by_length",
+                                           "--per_device_train_batch_size", "8", "--do_train", "--do_eval"])
+    check_train_loss(out, results["train_loss"], vocab_size(out))
+    assert results["eval_samples"] > 3 and math.isfinite(results["eval_loss"])  # validation: the sentences of 6 rows
+    train_batches = seen[:STEPS]  # then one more (accelerate's dataloader reads one batch ahead), then evaluation
+    assert len(seen) > STEPS and all(mask.shape[0] == 8 for mask in train_batches)
+    widths = [mask.shape[1] for mask in seen]
+    assert min(widths) < 32 and max(widths) <= 32 and len(set(widths)) > 1
+    for mask in seen:
+        lengths = mask.sum(1).tolist()
+        assert mask.shape[1] == max(lengths)  # padded to the longest example, no further
+    # LengthGroupedSampler: each batch is a slice of a mega-batch sorted longest first (but the very first example
+    # of the epoch, swapped with the longest one)
+    for mask in train_batches[1:]:
+        lengths = mask.sum(1).tolist()
+        assert lengths == sorted(lengths, reverse=True), lengths
+    with open(os.path.join(out, "README.md")) as f:
+        assert "one example per sentence at its own length" in f.read()
+
+
+@pytest.mark.parametrize("pad_to_max_length", [False, True])
+def test_finetune_mnli_pads_per_batch_unless_asked(mlm_one_process, tmp_path, pad_to_max_length):
+    """Pairs keep their own length by default (each batch padded to its longest pair, 15 to 25 tokens here, under
+    n = 32); --pad_to_max_length pads every pair to n. --group_by_length reaches the training sampler (the second
+    batch is a slice of a mega-batch sorted longest first)."""
+    module = load_example("finetune_mnli")
+    seen = []
+    module.DataCollatorWithPadding = _recording(module.DataCollatorWithPadding, seen)
+    args = mnli_args(str(tmp_path), mlm_one_process[0]) + ["--per_device_train_batch_size", "8", "--do_train",
+                                                            "--group_by_length", "--max_steps", "2"]
+    module.main(args + (["--pad_to_max_length"] if pad_to_max_length else []))
+    assert len(seen) >= 2  # accelerate's dataloader reads one batch ahead
+    for mask in seen:
+        lengths = mask.sum(1).tolist()
+        assert mask.shape[1] == (32 if pad_to_max_length else max(lengths)) and max(lengths) < 32
+    if not pad_to_max_length:  # (padded to n, every pair is n long for the sampler: nothing to group)
+        assert sorted(seen[1].sum(1).tolist(), reverse=True) == seen[1].sum(1).tolist()  # grouped by length

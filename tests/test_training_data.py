@@ -8,12 +8,15 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset, DatasetDict
-from transformers import AutoTokenizer, EvalPrediction
+from transformers import AutoTokenizer, DataCollatorWithPadding, EvalPrediction
 
 from hf_partial_attention.training import (
     MlmCollator,
+    MlmDataArguments,
     MnliDataArguments,
+    PartialAttentionTrainingArguments,
     classification_metrics,
+    examples_at_own_length,
     group_into_windows,
     load_metric,
     load_mnli,
@@ -43,6 +46,100 @@ def test_windows_are_n_tokens_between_cls_and_sep(tokenizer, windows):
     assert (ids[:, 0] == tokenizer.cls_token_id).all() and (ids[:, -1] == tokenizer.sep_token_id).all()
     assert not (ids[:, 1:-1] == tokenizer.sep_token_id).any()
     assert torch.tensor(windows["special_tokens_mask"]).sum(1).eq(2).all()
+
+
+@pytest.fixture(scope="module")
+def sentences(tokenizer):
+    with open(os.path.join(DATA, "tiny_corpus.txt")) as f:
+        texts = [t for t in f.read().split("\n\n") if t.strip()]
+    raw = DatasetDict(train=Dataset.from_dict({"text": ["", "   ", *texts]}))  # empty rows are dropped
+    return examples_at_own_length(raw, tokenizer, 32, "sentences")["train"]
+
+
+def test_examples_at_own_length(tokenizer, sentences):
+    """One example per sentence (or line), [CLS] ... [SEP] at its own length, truncated to n; rows that are blank
+    or have no token (a zero-width space) are dropped."""
+    lengths = [len(ids) for ids in sentences["input_ids"]]
+    assert len(sentences) > 50 and min(lengths) < 16 and max(lengths) == 32 and len(set(lengths)) > 10
+    for ids, special, attention in zip(sentences["input_ids"], sentences["special_tokens_mask"],
+                                       sentences["attention_mask"]):
+        assert ids[0] == tokenizer.cls_token_id and ids[-1] == tokenizer.sep_token_id and len(ids) >= 3
+        assert tokenizer.sep_token_id not in ids[1:-1] and tokenizer.pad_token_id not in ids
+        assert special == [1, *([0] * (len(ids) - 2)), 1] and attention == [1] * len(ids)
+    first = "An assignment statement evaluates the expression list (remember that this can be a single expression"
+    assert tokenizer.decode(sentences[0]["input_ids"][1:-1]).startswith(first.lower()[:40])
+    raw = DatasetDict(train=Dataset.from_dict({"text": ["One line. Two sentences.", "", "Short", " ", "\u200b"]}))
+    lines = examples_at_own_length(raw, tokenizer, 32, "lines")["train"]
+    assert [tokenizer.decode(ids) for ids in lines["input_ids"]] == ["[CLS] one line. two sentences. [SEP]",
+                                                                     "[CLS] short [SEP]"]
+    two = examples_at_own_length(raw, tokenizer, 32, "sentences")["train"]
+    assert [tokenizer.decode(ids) for ids in two["input_ids"]] == [
+        "[CLS] one line. [SEP]", "[CLS] two sentences. [SEP]", "[CLS] short [SEP]"]
+    assert [len(ids) for ids in examples_at_own_length(raw, tokenizer, 4, "lines")["train"]["input_ids"]] == [4, 3]
+    with pytest.raises(ValueError, match="unit='windows'"):
+        examples_at_own_length(raw, tokenizer, 32, "windows")
+
+
+def test_mlm_inputs_argument():
+    assert MlmDataArguments(train_file="corpus.txt").mlm_inputs == "windows"  # the default: unchanged behaviour
+    assert MlmDataArguments(train_file="corpus.txt", mlm_inputs="sentences").mlm_inputs == "sentences"
+    with pytest.raises(ValueError, match="mlm_inputs"):
+        MlmDataArguments(train_file="corpus.txt", mlm_inputs="paragraph")
+    with pytest.raises(ValueError, match="pad_to_multiple_of"):
+        MlmDataArguments(train_file="corpus.txt", pad_to_multiple_of=0)
+
+
+def test_group_by_length_argument(tmp_path):
+    """transformers 5 has no group_by_length flag, only train_sampling_strategy: ours sets the strategy."""
+    args = PartialAttentionTrainingArguments(str(tmp_path), group_by_length=True, use_cpu=True, report_to="none")
+    assert args.train_sampling_strategy == "group_by_length" and args.length_column_name == "length"
+    plain = PartialAttentionTrainingArguments(str(tmp_path), use_cpu=True, report_to="none")
+    assert plain.train_sampling_strategy == "random"
+    with pytest.raises(ValueError, match="train_sampling_strategy"):
+        PartialAttentionTrainingArguments(str(tmp_path), group_by_length=True, train_sampling_strategy="sequential",
+                                          use_cpu=True, report_to="none")
+
+
+def test_mlm_collator_pads_to_the_longest_example(tokenizer, sentences):
+    """Variable lengths: a batch is padded to its longest example (or a multiple of pad_to_multiple_of), never to
+    n; padding has attention 0, label -100 and the pad token, and is never masked."""
+    examples = [e for e in sentences if len(e["input_ids"]) < 24][:8]
+    lengths = [len(e["input_ids"]) for e in examples]
+    assert len(set(lengths)) > 3 and max(lengths) < 24  # n is 32: padding to n (or 32) would show
+    for multiple, width in ((None, max(lengths)), (8, -(-max(lengths) // 8) * 8)):
+        batch = MlmCollator(tokenizer, mlm_probability=0.5, pad_to_multiple_of=multiple)(examples)
+        assert batch["input_ids"].shape == batch["labels"].shape == batch["attention_mask"].shape == (8, width)
+        for b, t in enumerate(lengths):
+            assert batch["attention_mask"][b, :t].all() and not batch["attention_mask"][b, t:].any()
+            assert (batch["labels"][b, t:] == -100).all()
+            assert (batch["input_ids"][b, t:] == tokenizer.pad_token_id).all()
+            assert (batch["labels"][b, 1:t - 1] != -100).any()
+    with pytest.raises(ValueError, match="pad_to_multiple_of"):
+        MlmCollator(tokenizer, pad_to_multiple_of=0)
+
+
+def test_mlm_masks_of_variable_length_examples_do_not_depend_on_the_batch(tokenizer, sentences):
+    """Each example's masked positions, labels and inputs are the same alone and in any batch (beside longer ones,
+    in another order, padded to a multiple of 8), in training epochs and in evaluation (epoch None)."""
+    order = sorted(range(12), key=lambda i: len(sentences[i]["input_ids"]))
+    short, longer = order[0], order[-1]
+    assert len(sentences[short]["input_ids"]) < len(sentences[longer]["input_ids"])
+    examples = [sentences[i] for i in range(12)]
+    for epoch in (0, 3, None):
+        collator = MlmCollator(tokenizer, seed=5, mlm_probability=0.4, epoch=epoch)
+        padded = MlmCollator(tokenizer, seed=5, mlm_probability=0.4, epoch=epoch, pad_to_multiple_of=8)
+        together = collator(examples)
+        reversed_batch = padded(list(reversed(examples)))
+        pair = collator([sentences[short], sentences[longer]])
+        for i in range(12):
+            alone = collator([sentences[i]])
+            t = alone["labels"].shape[1]
+            for batch, row in ((together, i), (reversed_batch, 11 - i)):
+                assert torch.equal(batch["labels"][row, :t], alone["labels"][0]), (epoch, i)
+                assert torch.equal(batch["input_ids"][row, :t], alone["input_ids"][0]), (epoch, i)
+        t = len(sentences[short]["input_ids"])
+        assert pair["labels"].shape[1] > t and (pair["labels"][0, t:] == -100).all()
+        assert torch.equal(pair["labels"][0, :t], collator([sentences[short]])["labels"][0])
 
 
 def test_group_into_windows_rejects_bad_column(tokenizer):
@@ -110,6 +207,24 @@ def test_tokenize_pairs_pads_to_n(tokenizer, tmp_path):
     encoded = tokenize_pairs(data, tokenizer, 24)
     lengths = {len(row) for row in encoded["train"]["input_ids"]}
     assert lengths == {24} and "label" in encoded["train"].column_names
+
+
+def test_tokenize_pairs_at_own_length_are_padded_per_batch(tokenizer, tmp_path):
+    """pad=False: each pair keeps its own length (at most n); DataCollatorWithPadding pads a batch to its longest
+    pair, with attention 0 there; pad_to_max_length (the fine-tuning flag) is off by default."""
+    data = load_mnli(MnliDataArguments(train_file=os.path.join(DATA, "mnli_train.jsonl")), cache_dir=str(tmp_path))
+    own = tokenize_pairs(data, tokenizer, 24, pad=False)["train"]
+    full = tokenize_pairs(data, tokenizer, 24)["train"]
+    lengths = [len(ids) for ids in own["input_ids"]]
+    assert max(lengths) <= 24 and min(lengths) < 20 and len(set(lengths)) > 3
+    for mine, padded, t in zip(own["input_ids"], full["input_ids"], lengths):
+        assert padded[:t] == mine and set(padded[t:]) <= {tokenizer.pad_token_id}
+    rows = [own[i] for i in range(6)]
+    batch = DataCollatorWithPadding(tokenizer)(rows)
+    assert batch["input_ids"].shape == (6, max(lengths[:6])) and max(lengths[:6]) < 24
+    assert batch["attention_mask"].sum(1).tolist() == lengths[:6]
+    assert torch.equal(batch["labels"], torch.tensor(own["label"][:6]))
+    assert MnliDataArguments().pad_to_max_length is False
 
 
 def test_offline_accuracy_metric_matches_definition():

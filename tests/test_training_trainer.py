@@ -12,9 +12,12 @@ from transformers import AutoTokenizer, TrainerCallback
 from hf_partial_attention import PartialBertConfig, PartialBertForMaskedLM
 from hf_partial_attention.training import (
     RECONSTRUCTION_INITIAL_NAME,
+    EpochLengthGroupedSampler,
     MlmCollator,
     PartialAttentionTrainer,
     PartialAttentionTrainingArguments,
+    example_lengths,
+    examples_at_own_length,
     group_into_windows,
 )
 
@@ -44,10 +47,10 @@ def tiny_model(tokenizer, mode, seed=0):
 
 
 def make_trainer(tokenizer, windows, out, mode, seed=0, callbacks=None, model=None, **kw):
+    kw = {"max_steps": STEPS, "per_device_train_batch_size": 4, "save_steps": SAVE, **kw}
     args = PartialAttentionTrainingArguments(
-        output_dir=out, max_steps=STEPS, per_device_train_batch_size=4, logging_steps=1, save_steps=SAVE,
-        learning_rate=1e-3, reconstruction_learning_rate=1e-2, use_cpu=True, report_to="none", seed=0,
-        disable_tqdm=True, dataloader_num_workers=0, **kw)
+        output_dir=out, logging_steps=1, learning_rate=1e-3, reconstruction_learning_rate=1e-2, use_cpu=True,
+        report_to="none", seed=0, disable_tqdm=True, dataloader_num_workers=0, **kw)
     model = tiny_model(tokenizer, mode, seed) if model is None else model
     return PartialAttentionTrainer(model=model, args=args, train_dataset=windows,
                                    data_collator=MlmCollator(tokenizer), callbacks=callbacks)
@@ -255,3 +258,111 @@ def test_eval_loss_is_token_weighted_for_any_batch_size(tokenizer, windows, tmp_
         trainer = make_trainer(tokenizer, windows, str(tmp_path / str(size)), "common", model=model,
                                per_device_eval_batch_size=size)
         assert trainer.evaluate(eval_dataset=evaluation)["eval_loss"] == pytest.approx(by_hand, rel=1e-5), size
+
+
+# ---------------------------------------------------------------- variable lengths: sentences, group_by_length
+VAR_STEPS, VAR_SAVE, VAR_BATCH = 12, 6, 4  # 20 sentences, batch 4: 5 steps per epoch, the checkpoint in epoch 2
+
+
+@pytest.fixture(scope="module")
+def sentences(tokenizer):
+    """One example per sentence of the corpus, at its own length (8 to N tokens)."""
+    with open(os.path.join(DATA, "tiny_corpus.txt")) as f:
+        texts = [t for t in f.read().split("\n\n") if t.strip()]
+    return examples_at_own_length(DatasetDict(train=Dataset.from_dict({"text": texts})), tokenizer, N,
+                                  "sentences")["train"]
+
+
+def test_sentences_have_variable_lengths(sentences):
+    lengths = example_lengths(sentences)
+    assert len(sentences) > 40 and min(lengths) < N // 2 and max(lengths) == N and len(set(lengths)) > 10
+
+
+def test_group_by_length_batches_similar_lengths_in_an_epoch_seeded_order(tokenizer, sentences, tmp_path):
+    """group_by_length: the Trainer's sampler sorts each mega-batch by length (much less padding than random
+    batches) and its order is a function of (seed, epoch) alone; the lengths are the examples' own, though the
+    Trainer strips every column the model does not take before it builds the sampler."""
+    grouped = make_trainer(tokenizer, sentences, str(tmp_path / "g"), "common", group_by_length=True)
+    assert grouped.args.train_sampling_strategy == "group_by_length"
+    sampler = grouped._get_train_sampler()
+    assert isinstance(sampler, EpochLengthGroupedSampler)
+    lengths = [len(ids) for ids in sentences["input_ids"]]
+    assert sampler.lengths == lengths
+
+    def padding(trainer):
+        return sum(int((b["attention_mask"] == 0).sum()) for b in trainer.get_train_dataloader())
+
+    random_order = make_trainer(tokenizer, sentences, str(tmp_path / "r"), "common")
+    assert padding(grouped) < 0.6 * padding(random_order)
+    sampler.set_epoch(1)
+    first = list(sampler)
+    assert sorted(first) == list(range(len(sentences)))
+    mega = 4 * min(len(sentences) // 16, 50)  # LengthGroupedSampler's mega-batch: each sorted longest first
+    for start in range(mega, len(first), mega):
+        chunk = [lengths[i] for i in first[start:start + mega]]
+        assert chunk == sorted(chunk, reverse=True)
+    torch.manual_seed(12345)  # the global RNG plays no part
+    assert list(sampler) == first
+    sampler.set_epoch(2)
+    assert list(sampler) != first
+    # a length column (--length_column_name), which the Trainer strips before building the sampler, is still read
+    flagged = sentences.add_column("length", [100 - t for t in lengths])
+    column = make_trainer(tokenizer, flagged, str(tmp_path / "c"), "common", group_by_length=True)
+    assert column._get_train_sampler(column._remove_unused_columns(flagged)).lengths == [100 - t for t in lengths]
+
+
+def _example_by_example_loss(model, collator, evaluation):
+    """The eval set's cross-entropy summed over its masked tokens / their number, one example at a time."""
+    total, items = 0.0, 0
+    with torch.no_grad():
+        for i in range(len(evaluation)):
+            batch = collator([evaluation[i]])
+            labels = batch.pop("labels")  # (1, t): the example's own length, no padding
+            chosen = labels != -100
+            logits = model(**batch).logits  # (1, t, vocab)
+            total += torch.nn.functional.cross_entropy(logits[chosen], labels[chosen], reduction="sum").item()
+            items += int(chosen.sum())
+    return total / items
+
+
+@pytest.mark.parametrize("group_by_length", [False, True])
+def test_eval_loss_is_token_weighted_on_variable_lengths(tokenizer, sentences, tmp_path, group_by_length):
+    """Variable-length sentences, padded per batch: eval_loss is the example-by-example token-weighted loss (no
+    padding at all) for eval batches 1, 3 and 8, in order or grouped by length."""
+    evaluation = sentences.select(range(13))
+    assert len(set(example_lengths(evaluation))) > 5
+    model = tiny_model(tokenizer, "common").eval()
+    collator = MlmCollator(tokenizer)
+    collator.epoch = None
+    by_hand = _example_by_example_loss(model, collator, evaluation)
+    losses = []
+    for size in (1, 3, 8):
+        trainer = make_trainer(tokenizer, sentences, str(tmp_path / str(size)), "common", model=model,
+                               per_device_eval_batch_size=size, group_by_length=group_by_length)
+        losses.append(trainer.evaluate(eval_dataset=evaluation)["eval_loss"])
+    assert losses == pytest.approx([by_hand] * 3, rel=1e-5), losses
+    assert max(losses) - min(losses) <= 1e-5 * by_hand
+
+
+def _var_trainer(tokenizer, data, out, seed=0, callbacks=None):
+    return make_trainer(tokenizer, data, out, "per_layer", seed=seed, callbacks=callbacks, group_by_length=True,
+                        max_steps=VAR_STEPS, save_steps=VAR_SAVE, per_device_train_batch_size=VAR_BATCH)
+
+
+def test_resume_is_exact_on_variable_lengths_grouped_by_length(tokenizer, sentences, tmp_path):
+    """Sentences of 8 to 32 tokens, group_by_length, R per layer: 12 steps in one go, and 6 steps + resume from
+    checkpoint-6 (in the second epoch: the sampler's order must not come from the RNG at resume time), end with
+    the same weights, bit for bit, after the same losses."""
+    data = sentences.select(range(5 * VAR_BATCH))
+    full = _var_trainer(tokenizer, data, str(tmp_path / "full"))
+    full.train()
+    checkpoint = os.path.join(full.args.output_dir, f"checkpoint-{VAR_SAVE}")
+    resumed = _var_trainer(tokenizer, data, str(tmp_path / "resumed"), seed=123)  # other initial weights
+    resumed.train(resume_from_checkpoint=checkpoint)
+    steps, resumed_losses = logged(resumed, "loss", VAR_SAVE)
+    assert steps == list(range(VAR_SAVE + 1, VAR_STEPS + 1))
+    assert resumed_losses == logged(full, "loss", VAR_SAVE)[1]
+    final, again = full.model.state_dict(), resumed.model.state_dict()
+    assert final.keys() == again.keys()
+    for name, tensor in final.items():
+        assert torch.equal(again[name], tensor), name

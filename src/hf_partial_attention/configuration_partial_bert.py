@@ -17,8 +17,9 @@ RECONSTRUCTION_MODES = ("fixed", "common", "per_layer")
 KERNEL_NAMES = ("gather", "fused", "tiled", "triton")
 PARTIAL_IMPLEMENTATIONS = ("auto", *KERNEL_NAMES)
 # The layout of P and R in model.safetensors and of these fields; a checkpoint of a newer format is refused.
-# 1: hf-partial-attention 0.1.x (0.1.0 wrote no version: read as 1).
-CHECKPOINT_FORMAT_VERSION = 1
+# 1: hf-partial-attention 0.1.x and 0.2.x (0.1.0 wrote no version: read as 1): one P and R, for n positions.
+# 2: length buckets (`partial_lengths`): P and R per bucket, ``...partial_pattern_len{b}...`` beside n's.
+CHECKPOINT_FORMAT_VERSION = 2
 # Runtime settings: like `attn_implementation`, never written to (nor read from) config.json.
 _NOT_SERIALIZED = ("partial_implementation",)
 
@@ -38,6 +39,11 @@ class PartialBertConfig(BertConfig):
         partial_seq_len (`int`, defaults to 128):
             n, the sequence length P and R are defined for (absolute positions 0..n-1). Shorter inputs work;
             longer inputs raise a `ValueError`.
+        partial_lengths (`list[int]`, *optional*):
+            The length buckets: each holds its own P and R, fitted on inputs of that length, and a sequence of T tokens
+            runs the smallest bucket b >= T (chosen from its own attention mask), as if padded to b with keys scoring
+            zero. Buckets with b <= `partial_k` run exactly. The largest must be `partial_seq_len`; defaults to
+            `[partial_seq_len]` (one bucket: every input runs n's P and R, the behaviour of format 1).
         partial_k (`int`, defaults to 32):
             k, the number of exactly computed scores per query (1 <= k <= n).
         reconstruction (`str`, defaults to `"common"`):
@@ -86,6 +92,7 @@ class PartialBertConfig(BertConfig):
 
     partial_seq_len: int = 128
     partial_k: int = 32
+    partial_lengths: list[int] | None = None
     reconstruction: str = "common"
     partial_layers: list[int] | None = None
     partial_use_bias: bool = False
@@ -103,6 +110,8 @@ class PartialBertConfig(BertConfig):
             self.partial_layers = list(range(max(self.num_hidden_layers - 1, 0)))
         else:
             self.partial_layers = sorted({int(layer) for layer in self.partial_layers})
+        if self.partial_lengths is None:
+            self.partial_lengths = [self.partial_seq_len]
         self._check_partial_fields()
 
     def _check_partial_fields(self) -> None:
@@ -123,6 +132,7 @@ class PartialBertConfig(BertConfig):
             )
         if not 1 <= k <= n:
             raise ValueError(f"partial_k must be in [1, partial_seq_len={n}], got {k}.")
+        self._check_lengths()
         if self.reconstruction not in RECONSTRUCTION_MODES:
             raise ValueError(
                 f"reconstruction must be one of {RECONSTRUCTION_MODES}, got {self.reconstruction!r}."
@@ -144,6 +154,30 @@ class PartialBertConfig(BertConfig):
                 f"(got is_decoder={self.is_decoder}, add_cross_attention={self.add_cross_attention})."
             )
 
+    def _check_lengths(self) -> None:
+        lengths = self.partial_lengths
+        if (not isinstance(lengths, (list, tuple)) or not lengths
+                or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in lengths)):
+            raise ValueError(f"partial_lengths must be a non-empty list of positive ints (bucket lengths), got "
+                             f"{lengths!r}.")
+        if list(lengths) != sorted(set(lengths)):
+            raise ValueError(f"partial_lengths must be increasing with no repeats, got {list(lengths)}; pass "
+                             f"{sorted(set(lengths))}.")
+        if lengths[-1] != self.partial_seq_len:
+            raise ValueError(f"partial_lengths={list(lengths)} must end with partial_seq_len={self.partial_seq_len} "
+                             "(the longest bucket is n); add it or set partial_seq_len to the longest bucket.")
+        self.partial_lengths = list(lengths)
+
+    @property
+    def partial_buckets(self) -> list[int]:
+        """The buckets below n that hold their own P and R (b > k); shorter ones run exactly."""
+        return [b for b in self.partial_lengths[:-1] if b > self.partial_k]
+
+    @property
+    def exact_lengths(self) -> list[int]:
+        """The buckets below n with b <= k, which run exact attention."""
+        return [b for b in self.partial_lengths[:-1] if b <= self.partial_k]
+
     def _check_implementation(self) -> None:
         if self.partial_implementation not in PARTIAL_IMPLEMENTATIONS:
             raise ValueError(
@@ -164,6 +198,8 @@ class PartialBertConfig(BertConfig):
         # Checkpoints written by 0.1.0 stored partial_implementation; the machine that loads them chooses it
         # (kwargs, e.g. from_pretrained(..., partial_implementation="gather"), still apply).
         config_dict = {key: value for key, value in config_dict.items() if key not in _NOT_SERIALIZED}
+        if "partial_seq_len" in config_dict:  # a saved PartialBert config; 0.1.0 wrote no format version: format 1
+            config_dict.setdefault("partial_format_version", 1)
         result = super().from_dict(config_dict, **kwargs)
         # from_dict sets keyword overrides after __init__ validated the fields: check the one a loader may pass
         # (`from_pretrained(folder, partial_implementation=...)`), or a typo would surface only in the first forward.

@@ -17,6 +17,7 @@ from transformers import BertConfig, BertPreTrainedModel
 
 from .configuration_partial_bert import PartialBertConfig
 from .pattern import AttentionPattern
+from .pattern_buckets import PatternBuckets
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ _NOT_BERT_FIELDS = ("model_type", "architectures", "auto_map", "transformers_ver
 
 
 
-def from_bert(model_class, bert_model_or_path, pattern: AttentionPattern, *, output_loading_info: bool = False,
+def from_bert(model_class, bert_model_or_path, pattern: AttentionPattern | PatternBuckets, *, output_loading_info: bool = False,
               revision: str | None = None, token: str | bool | None = None, dtype=None,
               cache_dir: str | None = None, **config_overrides):
     """Convert a BERT-family checkpoint (BERT, MiniLM, ...) into ``model_class`` (a PartialBert class), keeping
@@ -41,7 +42,8 @@ def from_bert(model_class, bert_model_or_path, pattern: AttentionPattern, *, out
         model_class: the PartialBert class to build (its ``_bert_class`` is the class the source is loaded as).
         bert_model_or_path: a `BertPreTrainedModel` instance, or a path / Hub id loadable by the matching
             `BertFor*` class (`BertModel` for `PartialBertModel`, and so on).
-        pattern: a per-query `AttentionPattern`; n and k come from it.
+        pattern: a per-query `AttentionPattern` (one bucket), or `PatternBuckets` (P and R per length bucket); n, k
+            and the buckets (``partial_lengths``) come from it.
         output_loading_info: also return ``{"missing_keys", "unexpected_keys", "source"}``: the target weights
             the source did not provide (a new head), source weights without a place, and the source load's own
             report.
@@ -51,8 +53,7 @@ def from_bert(model_class, bert_model_or_path, pattern: AttentionPattern, *, out
             ``partial_layers=[0, 1]``, ``attn_implementation="eager"`` (for non-partial layers), and BERT
             settings of the head (``num_labels=3``, ``id2label=...``), which also reach the source load.
     """
-    if not isinstance(pattern, AttentionPattern):
-        raise TypeError(f"pattern must be an AttentionPattern, got {type(pattern).__name__}.")
+    pattern = PatternBuckets.coerce(pattern)  # a TypeError / ValueError naming what was given
     attn_impl = config_overrides.pop("attn_implementation", None)
     settings = {k: v for k, v in config_overrides.items() if k not in PARTIAL_FIELDS}
     source, source_info = load_source(
@@ -91,12 +92,14 @@ def load_source(bert_class, bert_model_or_path, settings: dict[str, Any], load_k
     return bert_model_or_path, {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": []}
 
 
-def partial_config(source, pattern: AttentionPattern, overrides: dict[str, Any]) -> PartialBertConfig:
-    """The source's BERT config with n, k and the bias flag of ``pattern`` and the given overrides."""
+def partial_config(source, pattern: AttentionPattern | PatternBuckets, overrides: dict[str, Any]) -> PartialBertConfig:
+    """The source's BERT config with n, k, the buckets and the bias flag of ``pattern`` and the given overrides."""
+    pattern = PatternBuckets.coerce(pattern)
     fields = source.config.to_dict()
     for drop in _NOT_BERT_FIELDS:
         fields.pop(drop, None)
-    fields.update(partial_seq_len=pattern.seq_len, partial_k=pattern.k, partial_use_bias=pattern.bias is not None)
+    fields.update(partial_seq_len=pattern.seq_len, partial_k=pattern.k, partial_lengths=pattern.lengths,
+                  partial_use_bias=pattern.has_bias)
     fields.update(overrides)
     if isinstance(source.config._name_or_path, str) and source.config._name_or_path:
         fields.setdefault("partial_base_model", source.config._name_or_path)

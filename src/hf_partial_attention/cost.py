@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ScoreCost", "score_cost", "dense_cost", "nystrom_cost", "forward_ratio", "saving_warning", "SCOPES"]
+__all__ = ["ScoreCost", "score_cost", "dense_cost", "nystrom_cost", "forward_ratio", "saving_warning", "SCOPES",
+           "bucket_savings", "distribution_saving"]
 
 SCOPES = ("per_query", "whole")
 
@@ -102,3 +103,28 @@ def forward_ratio(n: int, k: int, d_head: int, *, dense_reconstruction: bool = F
     exact = row.dense if dense_exact else row.exact
     recon = n * k if dense_reconstruction else row.reconstruction
     return (exact + recon + n * d_head) / (2 * n * d_head)
+
+
+def bucket_savings(lengths, k: int, d_head: int) -> dict[int, float]:
+    """Length bucket b -> the saving of its scores per query and head: ``score_cost(b, k, d_h)``'s for b > k, 0 for
+    the buckets that run exactly (b <= k)."""
+    return {int(b): (score_cost(b, k, d_head).saving if b > k else 0.0) for b in lengths}
+
+
+def distribution_saving(lengths, k: int, d_head: int, token_lengths) -> float:
+    """The saving of QKᵀ multiply-adds over a set of inputs of ``token_lengths`` tokens, each run in its bucket (the
+    smallest b >= T, as the model runs it) against dense attention at its own length T.
+
+    An input of T < b tokens computes, per query, k·d_h exact and (b−k)·k reconstructed multiply-adds in bucket b
+    (the reconstruction still fills b − k scores), against T·d_h for dense attention over its T keys; summed over
+    its T queries. Exact buckets cost what dense does. A negative value: the partial model computes more."""
+    lengths = sorted(int(b) for b in lengths)
+    partial = dense = 0
+    for t in token_lengths:
+        t = int(t)
+        b = next((b for b in lengths if b >= t), None)
+        if b is None:
+            raise ValueError(f"an input of {t} tokens exceeds the longest bucket {lengths[-1]}; truncate inputs.")
+        dense += t * t * d_head
+        partial += t * t * d_head if b <= k else t * (k * d_head + (b - k) * k)
+    return 1.0 - partial / dense if dense else 0.0

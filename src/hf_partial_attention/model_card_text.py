@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .cost import score_cost
+from .cost import bucket_savings, score_cost
 
 __all__ = ["partial_section", "provenance_section", "training_section", "loading_section", "PLACEHOLDER",
            "UNTRAINED_WARNING"]
@@ -29,6 +29,26 @@ def _exact_layers_phrase(layers: list[int], total: int) -> str:
     if not exact:
         return "every layer is partial; the paper keeps the last layer exact"
     return f"layers {exact} stay exact; the paper keeps only the last layer exact"
+
+
+def _buckets_section(config, prefix: str, d_head: int) -> str:
+    """The length buckets' table (empty for one bucket): each bucket's P and R names and its saving."""
+    lengths = list(getattr(config, "partial_lengths", None) or [config.partial_seq_len])
+    if len(lengths) == 1:
+        return ""
+    k, n = config.partial_k, config.partial_seq_len
+    savings = bucket_savings(lengths, k, d_head)
+    rows = "\n".join(
+        f"| {b} | {'exact (b ≤ k)' if b <= k else f'`{prefix}encoder.partial_pattern' + ('' if b == n else f'_len{b}') + '`'} "
+        f"| {100 * savings[b]:.1f} % |" for b in lengths)
+    return f"""- **Length buckets** {lengths}: each bucket b holds its own P (b, k) and R (b, b − k, k), fitted on inputs of
+  that length; a sequence of T tokens runs the smallest bucket b ≥ T, chosen from its own attention mask, as if padded
+  to b. Buckets with b ≤ k = {k} run exact attention. Saving of QKᵀ per query and head in each bucket:
+
+| bucket b | P and R | saving |
+|---:|---|---:|
+{rows}
+"""
 
 
 def partial_section(config, prefix: str) -> str:
@@ -57,7 +77,7 @@ padding mask and the softmax.
   partial layers and heads; it never changes during training.
 - **R**: shape (n, n − k, k) = ({n}, {n - k}, {k}); {mode}.
 - Inputs must have at most n = {n} tokens; shorter inputs behave as if padded with zero scores.
-
+{_buckets_section(config, prefix, d_head)}
 ## Attention cost
 
 Multiply-adds of the scores QKᵀ per query and head: exact part `k·d_h`, reconstruction `(n − k)·k`, dense

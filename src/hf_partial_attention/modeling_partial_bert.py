@@ -8,6 +8,9 @@ shown for the base model, prefixed ``bert.`` in the heads):
   trainable parameter (``"common"``).
 - ``encoder.layer.{l}.attention.self.reconstruction``: R of layer l, trainable (``"per_layer"``).
 - ``...reconstruction_bias``: beside each R when ``partial_use_bias=True``, ``(n, n−k)``.
+- With length buckets (``config.partial_lengths``), each bucket b < n with b > k has the same tensors with the
+  suffix ``_len{b}`` and b in place of n: ``encoder.partial_pattern_len{b}.indices`` ``(b, k)``,
+  ``encoder.partial_pattern_len{b}.reconstruction`` ``(b, b−k, k)``, ``...attention.self.reconstruction_len{b}``.
 
 The heads are BERT's classes with BERT's forward; their ``__init__`` builds a `PartialBertModel` body, whose
 ``post_init`` swaps the self-attention of every layer: `PartialBertSelfAttention` in the partial layers,
@@ -20,6 +23,7 @@ exact layers honour ``config._attn_implementation``. Auto registration, ``auto_m
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -44,8 +48,11 @@ from .configuration_partial_bert import PartialBertConfig
 from .conversion import from_bert
 from .attention_common import PartialTensors, PatternLayout
 from .attention_dispatch import attention_function_name, check_implementation
-from .partial_pattern import PartialBertPattern, default_pattern, init_bias, initial_for, r_tensor
+from .attention_lengths import bucketed_attention, exact_attention
+from .partial_pattern import (PartialBertPattern, bucket_suffix, check_buckets, default_pattern, init_bias,
+                              initial_for, r_tensor)
 from .pattern import AttentionPattern
+from .pattern_buckets import PatternBuckets
 
 try:  # transformers' recorder of `output_*` (private), read by `_attention_weights_requested` at every forward
     from transformers.utils.output_capturing import _active_collector
@@ -84,22 +91,29 @@ class PartialBertSelfAttention(BertSelfAttention):
     """
 
     def __init__(self, config: PartialBertConfig, encoder: BertEncoder, layer_idx: int | None = None,
-                 pattern: AttentionPattern | None = None):
+                 pattern: AttentionPattern | PatternBuckets | None = None):
         super().__init__(config, layer_idx=layer_idx)
-        # The pattern module is owned by the encoder and looked up there at every call (an unregistered reference,
-        # so its tensors are saved once, not once per layer). Calling it, rather than holding it, means that a
-        # wrapper installed in its place (peft's modules_to_save) is the one that runs.
+        # The pattern modules are owned by the encoder and looked up there at every call (an unregistered reference,
+        # so their tensors are saved once, not once per layer). Calling them, rather than holding them, means that a
+        # wrapper installed in their place (peft's modules_to_save) is the one that runs.
         object.__setattr__(self, "_encoder", encoder)
         if config.reconstruction == "per_layer":
-            self.reconstruction = r_tensor(config, True, False, pattern)
-            self.reconstruction_bias = r_tensor(config, True, True, pattern) if config.partial_use_bias else None
+            for length in (None, *config.partial_buckets):  # n's R, then each shorter bucket's
+                suffix = bucket_suffix(config, length)
+                setattr(self, "reconstruction" + suffix, r_tensor(config, True, False, pattern, length))
+                setattr(self, "reconstruction_bias" + suffix,
+                        r_tensor(config, True, True, pattern, length) if config.partial_use_bias else None)
 
-    def partial_tensors(self) -> PartialTensors:
-        """P's layout, R, its bias and their derived state, as this layer reconstructs with them (read by the
-        attention functions); the encoder's pattern module owns the layout and what is derived from each R."""
+    def partial_tensors(self, length: int | None = None) -> PartialTensors:
+        """P's layout, R, its bias and their derived state in bucket ``length`` (default n), as this layer
+        reconstructs with them (read by the attention functions); the encoder's pattern module of the bucket owns
+        the layout and what is derived from each R."""
+        suffix = bucket_suffix(self.config, length)
+        owner = getattr(self._encoder, "partial_pattern" + suffix)
         if "reconstruction" in self._parameters:  # per_layer: this layer's own R
-            return self._encoder.partial_pattern(self.reconstruction, self.reconstruction_bias, self.layer_idx)
-        return self._encoder.partial_pattern()
+            return owner(getattr(self, "reconstruction" + suffix), getattr(self, "reconstruction_bias" + suffix),
+                         self.layer_idx)
+        return owner()
 
     def forward(self, hidden_states, attention_mask=None, cache=None, **kwargs):
         input_shape = hidden_states.shape[:-1]
@@ -107,10 +121,21 @@ class PartialBertSelfAttention(BertSelfAttention):
         # "partial_auto" picks its kernel from P inside the call (one read of the layer's P and R per call)
         name = attention_function_name(self.config.partial_implementation)
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS[name]
-        out, probs = attention_interface(self, query, key, value, attention_mask, scaling=self.scaling,
-                                         dropout=self.dropout.p if self.training else 0.0,
-                                         need_weights=_attention_weights_requested(self.config, kwargs),
-                                         partial=self.partial_tensors())  # P, R: read once, passed down
+        dropout = self.dropout.p if self.training else 0.0
+        need_weights = _attention_weights_requested(self.config, kwargs)
+
+        def run_bucket(length, query, key, value, attention_mask):
+            if length in self.config.exact_lengths:  # b <= k: every score is exact
+                return exact_attention(self, query, key, value, attention_mask, self.scaling, dropout, need_weights)
+            return attention_interface(self, query, key, value, attention_mask, scaling=self.scaling,
+                                       dropout=dropout, need_weights=need_weights,
+                                       partial=self.partial_tensors(length))  # P, R: read once, passed down
+
+        if len(self.config.partial_lengths) == 1:  # one bucket (format 1): n's P and R for every input
+            out, probs = run_bucket(self.config.partial_seq_len, query, key, value, attention_mask)
+        else:
+            out, probs = bucketed_attention(self, query, key, value, attention_mask, self.config.partial_lengths,
+                                            run_bucket, need_weights)
         return out.reshape(*input_shape, -1).contiguous(), probs  # (B, T, H·D)
 
 
@@ -144,12 +169,16 @@ class PartialBertExactSelfAttention(BertSelfAttention):
 
 
 def _install_partial_attention(encoder: BertEncoder, config: PartialBertConfig,
-                               pattern: AttentionPattern | None) -> None:
-    """Give ``encoder`` its pattern module (starting from ``pattern``, else the default) and swap the
-    self-attention of every layer: partial in ``config.partial_layers``, exact elsewhere (idempotent)."""
+                               pattern: AttentionPattern | PatternBuckets | None) -> None:
+    """Give ``encoder`` its pattern modules, one per length bucket with a pattern (starting from ``pattern``, else
+    the default), and swap the self-attention of every layer: partial in ``config.partial_layers``, exact elsewhere
+    (idempotent)."""
     if "partial_pattern" in encoder._modules:
         return
-    encoder.partial_pattern = PartialBertPattern(config, pattern)
+    if pattern is not None:
+        check_buckets(config, pattern)
+    for length in (None, *config.partial_buckets):
+        setattr(encoder, "partial_pattern" + bucket_suffix(config, length), PartialBertPattern(config, pattern, length))
     for layer_idx, layer in enumerate(encoder.layer):
         layer.attention.self = (
             PartialBertSelfAttention(config, encoder, layer_idx=layer_idx, pattern=pattern)
@@ -166,7 +195,7 @@ class PartialBertPreTrainedModel(BertPreTrainedModel):
 
     # The pattern a model is being built with (its constructor's ``pattern``), read by `_init_weights` while the
     # constructor runs and dropped once it returns, so the model holds no second copy of R.
-    _initial_pattern: AttentionPattern | None = None
+    _initial_pattern: AttentionPattern | PatternBuckets | None = None
 
     def post_init(self):
         """BERT's ``__init__`` built the body; make its layers partial or exact (see `_install_partial_attention`),
@@ -176,7 +205,7 @@ class PartialBertPreTrainedModel(BertPreTrainedModel):
         super().post_init()
         self.__dict__.pop("_initial_pattern", None)  # now in P and R: no second copy of R is kept
 
-    def _start_head(self, bert_class, config: PartialBertConfig, pattern: AttentionPattern | None,
+    def _start_head(self, bert_class, config: PartialBertConfig, pattern: AttentionPattern | PatternBuckets | None,
                     add_pooling_layer: bool) -> None:
         """What ``bert_class.__init__`` does before its head: the pretrained-model set-up, then the body, built
         here as a `PartialBertModel` starting from ``pattern``."""
@@ -187,7 +216,7 @@ class PartialBertPreTrainedModel(BertPreTrainedModel):
     def _init_weights(self, module):
         super()._init_weights(module)
         if isinstance(module, PartialBertPattern):
-            pattern = initial_for(self.config, self._initial_pattern)
+            pattern = initial_for(self.config, self._initial_pattern, module.length)
             init.copy_(module.indices, pattern.indices)
             # The layout buffers are non-persistent: a model built on the meta device (big-model loading) gets them
             # only here, derived from the P just installed.
@@ -200,10 +229,12 @@ class PartialBertPreTrainedModel(BertPreTrainedModel):
             if getattr(module, "reconstruction_bias", None) is not None:
                 init_bias(module.reconstruction_bias, pattern)
         elif isinstance(module, PartialBertSelfAttention) and "reconstruction" in module._parameters:
-            pattern = initial_for(self.config, self._initial_pattern)
-            init.copy_(module.reconstruction, pattern.reconstruction)
-            if module.reconstruction_bias is not None:
-                init_bias(module.reconstruction_bias, pattern)
+            for length in (None, *self.config.partial_buckets):
+                pattern = initial_for(self.config, self._initial_pattern, length)
+                suffix = bucket_suffix(self.config, length)
+                init.copy_(getattr(module, "reconstruction" + suffix), pattern.reconstruction)
+                if getattr(module, "reconstruction_bias" + suffix) is not None:
+                    init_bias(getattr(module, "reconstruction_bias" + suffix), pattern)
 
     def set_partial_implementation(self, implementation: str) -> None:
         """Switch the kernel of the partial layers at run time: ``"auto"``, ``"gather"``, ``"fused"``, ``"tiled"`` or
@@ -225,8 +256,7 @@ class PartialBertPreTrainedModel(BertPreTrainedModel):
         return (model, info) if want_info else model
 
     def _partial_tensor_names(self) -> list[str]:
-        return [name for name, _ in self.state_dict().items() if ".partial_pattern." in f".{name}"
-                or name.endswith(("attention.self.reconstruction", "attention.self.reconstruction_bias"))]
+        return [name for name in self.state_dict() if _PARTIAL_NAME.search(f".{name}")]
 
     def _check_loaded_pattern(self, info: dict, source) -> None:
         names = set(self._partial_tensor_names())
@@ -243,60 +273,90 @@ class PartialBertPreTrainedModel(BertPreTrainedModel):
         # P and R must also be a valid pattern (sorted, unique, in range, finite): AttentionPattern checks that.
         for layer in self.config.partial_layers if self.config.reconstruction == "per_layer" else [None]:
             try:
-                self.get_pattern(layer)
+                self.get_patterns(layer)
             except ValueError as err:
                 raise ValueError(f"{source!s} holds an invalid P or R ({sorted(names)}): {err}") from err
-        self._partial_encoder().partial_pattern.refresh_layout()
+        for owner in self._pattern_modules().values():
+            owner.refresh_layout()
 
     # ------------------------------------------------------------------ pattern access
     def _partial_encoder(self) -> BertEncoder:
         return getattr(self, self.base_model_prefix, self).encoder
 
-    def reconstruction_tensors(self) -> dict[str, torch.Tensor]:
-        """Name -> R tensor: ``{"common": R}`` / ``{"fixed": R}`` or ``{"layer.3": R_3, ...}`` (per_layer)."""
+    def _pattern_modules(self) -> dict[int, PartialBertPattern]:
+        """Bucket length -> the encoder's pattern module of that bucket (n first, then the shorter buckets)."""
         enc = self._partial_encoder()
-        if self.config.reconstruction != "per_layer":
-            return {self.config.reconstruction: enc.partial_pattern.reconstruction}
-        return {f"layer.{l}": enc.layer[l].attention.self.reconstruction for l in self.config.partial_layers}
+        return {length or self.config.partial_seq_len: getattr(enc, "partial_pattern" + bucket_suffix(self.config, length))
+                for length in (None, *self.config.partial_buckets)}
 
-    def get_pattern(self, layer: int | None = None) -> AttentionPattern:
-        """The model's P and R (of `layer` when R is per layer; the first partial layer by default)."""
+    def reconstruction_tensors(self) -> dict[str, torch.Tensor]:
+        """Name -> R tensor: ``{"common": R}`` / ``{"fixed": R}`` or ``{"layer.3": R_3, ...}`` (per_layer); a bucket
+        b < n adds ``"common.len{b}"`` / ``"layer.3.len{b}"``."""
         enc = self._partial_encoder()
-        owner = enc.partial_pattern
+        out = {}
+        for length in (None, *self.config.partial_buckets):
+            suffix = bucket_suffix(self.config, length)
+            tag = suffix.replace("_", ".")
+            if self.config.reconstruction != "per_layer":
+                out[self.config.reconstruction + tag] = getattr(enc, "partial_pattern" + suffix).reconstruction
+            else:
+                out.update({f"layer.{l}{tag}": getattr(enc.layer[l].attention.self, "reconstruction" + suffix)
+                            for l in self.config.partial_layers})
+        return out
+
+    def get_pattern(self, layer: int | None = None, length: int | None = None) -> AttentionPattern:
+        """The model's P and R in bucket ``length`` (default n; of `layer` when R is per layer, the first partial
+        layer by default). A bucket that runs exactly (b <= k) has no pattern: a ValueError."""
+        length = length or self.config.partial_seq_len
+        modules = self._pattern_modules()
+        if length not in modules:
+            raise ValueError(f"length={length} is not a length bucket with a pattern; the buckets with P and R are "
+                             f"{sorted(modules)} (partial_lengths={self.config.partial_lengths}, k="
+                             f"{self.config.partial_k}: shorter ones run exactly).")
+        suffix = bucket_suffix(self.config, length)
+        owner, r_name = modules[length], "reconstruction"
         if self.config.reconstruction == "per_layer":
             layer = self.config.partial_layers[0] if layer is None else layer
             if layer not in self.config.partial_layers:
                 raise ValueError(f"layer={layer} is not a partial layer; partial_layers={self.config.partial_layers}.")
-            owner = enc.layer[layer].attention.self
+            owner, r_name = self._partial_encoder().layer[layer].attention.self, "reconstruction" + suffix
         return AttentionPattern(
-            enc.partial_pattern.indices, owner.reconstruction, getattr(owner, "reconstruction_bias", None),
+            modules[length].indices, getattr(owner, r_name), getattr(owner, r_name.replace("reconstruction",
+                                                                                          "reconstruction_bias"), None),
             metadata={"source_model": self.config._name_or_path or "", "reconstruction": self.config.reconstruction},
         )
 
+    def get_patterns(self, layer: int | None = None) -> PatternBuckets:
+        """Every bucket's P and R (of `layer` when R is per layer) as `PatternBuckets`."""
+        return PatternBuckets({b: self.get_pattern(layer, b) for b in self._pattern_modules()},
+                              exact_lengths=self.config.exact_lengths, k=self.config.partial_k)
+
     @torch.no_grad()
-    def set_pattern(self, pattern: AttentionPattern) -> None:
-        """Install P and R (R into every partial layer's reconstruction tensor, whatever the mode)."""
-        if not isinstance(pattern, AttentionPattern):
-            raise TypeError(f"pattern must be an AttentionPattern, got {type(pattern).__name__}.")
-        if pattern.scope != "per_query":
-            raise ValueError(f"The model runs per-query patterns; got scope={pattern.scope!r}. "
-                             "Derive the pattern with scope='per_query'.")
-        n, k = self.config.partial_seq_len, self.config.partial_k
-        if (pattern.seq_len, pattern.k) != (n, k):
-            raise ValueError(f"pattern has seq_len={pattern.seq_len}, k={pattern.k} but the model expects "
-                             f"partial_seq_len={n}, partial_k={k}; build the model with from_bert(..., pattern).")
-        if (pattern.bias is not None) != self.config.partial_use_bias:
-            raise ValueError(f"pattern {'has' if pattern.bias is not None else 'has no'} bias but "
+    def set_pattern(self, pattern: AttentionPattern | PatternBuckets) -> None:
+        """Install P and R of every bucket (R into every partial layer's reconstruction tensors, whatever the mode).
+
+        An `AttentionPattern` is one bucket of n: for a model with one bucket (``partial_lengths == [n]``)."""
+        if not isinstance(pattern, (AttentionPattern, PatternBuckets)):
+            raise TypeError(f"pattern must be an AttentionPattern or PatternBuckets, got {type(pattern).__name__}.")
+        try:
+            buckets = check_buckets(self.config, pattern)
+        except ValueError as err:
+            raise ValueError(f"{err} Build the model with from_bert(..., pattern).") from err
+        if buckets.has_bias != self.config.partial_use_bias:
+            raise ValueError(f"pattern {'has' if buckets.has_bias else 'has no'} bias but "
                              f"config.partial_use_bias={self.config.partial_use_bias}.")
         enc = self._partial_encoder()
-        enc.partial_pattern.indices.copy_(pattern.indices)
-        enc.partial_pattern.refresh_layout()
-        owners = ([enc.partial_pattern] if self.config.reconstruction != "per_layer"
-                  else [enc.layer[l].attention.self for l in self.config.partial_layers])
-        for owner in owners:
-            owner.reconstruction.copy_(pattern.reconstruction)
-            if pattern.bias is not None:
-                owner.reconstruction_bias.copy_(pattern.bias)
+        for length, module in self._pattern_modules().items():
+            bucket = buckets[length]
+            module.indices.copy_(bucket.indices)
+            module.refresh_layout()
+            suffix = bucket_suffix(self.config, length)
+            owners = ([(module, "")] if self.config.reconstruction != "per_layer"
+                      else [(enc.layer[l].attention.self, suffix) for l in self.config.partial_layers])
+            for owner, tag in owners:
+                getattr(owner, "reconstruction" + tag).copy_(bucket.reconstruction)
+                if bucket.bias is not None:
+                    getattr(owner, "reconstruction_bias" + tag).copy_(bucket.bias)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """`PreTrainedModel.save_pretrained`; with the plugin imported, `hub.save_pretrained` also completes
@@ -319,6 +379,10 @@ class PartialBertPreTrainedModel(BertPreTrainedModel):
     from_bert = classmethod(from_bert)
 
 
+# P, R and their biases in a state dict: the pattern modules' tensors and each partial layer's own R (per_layer).
+_PARTIAL_NAME = re.compile(r"\.partial_pattern(_len\d+)?\.|attention\.self\.reconstruction(_bias)?(_len\d+)?$")
+
+
 class PartialBertModel(PartialBertPreTrainedModel, BertModel):
     """`BertModel` with partial self-attention in `config.partial_layers`; ``pattern``: the P and R it starts with
     (default: `default_pattern` of the config)."""
@@ -326,7 +390,7 @@ class PartialBertModel(PartialBertPreTrainedModel, BertModel):
     _bert_class = BertModel
 
     def __init__(self, config: PartialBertConfig, add_pooling_layer: bool = True,
-                 pattern: AttentionPattern | None = None):
+                 pattern: AttentionPattern | PatternBuckets | None = None):
         self._initial_pattern = pattern
         super().__init__(config, add_pooling_layer=add_pooling_layer)
 
@@ -346,7 +410,7 @@ class PartialBertForMaskedLM(PartialBertPreTrainedModel, BertForMaskedLM):
 
     _bert_class = BertForMaskedLM
 
-    def __init__(self, config: PartialBertConfig, pattern: AttentionPattern | None = None):
+    def __init__(self, config: PartialBertConfig, pattern: AttentionPattern | PatternBuckets | None = None):
         self._start_head(BertForMaskedLM, config, pattern, add_pooling_layer=False)
         self.cls = BertOnlyMLMHead(config)
         self.post_init()
@@ -357,7 +421,7 @@ class PartialBertForSequenceClassification(PartialBertPreTrainedModel, BertForSe
 
     _bert_class = BertForSequenceClassification
 
-    def __init__(self, config: PartialBertConfig, pattern: AttentionPattern | None = None):
+    def __init__(self, config: PartialBertConfig, pattern: AttentionPattern | PatternBuckets | None = None):
         self._start_head(BertForSequenceClassification, config, pattern, add_pooling_layer=True)
         _add_classifier(self, config)
         self.post_init()
@@ -368,7 +432,7 @@ class PartialBertForTokenClassification(PartialBertPreTrainedModel, BertForToken
 
     _bert_class = BertForTokenClassification
 
-    def __init__(self, config: PartialBertConfig, pattern: AttentionPattern | None = None):
+    def __init__(self, config: PartialBertConfig, pattern: AttentionPattern | PatternBuckets | None = None):
         self._start_head(BertForTokenClassification, config, pattern, add_pooling_layer=False)
         _add_classifier(self, config)
         self.post_init()
@@ -379,7 +443,7 @@ class PartialBertForQuestionAnswering(PartialBertPreTrainedModel, BertForQuestio
 
     _bert_class = BertForQuestionAnswering
 
-    def __init__(self, config: PartialBertConfig, pattern: AttentionPattern | None = None):
+    def __init__(self, config: PartialBertConfig, pattern: AttentionPattern | PatternBuckets | None = None):
         self._start_head(BertForQuestionAnswering, config, pattern, add_pooling_layer=False)
         self.num_labels = config.num_labels
         self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)

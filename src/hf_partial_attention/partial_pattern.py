@@ -17,8 +17,14 @@ from transformers import initialization as init
 from .configuration_partial_bert import PartialBertConfig
 from .attention_common import DerivedState, PartialTensors, PatternLayout, needs_grad, tie_rows
 from .pattern import AttentionPattern
+from .pattern_buckets import PatternBuckets
 
-__all__ = ["PartialBertPattern", "default_pattern", "initial_for", "r_tensor", "init_bias"]
+__all__ = ["PartialBertPattern", "default_pattern", "initial_for", "check_buckets", "r_tensor", "init_bias", "bucket_suffix"]
+
+
+def bucket_suffix(config: PartialBertConfig, length: int | None) -> str:
+    """The suffix of a bucket's tensor names: ``""`` for n (the names of format 1), ``"_len{b}"`` for b < n."""
+    return "" if length is None or length == config.partial_seq_len else f"_len{length}"
 
 
 @functools.lru_cache(maxsize=4)
@@ -26,21 +32,33 @@ def _local_pattern(n: int, k: int, correlation: float) -> AttentionPattern:
     return AttentionPattern.local(n, k, correlation)
 
 
-def default_pattern(config: PartialBertConfig) -> AttentionPattern:
-    """The pattern a model built from a config alone starts with (`AttentionPattern.local`); the last few are cached."""
-    return _local_pattern(config.partial_seq_len, config.partial_k, float(config.partial_default_correlation))
+def default_pattern(config: PartialBertConfig, length: int | None = None) -> AttentionPattern:
+    """The pattern a model built from a config alone starts with in bucket ``length`` (default n):
+    `AttentionPattern.local`; the last few are cached."""
+    return _local_pattern(length or config.partial_seq_len, config.partial_k, float(config.partial_default_correlation))
 
 
-def initial_for(config: PartialBertConfig, pattern: AttentionPattern | None = None) -> AttentionPattern:
-    """The pattern a model under construction starts with: the one passed to its constructor (`from_bert` passes
-    its own), else the default for the config."""
-    if pattern is None:
-        return default_pattern(config)
-    if (pattern.seq_len, pattern.k) != (config.partial_seq_len, config.partial_k):
-        raise ValueError(f"pattern has seq_len={pattern.seq_len}, k={pattern.k} but the config has "
+def check_buckets(config: PartialBertConfig, pattern: AttentionPattern | PatternBuckets) -> PatternBuckets:
+    """``pattern`` as buckets, checked against the config's n, k and buckets (a ValueError naming the fix)."""
+    buckets = PatternBuckets.coerce(pattern)
+    if (buckets.seq_len, buckets.k) != (config.partial_seq_len, config.partial_k):
+        raise ValueError(f"pattern has seq_len={buckets.seq_len}, k={buckets.k} but the config has "
                          f"partial_seq_len={config.partial_seq_len}, partial_k={config.partial_k}; build the config "
                          "from the pattern (from_bert does) or pass a pattern of the config's n and k.")
-    return pattern
+    if buckets.lengths != list(config.partial_lengths):
+        raise ValueError(f"pattern has length buckets {buckets.lengths} but the config has partial_lengths="
+                         f"{config.partial_lengths}; build the config from the pattern (from_bert does) or pass "
+                         "buckets of the config's lengths.")
+    return buckets
+
+
+def initial_for(config: PartialBertConfig, pattern: AttentionPattern | PatternBuckets | None = None,
+                length: int | None = None) -> AttentionPattern:
+    """The pattern of bucket ``length`` (default n) a model under construction starts with: the one passed to its
+    constructor (`from_bert` passes its own), else the default for the config."""
+    if pattern is None:
+        return default_pattern(config, length)
+    return check_buckets(config, pattern)[length or config.partial_seq_len]
 
 
 def _on_meta_device() -> bool:
@@ -49,14 +67,16 @@ def _on_meta_device() -> bool:
 
 
 def r_tensor(config: PartialBertConfig, trainable: bool, bias: bool,
-             pattern: AttentionPattern | None = None) -> nn.Parameter | torch.Tensor:
-    """R ``(n, n−k, k)`` (or its bias ``(n, n−k)``) holding the initial pattern's values (`initial_for`)."""
-    n, k = config.partial_seq_len, config.partial_k
+             pattern: AttentionPattern | PatternBuckets | None = None,
+             length: int | None = None) -> nn.Parameter | torch.Tensor:
+    """R ``(b, b−k, k)`` (or its bias ``(b, b−k)``) of bucket ``length`` (default n) holding the initial pattern's
+    values (`initial_for`)."""
+    n, k = length or config.partial_seq_len, config.partial_k
     shape = (n, n - k) if bias else (n, n - k, k)
     if _on_meta_device():
         tensor = torch.empty(shape)
     else:
-        pattern = initial_for(config, pattern)
+        pattern = initial_for(config, pattern, length)
         if bias:
             tensor = torch.zeros(shape) if pattern.bias is None else pattern.bias.clone()
         else:
@@ -72,21 +92,25 @@ def init_bias(tensor: torch.Tensor, pattern: AttentionPattern) -> None:
 
 
 class PartialBertPattern(nn.Module):
-    """Holds P (and R unless R is per layer) for all partial layers of an encoder."""
+    """Holds P (and R unless R is per layer) of one length bucket (``length``, default n) for all partial layers of
+    an encoder."""
 
-    def __init__(self, config: PartialBertConfig, pattern: AttentionPattern | None = None):
+    def __init__(self, config: PartialBertConfig, pattern: AttentionPattern | PatternBuckets | None = None,
+                 length: int | None = None):
         super().__init__()
-        n, k = config.partial_seq_len, config.partial_k
+        n, k = length or config.partial_seq_len, config.partial_k
+        self.length = n
         indices = (torch.empty(n, k, dtype=torch.long) if _on_meta_device()
-                   else initial_for(config, pattern).indices.clone())
+                   else initial_for(config, pattern, length).indices.clone())
         self.register_buffer("indices", indices, persistent=True)
         self.mode = config.reconstruction
         if self.mode == "common":
-            self.reconstruction = r_tensor(config, True, False, pattern)
-            self.reconstruction_bias = r_tensor(config, True, True, pattern) if config.partial_use_bias else None
+            self.reconstruction = r_tensor(config, True, False, pattern, length)
+            self.reconstruction_bias = (r_tensor(config, True, True, pattern, length) if config.partial_use_bias
+                                        else None)
         elif self.mode == "fixed":
-            self.register_buffer("reconstruction", r_tensor(config, False, False, pattern), persistent=True)
-            bias = r_tensor(config, False, True, pattern) if config.partial_use_bias else None
+            self.register_buffer("reconstruction", r_tensor(config, False, False, pattern, length), persistent=True)
+            bias = r_tensor(config, False, True, pattern, length) if config.partial_use_bias else None
             self.register_buffer("reconstruction_bias", bias, persistent=True)
         # The layout derived from P (complement, inverse permutation, block structure) is kept as non-persistent
         # buffers, refreshed whenever P is installed or loaded, so that a compiled or exported forward reads plain

@@ -8,9 +8,19 @@ layers over this package.
 from __future__ import annotations
 
 from .arguments import MlmDataArguments, MnliDataArguments, ModelArguments, PartialAttentionTrainingArguments
-from .data import MNLI_LABELS, MlmCollator, group_into_windows, load_mnli, load_text_datasets, tokenize_pairs
+from .data import (
+    MLM_INPUTS,
+    MNLI_LABELS,
+    MlmCollator,
+    examples_at_own_length,
+    group_into_windows,
+    load_mnli,
+    load_text_datasets,
+    tokenize_pairs,
+)
 from .metrics import classification_metrics, load_metric
 from .models import HEADS, BuiltModel, build_model
+from .sampling import EpochLengthGroupedSampler, example_lengths
 from .trainer import RECONSTRUCTION_INITIAL_NAME, PartialAttentionTrainer, is_reconstruction_parameter
 
 __all__ = [
@@ -23,6 +33,10 @@ __all__ = [
     "MNLI_LABELS",
     "load_text_datasets",
     "group_into_windows",
+    "MLM_INPUTS",
+    "examples_at_own_length",
+    "EpochLengthGroupedSampler",
+    "example_lengths",
     "load_mnli",
     "tokenize_pairs",
     "load_metric",

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from ..configuration_partial_bert import RECONSTRUCTION_MODES
+from .data import MLM_INPUTS
 
 __all__ = ["PartialAttentionTrainingArguments", "ModelArguments", "MlmDataArguments", "MnliDataArguments"]
 
@@ -37,6 +38,13 @@ class PartialAttentionTrainingArguments(TrainingArguments):
         default=True,
         metadata={"help": "Log R's relative drift ||R - R0|| / ||R0|| from its value at the start of training."},
     )
+    group_by_length: bool = field(
+        default=False,
+        metadata={"help": "Batch examples of similar length together (less padding): shorthand for "
+                          "--train_sampling_strategy group_by_length, transformers 4's flag (transformers 5 has only "
+                          "the strategy). Lengths come from --length_column_name if the dataset has it, else from "
+                          "the input ids."},
+    )
     mlm_logits_at_masked_only: bool = field(
         default=False,
         metadata={"help": "MLM models (with .bert and .cls): compute vocabulary logits only at the labelled "
@@ -44,6 +52,11 @@ class PartialAttentionTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self):
+        if self.group_by_length:
+            if self.train_sampling_strategy not in ("random", "group_by_length"):
+                raise ValueError(f"group_by_length=True asks for train_sampling_strategy='group_by_length', but "
+                                 f"train_sampling_strategy={self.train_sampling_strategy!r} was given; drop one.")
+            self.train_sampling_strategy = "group_by_length"
         super().__post_init__()
         lr = self.reconstruction_learning_rate
         if lr is not None and lr < 0:
@@ -126,6 +139,11 @@ class _CommonDataArguments:
         metadata={"help": "Tokens per example (the pattern's n). Defaults to the pattern's n, else 128. "
                           "Must not exceed the model's partial_seq_len."},
     )
+    pad_to_multiple_of: int | None = field(
+        default=None,
+        metadata={"help": "Pad each batch's length up to a multiple of this (e.g. 8 on GPUs) instead of exactly to "
+                          "its longest example; examples are never padded beyond what their batch needs."},
+    )
     max_train_samples: int | None = field(default=None, metadata={"help": "Truncate the training set (debugging)."})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Truncate each evaluation set (debugging)."})
     preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for `Dataset.map`."})
@@ -137,12 +155,21 @@ class _CommonDataArguments:
         if self.max_seq_length is not None and self.max_seq_length < 3:
             raise ValueError("max_seq_length must be >= 3 (room for [CLS], [SEP] and a token), "
                              f"got {self.max_seq_length}.")
+        if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
+            raise ValueError(f"pad_to_multiple_of must be a positive integer, got {self.pad_to_multiple_of}; "
+                             "leave it unset to pad to the longest example of each batch.")
 
 
 @dataclass
 class MlmDataArguments(_CommonDataArguments):
-    """Data for masked-language-model pretraining: any text dataset, grouped into n-token windows."""
+    """Data for masked-language-model pretraining: any text dataset, as n-token windows or at its own lengths."""
 
+    mlm_inputs: str = field(
+        default="windows",
+        metadata={"help": "'windows': the token stream cut into windows of exactly n tokens (the paper's setup); "
+                          "'lines' / 'sentences': one example per row of the text column / per sentence, at its "
+                          "own length (at most n), padded per batch.", "choices": MLM_INPUTS},
+    )
     text_column_name: str | None = field(default=None, metadata={"help": "Text column (default 'text' or the first)."})
     validation_split_percentage: int = field(
         default=5, metadata={"help": "Percent of train used for validation when there is no validation split."}
@@ -151,6 +178,8 @@ class MlmDataArguments(_CommonDataArguments):
 
     def __post_init__(self):
         self._check_sources()
+        if self.mlm_inputs not in MLM_INPUTS:
+            raise ValueError(f"mlm_inputs must be one of {MLM_INPUTS}, got {self.mlm_inputs!r}.")
         if not 0.0 < self.mlm_probability < 1.0:
             raise ValueError(f"mlm_probability must be in (0, 1), got {self.mlm_probability}.")
         if not 0 <= self.validation_split_percentage < 100:
@@ -167,6 +196,12 @@ class MnliDataArguments(_CommonDataArguments):
     dataset_config_name: str | None = field(default="mnli", metadata={"help": "Its configuration name."})
     validation_mismatched_file: str | None = field(
         default=None, metadata={"help": "Local mismatched validation file (JSON lines: premise, hypothesis, label)."}
+    )
+    pad_to_max_length: bool = field(
+        default=False,
+        metadata={"help": "Pad every pair to n (max_seq_length). False: each pair keeps its own length and each "
+                          "batch is padded to its longest pair (less compute; partial attention runs inputs shorter "
+                          "than n). Name as in run_glue.py."},
     )
 
     def __post_init__(self):

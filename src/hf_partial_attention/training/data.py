@@ -2,10 +2,13 @@
 
 - `load_text_datasets` / `group_into_windows`: any text dataset (Hub or local files) becomes windows of
   exactly n tokens, ``[CLS] t_1 … t_{n−2} [SEP]`` (the paper's layout: positions 0 and n−1 are [CLS], [SEP]).
-- `MlmCollator`: BERT's 80/10/10 masking, drawn per example from a seed, the window's tokens and the epoch,
-  never from the global RNG; so a run resumed from a checkpoint sees the very masks of the uninterrupted run.
+- `examples_at_own_length`: the same texts as one example per line or per sentence, each at its own length
+  (``[CLS] … [SEP]``, at most n tokens): the lengths real inputs have, for length-bucketed partial attention.
+- `MlmCollator`: pads each batch to its longest example and applies BERT's 80/10/10 masking, drawn per example
+  from a seed, the example's tokens and the epoch, never from the global RNG; so a run resumed from a checkpoint
+  sees the very masks of the uninterrupted run, whatever the batch or its padding.
 - `load_mnli` / `tokenize_pairs`: MNLI from the Hub (``nyu-mll/glue``, ``mnli``) or local JSON lines
-  (premise, hypothesis, label), padded to n.
+  (premise, hypothesis, label), padded to n or left at their own length for a padding collator.
 """
 
 from __future__ import annotations
@@ -18,18 +21,23 @@ from typing import Any
 
 import torch
 
+from .pair_task import split_sentences
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "MNLI_LABELS",
     "load_text_datasets",
     "group_into_windows",
+    "MLM_INPUTS",
+    "examples_at_own_length",
     "MlmCollator",
     "load_mnli",
     "tokenize_pairs",
 ]
 
 MNLI_LABELS = ("entailment", "neutral", "contradiction")  # GLUE's label ids 0, 1, 2
+MLM_INPUTS = ("windows", "sentences", "lines")  # MlmDataArguments.mlm_inputs
 _BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv"}
 
 
@@ -107,14 +115,61 @@ def group_into_windows(raw, tokenizer, window: int, text_column: str | None = No
                    desc=f"Tokenizing into {window}-token windows")
 
 
+def examples_at_own_length(raw, tokenizer, max_length: int, unit: str = "lines", text_column: str | None = None,
+                           num_proc: int | None = None, load_from_cache_file: bool = True):
+    """Tokenize every split into one example per text unit, each at its own length (no packing into windows).
+
+    Units (``unit``): ``"lines"``, each row of the text column as it is (a line of a ``.txt`` file, a row of a
+    JSON/CSV file or Hub dataset, e.g. a wikitext paragraph); ``"sentences"``, each row split into sentences
+    (after ``.!?`` before a capital, `pair_task.split_sentences`). Each example is ``[CLS] t_1 … t_m [SEP]`` (plain
+    tokens without those special tokens), its tokens beyond `max_length` dropped (partial attention's n: the
+    longest input the pattern covers); rows and sentences without a token are dropped. A batch of such examples is
+    padded to its longest member by `MlmCollator`; group them by length with
+    ``--train_sampling_strategy group_by_length`` (or ``--group_by_length``) to waste little on padding.
+
+    Returns:
+        The splits with columns ``input_ids``, ``special_tokens_mask`` and ``attention_mask`` (all ones), lists of
+        2 to `max_length` ids.
+    """
+    if unit not in MLM_INPUTS[1:]:
+        raise ValueError(f"unit={unit!r} is not one of {MLM_INPUTS[1:]}; whole windows come from group_into_windows.")
+    first = next(iter(raw.values()))
+    column = text_column or ("text" if "text" in first.column_names else first.column_names[0])
+    if column not in first.column_names:
+        raise ValueError(f"text_column_name={column!r} not in the dataset's columns {first.column_names}.")
+    cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
+    wrap = cls is not None and sep is not None
+    body = max_length - 2 if wrap else max_length
+    if body < 1:
+        raise ValueError(f"max_length={max_length} leaves no room for tokens between [CLS] and [SEP]; use >= 3.")
+
+    def tokenize(batch: dict[str, list]) -> dict[str, list]:
+        texts = [t.strip() for t in batch[column] if isinstance(t, str) and t.strip()]
+        if unit == "sentences":
+            texts = [s for t in texts for s in split_sentences(t, min_words=1)]
+        ids = tokenizer(texts, add_special_tokens=False, return_attention_mask=False,
+                        return_token_type_ids=False, verbose=False)["input_ids"] if texts else []
+        ids = [seq[:body] for seq in ids if seq]
+        input_ids = [[cls, *seq, sep] if wrap else seq for seq in ids]
+        special = [[1, *([0] * len(seq)), 1] if wrap else [0] * len(seq) for seq in ids]
+        return {"input_ids": input_ids, "special_tokens_mask": special,
+                "attention_mask": [[1] * len(seq) for seq in input_ids]}
+
+    return raw.map(tokenize, batched=True, batch_size=1000, num_proc=num_proc,
+                   remove_columns=first.column_names, load_from_cache_file=load_from_cache_file,
+                   desc=f"Tokenizing {unit} at their own length (at most {max_length} tokens)")
+
+
 @dataclass
 class MlmCollator:
-    """Pads a batch and masks tokens for MLM, reproducibly (no global RNG).
+    """Pads a batch to its longest example and masks tokens for MLM, reproducibly (no global RNG).
 
-    Each example's mask is drawn from a generator seeded by ``(seed, epoch, its token ids)``, over its own
-    (unpadded) tokens: the masks change every epoch (dynamic masking, as in RoBERTa) but are a pure function of
-    the example, so resuming from a checkpoint, any batch size (whatever padding it brings) or any number of
-    processes sees the same masks for the same window and epoch.
+    Padding (to the longest example, or up to a multiple of `pad_to_multiple_of`) has attention mask 0 and label
+    -100: it is never masked, predicted or counted. Each example's mask is drawn from a generator seeded by
+    ``(seed, epoch, its token ids)``, over its own (unpadded) tokens: the masks change every epoch (dynamic masking,
+    as in RoBERTa) but are a pure function of the example, so resuming from a checkpoint, any batch size or batch
+    composition (whatever padding it brings) or any number of processes sees the same masks for the same example
+    and epoch.
     `PartialAttentionTrainer` sets `epoch` at the start of each epoch and `None` during evaluation (one fixed
     mask per window, so evaluation losses are comparable across checkpoints and models).
 
@@ -124,6 +179,8 @@ class MlmCollator:
         mask_replace_prob / random_replace_prob: of those, the fraction replaced by [MASK] / a random token
             (BERT: 0.8 / 0.1; the rest stay unchanged).
         seed: base seed of the masks.
+        pad_to_multiple_of: pad each batch's length up to a multiple of this (e.g. 8 for tensor cores); None: to
+            the longest example exactly.
     """
 
     tokenizer: Any
@@ -132,6 +189,7 @@ class MlmCollator:
     random_replace_prob: float = 0.1
     seed: int = 0
     epoch: int | None = 0
+    pad_to_multiple_of: int | None = None
 
     def __post_init__(self):
         if self.tokenizer.mask_token_id is None:
@@ -141,6 +199,8 @@ class MlmCollator:
         if self.mask_replace_prob + self.random_replace_prob > 1.0:
             raise ValueError("mask_replace_prob + random_replace_prob must not exceed 1, got "
                              f"{self.mask_replace_prob} + {self.random_replace_prob}.")
+        if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
+            raise ValueError(f"pad_to_multiple_of must be a positive integer or None, got {self.pad_to_multiple_of}.")
 
     def _generator(self, ids: torch.Tensor) -> torch.Generator:
         tag = f"{self.seed}/{self.epoch}/".encode() + ids.numpy().astype("int64").tobytes()
@@ -149,7 +209,8 @@ class MlmCollator:
         return gen
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        batch = self.tokenizer.pad(examples, return_tensors="pt")
+        # Pads to the longest example (T), or up to a multiple of pad_to_multiple_of; attention_mask 0 there.
+        batch = self.tokenizer.pad(examples, return_tensors="pt", pad_to_multiple_of=self.pad_to_multiple_of)
         input_ids = batch["input_ids"].clone()  # (B, T)
         special = batch.pop("special_tokens_mask", None)
         if special is None:

@@ -12,6 +12,9 @@ What it adds to `Trainer`:
   mean and ignore ``num_items_in_batch``; the stock Trainer then multiplies their loss by the world size
   (transformers5 notes, section 3). Here the mean is turned back into a sum first, so the scaling is right.
 - Deterministic MLM masks across resumes: sets `MlmCollator.epoch` each epoch, and `None` while evaluating.
+- Length-grouped batches (``--train_sampling_strategy group_by_length``) whose order is a function of the seed and
+  the epoch, so a resumed run sees the uninterrupted run's batches (`sampling.EpochLengthGroupedSampler`), with
+  lengths read from the length column or the input ids in one Arrow pass (`sampling.example_lengths`).
 - An evaluation loss weighted by labelled items: ``eval_loss`` is the cross-entropy summed over every labelled item
   (masked token) of the evaluation set, each example once, divided by their number, so it is the same for any
   eval batch size and process count. The stock loop averages per-batch means weighted by the batch size, lets
@@ -33,10 +36,12 @@ import os
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import Trainer, TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.trainer_pt_utils import LengthGroupedSampler
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, has_length
 
 from ..model_card import write_model_card
 from ..modeling_partial_bert import PartialBertPreTrainedModel
+from .sampling import EpochLengthGroupedSampler, example_lengths
 
 logger = logging.getLogger(__name__)
 
@@ -196,6 +201,39 @@ class PartialAttentionTrainer(Trainer):
             if self.args.average_tokens_across_devices and self.accelerator.num_processes > 1:
                 loss = loss * (self.accelerator.num_processes // self.get_tp_size())
         return (loss, outputs) if return_outputs else loss
+
+    # ------------------------------------------------------------------ samplers
+    def _model_input_name(self) -> str:
+        names = getattr(self.processing_class, "model_input_names", None)
+        return names[0] if names else "input_ids"
+
+    def _get_train_sampler(self, train_dataset=None):
+        """`Trainer`'s sampler; for ``group_by_length`` an `EpochLengthGroupedSampler` (epoch-seeded order, so resume
+        is exact) over lengths from the length column of the dataset given to the Trainer, else the input ids."""
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        if self.args.train_sampling_strategy != "group_by_length" or dataset is None or not has_length(dataset):
+            return super()._get_train_sampler(train_dataset)
+        column = self.args.length_column_name
+        # The Trainer hands over the dataset without the columns the model does not take (the length column too).
+        source = self.train_dataset if column in getattr(self.train_dataset, "column_names", ()) else dataset
+        lengths = example_lengths(source, column, self._model_input_name())  # (examples,)
+        if len(lengths) != len(dataset):
+            lengths = example_lengths(dataset, column, self._model_input_name())
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        return EpochLengthGroupedSampler(self.args.train_batch_size * self.args.gradient_accumulation_steps,
+                                         lengths, seed=seed)
+
+    def _get_eval_sampler(self, eval_dataset):
+        """`Trainer`'s sampler; for ``group_by_length`` its seeded `LengthGroupedSampler`, with the lengths of
+        `example_lengths` (one Arrow pass instead of one row at a time). The evaluation loss does not depend on the
+        order (`evaluation_loop`)."""
+        if (self.args.train_sampling_strategy != "group_by_length" or eval_dataset is None
+                or not has_length(eval_dataset)):
+            return super()._get_eval_sampler(eval_dataset)
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        lengths = example_lengths(eval_dataset, self.args.length_column_name, self._model_input_name())
+        return LengthGroupedSampler(self.args.eval_batch_size, lengths=lengths,
+                                    generator=torch.Generator().manual_seed(seed))
 
     # ------------------------------------------------------------------ train / resume
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):

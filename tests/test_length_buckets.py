@@ -1,0 +1,201 @@
+"""Length buckets (config.partial_lengths): each sequence runs the P and R of the smallest bucket >= its own length,
+which equals a one-bucket model of that length; buckets with b <= k run exactly; checkpoints keep every bucket."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import BertConfig, BertModel
+
+from hf_partial_attention import AttentionPattern, PartialBertConfig, PartialBertForMaskedLM, PartialBertModel
+from hf_partial_attention.pattern_buckets import PatternBuckets
+
+TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=64,
+            initializer_range=0.3)
+K = 6
+LENGTHS = [4, 8, 16, 32]  # 4 <= k: exact
+MODES = ("fixed", "common", "per_layer")
+
+
+def _random_pattern(n, k, seed, bias=False):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.sort(torch.argsort(torch.rand(n, n, generator=g), -1)[:, :k], -1).values
+    return AttentionPattern(idx, 0.3 * torch.randn(n, n - k, k, generator=g),
+                            0.1 * torch.randn(n, n - k, generator=g) if bias else None)
+
+
+def _buckets(bias=False):
+    return PatternBuckets({b: _random_pattern(b, K, seed=b, bias=bias) for b in LENGTHS if b > K}, exact_lengths=[4])
+
+
+def _model(mode="common", bias=False, cls=PartialBertModel, dtype=torch.float64):
+    torch.manual_seed(0)
+    config = PartialBertConfig(**TINY, partial_seq_len=32, partial_k=K, partial_lengths=LENGTHS, reconstruction=mode,
+                               partial_use_bias=bias)
+    model = cls(config, pattern=_buckets(bias)).to(dtype).eval()
+    return model
+
+
+def _one_bucket_reference(model, b, dtype=torch.float64):
+    """A one-bucket PartialBert of n = b with ``model``'s weights and its bucket-b P and R (per layer when R is)."""
+    config = PartialBertConfig(**TINY, partial_seq_len=b, partial_k=K, reconstruction=model.config.reconstruction,
+                               partial_use_bias=model.config.partial_use_bias)
+    ref = PartialBertModel(config, pattern=model.get_pattern(length=b)).to(dtype).eval()
+    ref.load_state_dict({k: v for k, v in model.state_dict().items() if k in ref.state_dict()
+                         and k not in ref._partial_tensor_names()}, strict=False)
+    if model.config.reconstruction == "per_layer":
+        with torch.no_grad():
+            for layer in model.config.partial_layers:
+                ref.encoder.layer[layer].attention.self.reconstruction.copy_(model.get_pattern(layer, b).reconstruction)
+    return ref
+
+
+def _batch():
+    ids = torch.randint(1, 99, (4, 20), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    for row, t in enumerate([3, 7, 12, 20]):  # buckets 4 (exact), 8, 16, 32
+        mask[row, t:] = 0
+    return ids, mask, [3, 7, 12, 20]
+
+
+def test_config_checks_the_buckets():
+    base = dict(**TINY, partial_seq_len=32, partial_k=K)
+    assert PartialBertConfig(**base).partial_lengths == [32]  # one bucket by default (format 1's behaviour)
+    config = PartialBertConfig(**base, partial_lengths=LENGTHS)
+    assert (config.partial_buckets, config.exact_lengths) == ([8, 16], [4])
+    for bad, match in [([8, 16], "must end with partial_seq_len=32"), ([16, 8, 32], "increasing"),
+                       ([8, 8, 32], "increasing"), ([0, 32], "positive ints"), ([], "non-empty")]:
+        with pytest.raises(ValueError, match=match):
+            PartialBertConfig(**base, partial_lengths=bad)
+
+
+@pytest.mark.parametrize("implementation", ["gather", "fused", "tiled"])
+@pytest.mark.parametrize("mode, bias", [("fixed", False), ("common", True), ("per_layer", False)])
+def test_each_sequence_runs_its_own_bucket(implementation, mode, bias):
+    """In one mixed batch, a sequence of length T equals a one-bucket model of n = the smallest bucket >= T (float64),
+    for every kernel and R mode; the exact bucket equals BERT."""
+    model = _model(mode, bias)
+    model.set_partial_implementation(implementation)
+    ids, mask, lengths = _batch()
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask).last_hidden_state  # (4, 20, 32)
+        for row, t in enumerate(lengths):
+            bucket = model.get_patterns().bucket_for(t)
+            if bucket <= K:
+                bert = BertModel(BertConfig(**TINY), add_pooling_layer=False).to(torch.float64).eval()
+                bert.load_state_dict(model.state_dict(), strict=False)
+                want = bert(input_ids=ids[row:row + 1, :t]).last_hidden_state
+            else:
+                ref = _one_bucket_reference(model, bucket)
+                ref.set_partial_implementation("gather")
+                want = ref(input_ids=ids[row:row + 1, :t]).last_hidden_state
+            torch.testing.assert_close(out[row:row + 1, :t], want, atol=1e-12, rtol=0)
+
+
+def test_gradients_flow_to_each_sequences_bucket_only():
+    """float64: the gradient of a mixed batch's loss w.r.t. each bucket's R equals that of its one-bucket reference on
+    the sequences of that bucket; n's R gets none when no sequence is long enough for it."""
+    model = _model("common")
+    model.train()
+    ids, mask, lengths = _batch()
+    keep = [0, 1, 2]  # lengths 3, 7, 12: buckets 4, 8, 16 (none in 32)
+    out = model(input_ids=ids[keep], attention_mask=mask[keep]).last_hidden_state
+    loss = sum((out[i, :lengths[i]] ** 2).sum() for i in range(len(keep)))
+    loss.backward()
+    assert model.encoder.partial_pattern.reconstruction.grad is None or not model.encoder.partial_pattern.reconstruction.grad.any()
+    for row, bucket in [(1, 8), (2, 16)]:
+        ref = _one_bucket_reference(model, bucket).train()
+        ref.set_partial_implementation("gather")
+        r = ref(input_ids=ids[row:row + 1, :lengths[row]]).last_hidden_state
+        (r ** 2).sum().backward()
+        got = getattr(model.encoder, f"partial_pattern_len{bucket}").reconstruction.grad
+        torch.testing.assert_close(got, ref.encoder.partial_pattern.reconstruction.grad, atol=1e-10, rtol=1e-9)
+
+
+def test_output_attentions_are_each_buckets_maps_padded():
+    model = _model("fixed")
+    ids, mask, lengths = _batch()
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, output_attentions=True)
+    for layer in model.config.partial_layers:
+        probs = out.attentions[layer]  # (4, H, 20, 20)
+        assert probs.shape == (4, 4, 20, 20)
+        for row, t in enumerate(lengths):
+            rows = probs[row, :, :t, :t]
+            torch.testing.assert_close(rows.sum(-1), torch.ones_like(rows.sum(-1)), atol=1e-12, rtol=0)
+            assert not probs[row, :, :t, t:].any()  # padded keys get nothing
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_checkpoint_keeps_every_bucket_and_refuses_missing_or_misshaped_ones(tmp_path, mode):
+    model = _model(mode, cls=PartialBertForMaskedLM, dtype=torch.float32)
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["partial_lengths"] == LENGTHS and config["partial_format_version"] == 2
+    loaded = PartialBertForMaskedLM.from_pretrained(tmp_path)
+    for b in (8, 16, 32):
+        for layer in model.config.partial_layers:
+            want, got = model.get_pattern(layer, b), loaded.get_pattern(layer, b)
+            assert torch.equal(want.indices, got.indices) and torch.equal(want.reconstruction, got.reconstruction)
+    ids, mask, _ = _batch()
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(input_ids=ids, attention_mask=mask).logits,
+                           model(input_ids=ids, attention_mask=mask).logits)
+    state = load_file(tmp_path / "model.safetensors")
+    name = ("bert.encoder.layer.0.attention.self.reconstruction_len16" if mode == "per_layer"
+            else "bert.encoder.partial_pattern_len16.reconstruction")
+    broken = {k: v for k, v in state.items() if k != name}
+    save_file(broken, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"missing.*{name.removeprefix('bert.')}|missing.*{name}"):
+        PartialBertForMaskedLM.from_pretrained(tmp_path)
+    save_file({**broken, name: state[name][:, :-1].contiguous()}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="wrong shape"):
+        PartialBertForMaskedLM.from_pretrained(tmp_path, ignore_mismatched_sizes=True)
+
+
+def test_set_pattern_refuses_buckets_of_other_lengths():
+    model = _model("common", dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"length buckets \[4, 32\].*partial_lengths=\[4, 8, 16, 32\]"):
+        model.set_pattern(PatternBuckets({32: _random_pattern(32, K, 0)}, exact_lengths=[4]))
+    with pytest.raises(ValueError, match="length buckets"):
+        model.set_pattern(_random_pattern(32, K, 0))  # one bucket for a model of four
+    model.set_pattern(_buckets())  # the right ones install
+
+
+def test_pattern_buckets_file_round_trip_and_single_pattern_files(tmp_path):
+    buckets = _buckets(bias=True)
+    buckets.metadata["source_model"] = "x"
+    buckets.save(tmp_path / "b.safetensors")
+    back = PatternBuckets.load(tmp_path / "b.safetensors")
+    assert back.lengths == LENGTHS and back.exact_lengths == [4] and back.metadata["source_model"] == "x"
+    for b in (8, 16, 32):
+        assert torch.equal(back[b].reconstruction, buckets[b].reconstruction) and torch.equal(back[b].bias, buckets[b].bias)
+    assert [back.bucket_for(t) for t in (1, 4, 5, 8, 9, 32)] == [4, 4, 8, 8, 16, 32]
+    with pytest.raises(ValueError, match="exceeds the longest length bucket 32"):
+        back.bucket_for(33)
+    single = _random_pattern(32, K, 1)
+    single.save(tmp_path / "p.safetensors")
+    assert PatternBuckets.load(tmp_path / "p.safetensors").lengths == [32]
+    with pytest.raises(ValueError, match="same k"):
+        PatternBuckets({16: _random_pattern(16, 5, 0), 32: _random_pattern(32, 6, 0)})
+    with pytest.raises(ValueError, match="exceed k"):
+        PatternBuckets({32: single}, exact_lengths=[8])
+
+
+@pytest.mark.parametrize("t, bucket", [(16, 16), (20, 32)])
+def test_compile_fullgraph_and_export_run_the_bucket_of_the_padded_length(t, bucket):
+    """One specialisation per bucket: under compile/export the batch runs the bucket of its padded length; for a
+    batch whose sequences share that bucket this is eager's output, bit for bit."""
+    model = _model("common", dtype=torch.float32)
+    ids = torch.randint(1, 99, (2, t), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, t - 2:] = 0  # still in the same bucket
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True, backend="eager")
+        assert torch.equal(compiled(input_ids=ids, attention_mask=mask).last_hidden_state, ref)
+        exported = torch.export.export(model, (), {"input_ids": ids, "attention_mask": mask})
+        assert torch.equal(exported.module()(input_ids=ids, attention_mask=mask).last_hidden_state, ref)
