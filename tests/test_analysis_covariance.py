@@ -138,3 +138,121 @@ def test_errors_name_the_problem():
         cov.per_query(layer=0)
     with pytest.raises(ValueError, match="'whole' was not collected"):
         cov.whole()
+
+
+# ---------------------------------------------------------------- inputs shorter than n: per-row counts
+
+
+def _short_batch(seed, b=4, h=2, n=N):
+    """Scores (B, H, n, n) with garbage at the padded positions, and lengths in [1, n]."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(b, h, n, n, generator=gen) * 3 + 1, torch.randint(1, n + 1, (b,), generator=gen)
+
+
+def _brute_force_rows(batches, centered):
+    """Per-query covariance of row i over only the score rows of sequences that reach i, keys >= t zero."""
+    rows = {i: [] for i in range(N)}
+    for scores, lengths in batches:
+        for s, t in enumerate(lengths.tolist()):
+            for h in range(scores.shape[1]):
+                for i in range(t):
+                    row = scores[s, h, i].double().clone()
+                    row[t:] = 0
+                    rows[i].append(row.numpy())
+    out = np.zeros((N, N, N))
+    for i, samples in rows.items():
+        if samples:
+            out[i] = _numpy_cov(np.stack(samples), centered)
+    return out, {i: len(v) for i, v in rows.items()}
+
+
+@pytest.mark.parametrize("centered", [True, False])
+def test_row_counts_match_brute_force_over_sequences_reaching_each_row(centered):
+    batches = [_short_batch(seed) for seed in range(3)]
+    batches[0][1][:] = torch.tensor([1, 2, 2, 3])  # rows 3 and 4 reached by later batches only
+    cov = ScoreCovariance(N, ("per_query",))
+    for layer, (scores, lengths) in enumerate(batches):
+        cov.update(layer % 2, scores, lengths=lengths)
+    expected, counts = _brute_force_rows(batches, centered)
+    np.testing.assert_allclose(cov.per_query(centered=centered).numpy(), expected, rtol=1e-10, atol=1e-10)
+    assert cov.row_counts_of().tolist() == [counts[i] for i in range(N)]
+    assert cov.total_variance(centered=centered) == pytest.approx(np.trace(expected, axis1=1, axis2=2).sum(), rel=1e-10)
+
+
+def test_padding_garbage_does_not_change_a_sequence_contribution():
+    scores, lengths = _short_batch(7)
+    other = scores.clone()
+    for s, t in enumerate(lengths.tolist()):  # other garbage in every padded row and key
+        other[s, :, t:, :] = torch.randn_like(other[s, :, t:, :]) * 100
+        other[s, :, :, t:] = -5.0
+    a, b = ScoreCovariance(N), ScoreCovariance(N)
+    a.update(0, scores, lengths=lengths)
+    b.update(0, other, lengths=lengths)
+    for name, tensor in a.tensors().items():
+        assert torch.equal(b.tensors()[name], tensor), name
+
+
+def test_unreached_rows_read_as_zero_and_selection_fits_them():
+    from hf_partial_attention.analysis.selection import select_pattern
+
+    scores, _ = _short_batch(1, b=6)
+    cov = ScoreCovariance(N)
+    cov.update(0, scores, lengths=torch.tensor([1, 2, 3, 3, 2, 3]))  # rows 3 and 4: no sequence
+    c = cov.per_query()
+    assert torch.isfinite(c).all() and torch.isfinite(cov.mean_per_query()).all()
+    assert torch.equal(c[3:], torch.zeros_like(c[3:])) and cov.row_counts_of()[3:].tolist() == [0, 0]
+    pattern = select_pattern(cov, 2)  # the greedy and the ridge Cholesky on all-zero rows: no NaN, no crash
+    assert torch.isfinite(pattern.reconstruction).all() and torch.isfinite(pattern.bias).all()
+    assert pattern.indices[3:].tolist() == [[0, 1], [0, 1]]  # ties: lowest keys
+    assert torch.equal(pattern.reconstruction[3:], torch.zeros_like(pattern.reconstruction[3:]))
+    assert 0 <= pattern.normalized_error < 1
+
+
+def test_row_counts_merge_save_load_exact(tmp_path):
+    old = ScoreCovariance(N, ("per_query",), "layer")
+    old.update(0, _scores(0))  # full windows: no lengths
+    new = ScoreCovariance(N, ("per_query",), "layer")
+    for seed in (1, 2):
+        scores, lengths = _short_batch(seed)
+        new.update(seed - 1, scores, lengths=lengths)
+    one = ScoreCovariance(N, ("per_query",), "layer")
+    one.update(0, _scores(0), lengths=torch.full((3,), N))  # full length: the same as no lengths
+    for seed in (1, 2):
+        one.update(seed - 1, *_short_batch(seed))
+    merged = old.merge(new)  # the full-window group gets count per row
+    for name, tensor in one.tensors().items():
+        torch.testing.assert_close(merged.tensors()[name], tensor, rtol=1e-13, atol=1e-12)
+    merged.save(tmp_path / "rows.safetensors")
+    back = ScoreCovariance.load(tmp_path / "rows.safetensors")
+    assert back.row_counts and back.counts() == merged.counts()
+    for name, tensor in merged.tensors().items():
+        assert torch.equal(back.tensors()[name], tensor), name
+    assert torch.equal(back.per_query(layer=1), merged.per_query(layer=1))
+
+
+def test_files_without_row_counts_read_bit_identically(tmp_path):
+    cov, _ = _filled(scopes=("per_query",))
+    cov.save(tmp_path / "v1.safetensors")
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "v1.safetensors"), "pt") as f:
+        import json
+
+        assert json.loads(f.metadata()["hf_partial_attention_covariance"])["format_version"] == "1"
+        assert not any(name.endswith(".rows") for name in f.keys())
+    back = ScoreCovariance.load(tmp_path / "v1.safetensors")
+    assert not back.row_counts
+    count, total_sum, moment = back._total(None, None, "per_query")
+    mean = total_sum / count
+    assert torch.equal(back.per_query(), moment / count - mean.unsqueeze(-1) * mean.unsqueeze(-2))
+    assert torch.equal(back.per_query(), cov.per_query()) and torch.equal(back.mean_per_query(), total_sum / count)
+
+
+def test_lengths_errors_name_the_field():
+    with pytest.raises(ValueError, match="scopes=\\('per_query',\\)"):
+        ScoreCovariance(N, ("per_query", "whole")).update(0, torch.zeros(2, 1, N, N), lengths=torch.tensor([2, 3]))
+    cov = ScoreCovariance(N)
+    with pytest.raises(ValueError, match=r"lengths must be an int tensor of shape \(2,\)"):
+        cov.update(0, torch.zeros(2, 1, N, N), lengths=torch.tensor([2]))
+    with pytest.raises(ValueError, match=r"lengths must be in \[1, seq_len=5\]"):
+        cov.update(0, torch.zeros(2, 1, N, N), lengths=torch.tensor([0, 6]))

@@ -114,14 +114,54 @@ def _analyze_args(p):
     p.add_argument("--second-moment", action="store_true", help="read E[aaᵀ] instead of the centred covariance")
     p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
     p.add_argument("--no-resume", action="store_true", help="start afresh even if OUT holds a partial covariance")
+    p.add_argument("--inputs", default=None, choices=["sentences", "paragraphs", "pairs"],
+                   help="fit P and R per length bucket on real inputs at their own length instead of fixed windows: "
+                        "sentences or paragraphs of --text-file / --dataset / the demo text, or sentence pairs of a "
+                        ".tsv / .jsonl --text-file or a --dataset (see hf_partial_attention.analysis.inputs)")
+    p.add_argument("--lengths", type=int, nargs="+", default=None,
+                   help="bucket lengths with --inputs (default: 16 32 64 128; a sentence-transformers model: up to its "
+                        "max_seq_length); inputs are truncated to the longest")
+    p.add_argument("--pair-columns", nargs=2, default=["sentence1", "sentence2"], metavar=("A", "B"),
+                   help="the two sentence columns of --inputs pairs (.jsonl keys, .tsv header, dataset columns)")
+    p.add_argument("--max-heldout-inputs", type=int, default=None,
+                   help="with --inputs: held-out inputs kept for derive (default: every input of the held-out "
+                        "documents)")
     p.add_argument("--out", required=True)
     common_arguments(p)
+
+
+def _run_analyze_lengths(args) -> int:
+    from .analysis.defaults import DEFAULT_MODEL_ID, default_model_path
+    from .analysis.lengths import analyze_lengths
+
+    if args.text_file and args.dataset:
+        raise ValueError("--text-file and --dataset both given; pass one of them.")
+    source = args.text_file
+    if args.dataset:
+        from datasets import load_dataset
+
+        name, _, config = args.dataset.partition(":")
+        source = load_dataset(name, config or None, split=args.dataset_split)
+    kind = {"sentences": "sentence", "paragraphs": "paragraph", "pairs": "pairs"}[args.inputs]
+    summary = analyze_lengths(args.model or default_model_path(), source, args.out, lengths=args.lengths, kind=kind,
+                              heldout_every=args.heldout_every, max_inputs=args.max_sequences,
+                              max_heldout=args.max_heldout_inputs, granularity=args.granularity,
+                              centered=not args.second_moment, batch_size=args.batch_size,
+                              columns=tuple(args.pair_columns), text_column=args.text_column,
+                              model_id=args.model_id or (None if args.model else DEFAULT_MODEL_ID),
+                              progress=not args.no_progress)
+    fitted = ", ".join(f"b={r['length']}: {r['fit_inputs']}" for r in summary["buckets"])
+    print(f"Wrote {args.out}: covariances of {summary['fit_inputs']} {args.inputs} per bucket ({fitted}), "
+          f"{summary['heldout_inputs']} held-out inputs kept; report {os.path.join(args.out, 'report.md')}")
+    return 0
 
 
 def _run_analyze(args) -> int:
     from .analysis.defaults import DEFAULT_MODEL_ID, default_model_path
     from .analysis.workflow import analyze
 
+    if args.inputs:
+        return _run_analyze_lengths(args)
     texts = _texts(args)
     if texts is not None and not isinstance(texts, str):
         from .analysis.corpus import load_texts
@@ -165,22 +205,38 @@ def _derive_args(p):
 
 
 def _run_derive(args) -> int:
-    from .analysis.workflow import derive
+    from .analysis.lengths import bucket_covariance_files, derive_lengths
+    from .analysis.workflow import COVARIANCE_FILE, derive
 
-    result = derive(args.dir, args.k, args.scope, evaluate=not args.no_evaluate, baselines=not args.no_baselines,
-                    batch_size=args.batch_size, progress=not args.no_progress, family=args.family,
-                    objective=args.objective)
+    buckets = bucket_covariance_files(args.dir)
     fmt = lambda v: "not measured" if v is None else f"{v:.4f}"  # noqa: E731
-    for row in result["patterns"]:
-        if row["k"] in args.k:  # this run's; the report also lists the folder's earlier ones
-            print(f"k={row['k']}: {row['path']} (predicted error {fmt(row['predicted'])}, "
-                  f"held-out {fmt(row.get('heldout'))})")
+    # the fixed windows first: their per_query_k<k> patterns are what the buckets are compared with
+    if os.path.isfile(os.path.join(args.dir, COVARIANCE_FILE)) or not buckets:
+        result = derive(args.dir, args.k, args.scope, evaluate=not args.no_evaluate, baselines=not args.no_baselines,
+                        batch_size=args.batch_size, progress=not args.no_progress, family=args.family,
+                        objective=args.objective)
+        for row in result["patterns"]:
+            if row["k"] in args.k:  # this run's; the report also lists the folder's earlier ones
+                print(f"k={row['k']}: {row['path']} (predicted error {fmt(row['predicted'])}, "
+                      f"held-out {fmt(row.get('heldout'))})")
+    if buckets:
+        if args.scope != "per_query":
+            raise ValueError(f"--scope {args.scope} with length buckets: buckets hold per-query patterns; drop "
+                             "--scope or derive from a folder without covariance_len*.safetensors.")
+        result = derive_lengths(args.dir, args.k, family=args.family, objective=args.objective,
+                                evaluate=not args.no_evaluate, batch_size=args.batch_size,
+                                progress=not args.no_progress)
+        for entry in result["ks"].values():
+            errors = ", ".join(f"b={r['length']}: " + ("exact" if r["exact"] else fmt(r.get("heldout")))
+                               for r in entry["buckets"])
+            print(f"k={entry['k']}: {entry['path']} (held-out error per bucket {errors})")
     print(f"Report: {os.path.join(args.dir, 'report.md')}")
     return 0
 
 
 def _convert_args(p):
-    p.add_argument("pattern", help="pattern file (patterns/per_query_k32.safetensors)")
+    p.add_argument("pattern", help="pattern file (patterns/per_query_k32.safetensors) or length buckets "
+                                   "(patterns/buckets_k16.safetensors)")
     p.add_argument("--out", required=True, help="checkpoint folder")
     p.add_argument("--model", default=None, help="BERT model path or Hub id (default: the pattern's source_model)")
     p.add_argument("--reconstruction", default="common", choices=["fixed", "common", "per_layer"],

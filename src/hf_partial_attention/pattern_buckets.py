@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from .pattern import AttentionPattern, open_tagged_file
 
-__all__ = ["PatternBuckets", "PATTERN_BUCKETS_FORMAT_VERSION", "check_lengths", "bucket_for"]
+__all__ = ["PatternBuckets", "PATTERN_BUCKETS_FORMAT_VERSION", "check_lengths", "bucket_for", "is_single_pattern_file"]
 
 PATTERN_BUCKETS_FORMAT_VERSION = "1"
 _META_KEY = "hf_partial_attention_buckets"
@@ -172,7 +172,7 @@ class PatternBuckets:
     def load(cls, path: str | os.PathLike) -> "PatternBuckets":
         """Read a file of `save`, or a single-pattern file (`AttentionPattern.save`) as one bucket."""
         path = os.fspath(path)
-        if _is_single_pattern(path):
+        if is_single_pattern_file(path):
             return cls.single(AttentionPattern.load(path))
         with open_tagged_file(path, _META_KEY, "pattern", PATTERN_BUCKETS_FORMAT_VERSION,
                               expected=_EXPECTED) as (header, f):
@@ -199,7 +199,7 @@ class PatternBuckets:
                 f"bias={self.has_bias})")
 
 
-def _is_single_pattern(path: str) -> bool:
+def is_single_pattern_file(path: str) -> bool:
     """Whether ``path`` is a safetensors file with `AttentionPattern`'s header (False for anything else: the
     buckets' loader then names what it found)."""
     if not os.path.isfile(path):

@@ -10,6 +10,12 @@ Only sums are stored, so `merge` and the reduction across processes are exact ad
 covariance and second moment are both available at read time. The covariance is the population one
 (divided by the count), so the error of eq. 8 is exactly the in-sample mean squared error.
 Finer groups add up to coarser ones: pooled = Σ over layers = Σ over layers and heads.
+
+Inputs shorter than n (`update(..., lengths=...)`, per-query scope only): a sequence of t tokens has query rows
+i < t only, and its keys j >= t score zero (the zero fill the model runs with). Each group then also counts, per
+query row i, the score rows that reached it (``rows``, ``(n,)``): row i's moments are divided by its own count. A
+row no sequence reached (count 0) reads as mean zero and covariance zero. Files with per-row counts are of format
+version 2; files without them (version 1) read with the one count of every row, exactly as before.
 """
 
 from __future__ import annotations
@@ -32,7 +38,9 @@ __all__ = ["ScoreCovariance", "GRANULARITIES", "estimate_bytes", "available_memo
 
 GRANULARITIES = ("pooled", "layer", "head")
 _META_KEY = "hf_partial_attention_covariance"
-_FORMAT_VERSION = "1"
+_FORMAT_VERSION = "1"  # one count per group (every row reached by every score matrix)
+_ROWS_FORMAT_VERSION = "2"  # with per-row counts (`update(..., lengths=...)`)
+_READ_VERSIONS = (_FORMAT_VERSION, _ROWS_FORMAT_VERSION)
 
 
 def estimate_bytes(seq_len: int, scopes, num_groups: int = 1) -> int:
@@ -68,6 +76,7 @@ class _Moments:
     sum: torch.Tensor  # (n, n)
     per_query: torch.Tensor | None  # (n, n, n): [i, j, k] = Σ A_ij A_ik
     whole: torch.Tensor | None  # (n², n²)
+    rows: torch.Tensor | None = None  # (n,) float64: score rows that reached query row i; None: `count` for all
 
 
 class ScoreCovariance:
@@ -101,6 +110,7 @@ class ScoreCovariance:
         self.metadata: dict[str, Any] = dict(metadata or {})
         self.num_sequences = 0  # input windows consumed (the resume cursor)
         self._groups: dict[tuple[int, ...], _Moments] = {}
+        self.row_counts = False  # per-row counts kept (set by the first `update` with lengths, or by `load`)
 
     # ------------------------------------------------------------------ accumulation
     def check_memory(self, num_groups: int) -> None:
@@ -127,12 +137,41 @@ class ScoreCovariance:
         z = dict(dtype=torch.float64)
         moments = _Moments(0, torch.zeros(n, n, **z),
                            torch.zeros(n, n, n, **z) if "per_query" in self.scopes else None,
-                           torch.zeros(n * n, n * n, **z) if "whole" in self.scopes else None)
+                           torch.zeros(n * n, n * n, **z) if "whole" in self.scopes else None,
+                           torch.zeros(n, **z) if self.row_counts else None)
         self._groups[key] = moments
         return moments
 
-    def update(self, layer: int, scores: torch.Tensor) -> None:
-        """Add score matrices ``(B, H, n, n)`` (or ``(S, n, n)``, taken as one head) of one layer."""
+    def enable_row_counts(self) -> None:
+        """Keep per-row counts from now on; the groups so far get ``count`` for every row (exact: they saw every
+        row). Called by the first `update` with lengths, by `merge` and by the distributed reduction."""
+        if "whole" in self.scopes:
+            raise ValueError(f"per-row counts (inputs shorter than seq_len) need scopes=('per_query',), got "
+                             f"scopes={self.scopes}; the whole-matrix covariance has no per-row count: collect it "
+                             "on windows of exactly seq_len tokens.")
+        if self.row_counts:
+            return
+        self.row_counts = True
+        for g in self._groups.values():
+            g.rows = torch.full((self.seq_len,), float(g.count), dtype=torch.float64)
+
+    def _lengths(self, lengths, b: int) -> torch.Tensor:
+        t = torch.as_tensor(lengths).to("cpu")
+        if t.shape != (b,) or t.is_floating_point() or t.is_complex():
+            raise ValueError(f"lengths must be an int tensor of shape ({b},), one length per sequence of the batch, "
+                             f"got {tuple(t.shape)} {t.dtype}; pass the number of real tokens of each sequence.")
+        if b and (int(t.min()) < 1 or int(t.max()) > self.seq_len):
+            raise ValueError(f"lengths must be in [1, seq_len={self.seq_len}], got values in [{int(t.min())}, "
+                             f"{int(t.max())}]; pad each batch to seq_len and pass each sequence's real length.")
+        return t.to(torch.int64)
+
+    def update(self, layer: int, scores: torch.Tensor, lengths: torch.Tensor | None = None) -> None:
+        """Add score matrices ``(B, H, n, n)`` (or ``(S, n, n)``, taken as one head) of one layer.
+
+        ``lengths`` ``(B,)`` int: sequence s has t = lengths[s] real tokens. Its rows i >= t and keys j >= t are
+        zeroed here (whatever the padded positions scored), so its rows i < t enter the moments with keys >= t
+        scoring zero, and only those rows are counted (per-query scope only).
+        """
         if scores.dim() == 3:
             scores = scores.unsqueeze(1)  # (S, 1, n, n)
         if scores.dim() != 4 or scores.shape[-1] != self.seq_len or scores.shape[-2] != self.seq_len:
@@ -140,11 +179,21 @@ class ScoreCovariance:
                              f"got shape {tuple(scores.shape)}; build windows of exactly seq_len tokens.")
         x = scores.detach().to("cpu", torch.float64)
         b, h, n, _ = x.shape
+        reached = None
+        if lengths is not None:
+            t = self._lengths(lengths, b)
+            self.enable_row_counts()
+            real = torch.arange(n) < t[:, None]  # (B, n): position < t
+            x = x * (real[:, None, :, None] & real[:, None, None, :])  # (B, H, n, n): rows and keys >= t zeroed
+            reached = real.to(torch.float64).sum(0)  # (n,): sequences that reach row i
         keys = self._group_keys(layer, h)
         for key in keys:
             xs = x[:, key[1]] if len(key) == 2 else x.reshape(b * h, n, n)  # (S, n, n)
             group = self._groups.get(key) or self._new_group(key)
             group.count += xs.shape[0]
+            if group.rows is not None:
+                heads = 1 if len(key) == 2 else h
+                group.rows += reached * heads if reached is not None else float(xs.shape[0])
             group.sum += xs.sum(0)
             if group.per_query is not None:
                 # [i, j, k] += Σ_s x[s, i, j] x[s, i, k]: one batched matmul over the rows i.
@@ -200,9 +249,29 @@ class ScoreCovariance:
                 moment += getattr(g, field)
         return count, total_sum, moment
 
-    def mean_per_query(self, layer: int | None = None, head: int | None = None) -> torch.Tensor:
-        """Mean score matrix μ ``(n, n)``; row i is the mean of the per-query vector a_i."""
+    def _row_divisor(self, groups: list[_Moments]) -> torch.Tensor | None:
+        """``(n,)`` per-row counts summed over ``groups``, rows no sequence reached set to 1 (their sums are zero,
+        so they read as zero); None without per-row counts (then every row divides by the one count)."""
+        if groups[0].rows is None:
+            return None
+        rows = sum(g.rows for g in groups)
+        return torch.where(rows > 0, rows, torch.ones_like(rows))
+
+    def row_counts_of(self, layer: int | None = None, head: int | None = None) -> torch.Tensor:
+        """``(n,)`` float64: the score rows that reached each query row (``count`` for every row without
+        per-row counts)."""
         groups = self._select(layer, head)
+        if groups[0].rows is None:
+            return torch.full((self.seq_len,), float(sum(g.count for g in groups)), dtype=torch.float64)
+        return sum(g.rows for g in groups)
+
+    def mean_per_query(self, layer: int | None = None, head: int | None = None) -> torch.Tensor:
+        """Mean score matrix μ ``(n, n)``; row i is the mean of the per-query vector a_i (zero for a row no
+        sequence reached)."""
+        groups = self._select(layer, head)
+        rows = self._row_divisor(groups)
+        if rows is not None:
+            return sum(g.sum for g in groups) / rows[:, None]
         return sum(g.sum for g in groups) / sum(g.count for g in groups)
 
     def mean_whole(self, layer: int | None = None, head: int | None = None) -> torch.Tensor:
@@ -211,12 +280,21 @@ class ScoreCovariance:
 
     def per_query(self, layer: int | None = None, head: int | None = None,
                   centered: bool | None = None) -> torch.Tensor:
-        """Per-query covariances ``(n, n, n)`` float64: entry [i] is Q^i, the covariance of row i."""
+        """Per-query covariances ``(n, n, n)`` float64: entry [i] is Q^i, the covariance of row i.
+
+        With per-row counts (inputs shorter than n), Q^i is over the score rows that reached row i; a row that
+        none reached is all zeros (no NaN): the greedy then takes its lowest keys and fits R = 0.
+        """
         centered = self.centered if centered is None else centered
         count, total_sum, moment = self._total(layer, head, "per_query")
-        out = moment / count
-        if centered:
+        rows = self._row_divisor(self._select(layer, head))
+        if rows is not None:
+            out = moment / rows[:, None, None]
+            mean = total_sum / rows[:, None]  # (n, n)
+        else:
+            out = moment / count
             mean = total_sum / count  # (n, n)
+        if centered:
             out = out - mean.unsqueeze(-1) * mean.unsqueeze(-2)  # (n, n, n): μ_i μ_iᵀ per row
         return out
 
@@ -234,6 +312,11 @@ class ScoreCovariance:
         """Tr(C_a) = Σ_i Tr(Q^i), from whichever scope was collected."""
         centered = self.centered if centered is None else centered
         groups = self._select(layer, head)
+        rows = self._row_divisor(groups)
+        if rows is not None:  # Σ_i of row i's trace, each over its own count
+            sq = sum(torch.diagonal(g.per_query, dim1=-2, dim2=-1).sum(-1) for g in groups) / rows  # (n,)
+            mean = sum(g.sum for g in groups) / rows[:, None]  # (n, n)
+            return float((sq - (mean.pow(2).sum(-1) if centered else 0.0)).sum())
         count = sum(g.count for g in groups)
         if groups[0].per_query is not None:
             sq = sum(torch.diagonal(g.per_query, dim1=-2, dim2=-1).sum() for g in groups)
@@ -254,9 +337,13 @@ class ScoreCovariance:
     def merge(self, other: "ScoreCovariance") -> "ScoreCovariance":
         """Add ``other``'s sums and counts into this one (in place; returns self). Exact: nothing is re-weighted."""
         self._check_compatible(other)
+        if other.row_counts:
+            self.enable_row_counts()
         for key, g in other._groups.items():
             mine = self._groups.get(key) or self._new_group(key)
             mine.count += g.count
+            if mine.rows is not None:
+                mine.rows += g.rows if g.rows is not None else float(g.count)
             mine.sum += g.sum
             if mine.per_query is not None:
                 mine.per_query += g.per_query
@@ -279,6 +366,8 @@ class ScoreCovariance:
                 out[f"{name}.per_query"] = g.per_query
             if g.whole is not None:
                 out[f"{name}.whole"] = g.whole
+            if g.rows is not None:
+                out[f"{name}.rows"] = g.rows
         return out
 
     def counts(self) -> dict[str, int]:
@@ -297,7 +386,8 @@ class ScoreCovariance:
     # ------------------------------------------------------------------ io
     def save(self, path: str | os.PathLike) -> None:
         """Write the accumulators (safetensors, float64) and their counts; `load` restores them exactly."""
-        header = {"format_version": _FORMAT_VERSION, "seq_len": self.seq_len, "scopes": list(self.scopes),
+        version = _ROWS_FORMAT_VERSION if self.row_counts else _FORMAT_VERSION  # version 1 files stay as they were
+        header = {"format_version": version, "seq_len": self.seq_len, "scopes": list(self.scopes),
                   "granularity": self.granularity, "centered": self.centered, "counts": self.counts(),
                   "num_sequences": self.num_sequences, "metadata": self.metadata}
         tmp = os.fspath(path) + ".tmp"
@@ -306,21 +396,36 @@ class ScoreCovariance:
 
     @classmethod
     def load(cls, path: str | os.PathLike, max_memory_bytes: int | None = None) -> "ScoreCovariance":
-        """Read a file written by `save`."""
-        with open_tagged_file(path, _META_KEY, "ScoreCovariance", _FORMAT_VERSION) as (header, f):
+        """Read a file written by `save` (format 1: one count per group; format 2: with per-row counts)."""
+        with open_tagged_file(path, _META_KEY, "ScoreCovariance", _file_version(path)) as (header, f):
             cov = cls(header["seq_len"], header["scopes"], header["granularity"], header["centered"],
                       max_memory_bytes=max_memory_bytes, metadata=header.get("metadata", {}))
             cov.num_sequences = int(header.get("num_sequences", 0))
+            cov.row_counts = str(header["format_version"]) == _ROWS_FORMAT_VERSION
             for name, count in header["counts"].items():
                 cov._groups[_name_key(name)] = _Moments(
                     int(count), f.get_tensor(f"{name}.sum"),
                     f.get_tensor(f"{name}.per_query") if "per_query" in cov.scopes else None,
-                    f.get_tensor(f"{name}.whole") if "whole" in cov.scopes else None)
+                    f.get_tensor(f"{name}.whole") if "whole" in cov.scopes else None,
+                    f.get_tensor(f"{name}.rows") if cov.row_counts else None)
         return cov
 
     def __repr__(self) -> str:
         return (f"ScoreCovariance(seq_len={self.seq_len}, scopes={self.scopes}, granularity={self.granularity!r}, "
                 f"centered={self.centered}, count={self.count}, num_sequences={self.num_sequences})")
+
+
+def _file_version(path) -> str:
+    """The format version a covariance file declares when this code reads it, else the current one (so that
+    `open_tagged_file` names the mismatch or the wrong file)."""
+    try:
+        from safetensors import safe_open
+
+        with safe_open(os.fspath(path), framework="pt") as f:
+            found = str(json.loads((f.metadata() or {})[_META_KEY]).get("format_version"))
+    except Exception:  # noqa: BLE001 - missing, not safetensors, no header: open_tagged_file says which
+        return _ROWS_FORMAT_VERSION
+    return found if found in _READ_VERSIONS else _ROWS_FORMAT_VERSION
 
 
 def _key_name(key: tuple[int, ...]) -> str:

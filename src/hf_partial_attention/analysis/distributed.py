@@ -35,7 +35,8 @@ def process_info(distributed: bool | str = "auto") -> tuple[int, int]:
 
 
 def reduce_covariance(cov: ScoreCovariance, group=None) -> ScoreCovariance:
-    """Sum every accumulator, count and the window cursor over all processes, in place (float64, exact).
+    """Sum every accumulator, count, per-row count and the window cursor over all processes, in place (float64,
+    exact).
 
     A no-op without an initialised process group or with a single process. Processes that saw no data
     join with zero accumulators.
@@ -46,8 +47,10 @@ def reduce_covariance(cov: ScoreCovariance, group=None) -> ScoreCovariance:
         return cov
     world = dist.get_world_size(group)
     all_keys: list = [None] * world
-    dist.all_gather_object(all_keys, cov.group_keys(), group=group)
-    union = sorted({tuple(key) for keys in all_keys for key in keys})
+    dist.all_gather_object(all_keys, (cov.group_keys(), cov.row_counts), group=group)
+    union = sorted({tuple(key) for keys, _ in all_keys for key in keys})
+    if any(rows for _, rows in all_keys):  # per-row counts anywhere: every process reduces them (exact)
+        cov.enable_row_counts()
     cov.ensure_groups(union)
     for _, tensor in sorted(cov.tensors().items()):
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)

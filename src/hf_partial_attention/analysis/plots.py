@@ -24,6 +24,7 @@ __all__ = [
     "plot_patterns",
     "plot_error_curves",
     "plot_baselines",
+    "plot_length_histogram",
 ]
 
 _DPI = 110
@@ -185,6 +186,22 @@ def plot_baselines(series: dict[str, list[tuple[float, float]]], path, title: st
     ax.set_ylabel("held-out normalised error")
     ax.axvline(1.0, color="grey", lw=0.8)
     ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(title, fontsize=9)
+    return _save(fig, path)
+
+
+def plot_length_histogram(fit: Sequence[int], heldout: Sequence[int], buckets: Sequence[int], path,
+                          title: str = "") -> str:
+    """Histogram of input lengths in tokens (fit and held-out inputs), the bucket lengths as vertical lines."""
+    fig, ax = plt.subplots(figsize=(5.2, 3.2))
+    top = max([*fit, *heldout, *buckets, 1])
+    bins = range(1, top + 2)
+    ax.hist([list(fit), list(heldout)], bins=bins, stacked=True, label=["fit", "held out"])
+    for b in buckets:
+        ax.axvline(b + 0.5, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("input length T (tokens)")
+    ax.set_ylabel("inputs")
     ax.legend(fontsize=7)
     ax.set_title(title, fontsize=9)
     return _save(fig, path)

@@ -122,17 +122,59 @@ def _demo(d: dict) -> list[str]:
     return out
 
 
+def _lengths(results: dict, base: str) -> list[str]:
+    """Length buckets: the inputs of each bucket and, per k, each bucket's cost and errors at real positions."""
+    a, d = results.get("analyze_lengths"), results.get("derive_lengths")
+    out = ["## Length buckets: P and R fitted on real inputs", ""]
+    if a:
+        out += [f"Model `{a.get('model', '')}`, {a['fit_inputs']} fit inputs ({a['kind']}) from {a['fit_documents']} "
+                f"documents, {a['heldout_inputs']} held-out inputs from {a['heldout_documents']} other documents; "
+                f"buckets {a['lengths']} (an input of T tokens runs the smallest b >= T); "
+                f"{a.get('at_longest_bucket', 0)} inputs reach the longest bucket (longer ones are truncated to it). "
+                f"Took {a.get('seconds')} s.", "",
+                markdown_table(["bucket b", "fit inputs", "held-out inputs", "median T", "T range"],
+                               [[r["length"], r["fit_inputs"], r["heldout_inputs"], r["median_length"],
+                                 f"{r['min_length']}–{r['max_length']}"] for r in a["buckets"]]), ""]
+        for s in a.get("skipped", []):
+            instead = f"bucket {s['used_instead']}" if s["used_instead"] else "no bucket (none is longer)"
+            out += [f"- Bucket {s['length']}: no fit input, skipped; inputs of its lengths run {instead}."]
+        warned = [r["length"] for r in a["buckets"] if r.get("fit_warning")]
+        if warned:
+            out += [f"- Buckets {warned} are fitted on fewer inputs than they have positions: their predicted error is "
+                    "optimistic."]
+        out += [""] + _figures(a.get("figures", {}), base) + [""]
+    if d:
+        dh = d.get("head_dim")
+        out += [f"Greedy P (family {d.get('family')}, objective {d.get('objective')}) and optimal R per bucket; "
+                "buckets with b <= k run exactly. Held-out errors at real positions only (rows and keys < T, keys "
+                ">= T zero as the model runs), / the held-out variance there. Zero fill: the fixed-window pattern of "
+                "n applied to the T-token input; conditional: R_i(T) = C_US C_SS⁻¹ (S = P_i ∩ [0, T), "
+                "U = [0, T) \\ P_i) from the n-window covariance or the bucket's own. "
+                f"Took {d.get('seconds')} s.", ""]
+        for key, entry in d["ks"].items():
+            rows = [[r["length"], "exact" if r["exact"] else r.get("relative_cost"), r["fit_inputs"],
+                     r.get("heldout_inputs"), r.get("predicted"), r.get("heldout"), r.get("zero_fill_n"),
+                     r.get("conditional_n"), r.get("conditional_bucket")] for r in entry["buckets"]]
+            out += [f"**k = {key}** (`{os.path.relpath(entry['path'], base)}`):", "",
+                    markdown_table(["bucket b", f"cost / dense at b (d_h={dh})", "fit inputs", "held-out inputs",
+                                    "predicted", "held-out", "zero fill of n", "conditional (n cov.)",
+                                    "conditional (bucket cov.)"], rows), ""]
+    return out
+
+
 def render_report(results: dict, base: str = ".") -> str:
     """Markdown for every section present in ``results`` (as written by the workflow steps)."""
     out = ["# Eigen analysis of attention scores and reconstruction from partial computation", ""]
     if "summary" in results:
         out += results["summary"] + [""]
     for name, section in results.items():
-        if name.startswith("analyze") or name.startswith("spectra"):
+        if (name.startswith("analyze") or name.startswith("spectra")) and not name.endswith("_lengths"):
             out += _spectra(name, section, base)
     for name, section in results.items():
-        if name.startswith("derive"):
+        if name.startswith("derive") and not name.endswith("_lengths"):
             out += _derive(name, section, base)
+    if "analyze_lengths" in results or "derive_lengths" in results:
+        out += _lengths(results, base)
     if "demo" in results:
         out += _demo(results["demo"])
     if "notes" in results:

@@ -1,0 +1,328 @@
+"""P and R per length bucket, fitted on the inputs a user has (method spec §5, "Real inputs are shorter than n").
+
+`analyze_lengths` runs the model on real inputs (sentences, paragraphs or sentence pairs, `inputs`) at their own
+length: each input of T tokens goes to the smallest bucket b >= T, is padded to b with the real attention mask,
+and its scores enter that bucket's per-query covariance with its rows i >= T left out and its keys >= T zero
+(`ScoreCovariance.update(..., lengths=...)`). Held out: every ``heldout_every``-th document.
+
+`derive_lengths` fits, for each k, the greedy P and optimal R of every bucket with b > k (buckets with b <= k run
+exactly) into one `PatternBuckets` file, and measures each bucket on its held-out inputs at real positions beside
+two other treatments of the same inputs: the zero fill of a fixed-window pattern of n (what a single-bucket model
+runs) and the conditional R (`conditional`) of the n-window covariance and of the bucket's own.
+
+Folder layout (beside `workflow`'s): ``covariance_len{b}.safetensors``, ``heldout_inputs.safetensors``,
+``patterns/buckets_k{k}.safetensors``, ``figures/input_lengths.png``; results in ``results.json``
+(``analyze_lengths``, ``derive_lengths``).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import re
+import time
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..cost import score_cost
+from ..pattern import AttentionPattern
+from ..pattern_buckets import PatternBuckets, bucket_for, check_lengths
+from . import plots
+from .collect import display_name, hub_id, load_model_and_tokenizer, model_shape
+from .conditional import ConditionalReconstructor
+from .corpus import split_heldout
+from .covariance import ScoreCovariance
+from .fit_checks import check_seq_len, fit_size_warning
+from .inputs import DEFAULT_PAIR_COLUMNS, TokenizedInputs, flatten, load_inputs, tokenize_inputs
+from .length_eval import PaddedPattern, RealPositionMeter, run_inputs
+from .selection import select_patterns
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DEFAULT_LENGTHS", "default_lengths", "analyze_lengths", "derive_lengths", "bucket_covariance_files",
+           "HELDOUT_INPUTS_FILE"]
+
+DEFAULT_LENGTHS = (16, 32, 64, 128)
+HELDOUT_INPUTS_FILE = "heldout_inputs.safetensors"
+_COV_FILE = re.compile(r"covariance_len(\d+)\.safetensors$")
+
+
+def default_lengths(model: Any, lengths=None) -> list[int]:
+    """The buckets for ``model``: ``lengths`` (default `DEFAULT_LENGTHS`); a sentence-transformers folder gets buckets
+    up to its ``max_seq_length`` (sentence_bert_config.json): the defaults up to it and it, and no bucket above it
+    (its `encode` truncates there)."""
+    cap = None
+    if isinstance(model, (str, os.PathLike)):
+        settings = os.path.join(os.fspath(model), "sentence_bert_config.json")
+        if os.path.isfile(settings):
+            with open(settings, encoding="utf-8") as f:
+                cap = json.load(f).get("max_seq_length")
+    if lengths is None:
+        base = list(DEFAULT_LENGTHS)
+        if cap:
+            base = sorted({b for b in base if b < cap} | {b for b in (256, 512) if b < cap} | {int(cap)})
+        return check_lengths(base)
+    lengths = check_lengths(lengths)
+    if cap and lengths[-1] > cap:
+        kept = [b for b in lengths if b <= cap]
+        logger.warning("Buckets %s exceed the sentence-transformers max_seq_length %d of %s (inputs are truncated "
+                       "there): dropped.", [b for b in lengths if b > cap], cap, display_name(model))
+        if not kept:
+            raise ValueError(f"lengths={lengths} all exceed max_seq_length={cap} of {display_name(model)}; pass "
+                             f"--lengths up to {cap}.")
+        lengths = kept
+    return lengths
+
+
+def bucket_covariance_files(out: str) -> dict[int, str]:
+    """``{b: path}`` of the bucket covariances in ``out``."""
+    found = {}
+    for path in glob.glob(os.path.join(out, "covariance_len*.safetensors")):
+        if m := _COV_FILE.search(path):
+            found[int(m.group(1))] = path
+    return dict(sorted(found.items()))
+
+
+def _buckets_of(lengths: torch.Tensor, buckets: list[int]) -> torch.Tensor:
+    return torch.tensor([bucket_for(buckets, int(t)) for t in lengths.tolist()], dtype=torch.long)
+
+
+def analyze_lengths(model: Any, inputs: Any = None, out: str = "runs/lengths", *, lengths=None,
+                    kind: str = "sentence", tokenizer: Any = None, heldout_every: int = 5,
+                    max_inputs: int | None = None, max_heldout: int | None = None, granularity: str = "pooled",
+                    centered: bool = True, batch_size: int = 16, columns=DEFAULT_PAIR_COLUMNS,
+                    text_column: str = "text", split: str = "train", model_id: str | None = None,
+                    progress: bool = True, section: str = "analyze_lengths") -> dict:
+    """One per-query covariance per length bucket from ``model``'s scores on real inputs, and the held-out inputs.
+
+    Args:
+        model: path / Hub id or a loaded model (a path is recorded, for `derive_lengths`' held-out measurement).
+        inputs: a source of `inputs.load_inputs` (None: the demo text), or documents ``[[input, ...], ...]``.
+        lengths: bucket lengths (default `default_lengths`); inputs are truncated to the longest.
+        kind: ``"sentence"``, ``"paragraph"`` or ``"pairs"``.
+        heldout_every: every ``heldout_every``-th document is held out (0: none).
+        max_inputs, max_heldout: at most this many fit / held-out inputs (in document order).
+        columns, text_column, split: as in `inputs.load_inputs`.
+
+    A bucket fitted on fewer inputs than it has positions logs `fit_size_warning` (and is fitted); a bucket with no
+    input is skipped with a warning, and inputs of its lengths run the next bucket up (``skipped`` in the result).
+    """
+    start = time.perf_counter()
+    lengths = default_lengths(model, lengths)
+    model_obj, tok = load_model_and_tokenizer(model, tokenizer)
+    if tok is None:
+        raise ValueError("analyze_lengths needs the model's tokenizer; pass tokenizer=<path or tokenizer>.")
+    check_seq_len(model_obj, lengths[-1])
+    documents = inputs if _is_documents(inputs) else load_inputs(inputs, kind, columns=columns,
+                                                                  text_column=text_column, split=split)
+    if heldout_every:
+        fit_docs, held_docs = split_heldout(documents, heldout_every)
+    else:
+        fit_docs, held_docs = documents, []
+    fit_inputs = flatten(fit_docs)[0][:max_inputs]
+    held_inputs = flatten(held_docs)[0][:max_heldout]
+    if not fit_inputs:
+        raise ValueError(f"No inputs to fit on: {len(documents)} document(s) of kind {kind!r}; pass more text or "
+                         "another --inputs kind.")
+    fit = tokenize_inputs(tok, fit_inputs, lengths[-1])
+    held = tokenize_inputs(tok, held_inputs, lengths[-1])
+    fit_bucket, held_bucket = _buckets_of(fit.lengths, lengths), _buckets_of(held.lengths, lengths)
+    os.makedirs(out, exist_ok=True)
+    layers, heads, head_dim = model_shape(model_obj)
+    source = (os.fspath(model) if isinstance(model, (str, os.PathLike))
+              else getattr(model_obj.config, "_name_or_path", ""))
+    identity = model_id or hub_id(model) or ""
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    rows, skipped, present = [], [], [b for b in lengths if int((fit_bucket == b).sum())]
+    for b in lengths:
+        index = torch.nonzero(fit_bucket == b).flatten()
+        if not len(index):
+            above = [c for c in present if c > b]
+            skipped.append({"length": b, "used_instead": above[0] if above else None})
+            logger.warning("Bucket %d has no fit input: skipped; inputs of its lengths run %s.", b,
+                           f"bucket {above[0]}" if above else "no bucket (there is none longer)")
+            continue
+        if warning := fit_size_warning(len(index), b):
+            logger.warning("Bucket %d: %s", b, warning)
+        cov = ScoreCovariance(b, ("per_query",), granularity, centered)
+        run_inputs(model_obj, fit, index, b, lambda layer, s, t: cov.update(layer, s, lengths=t), batch_size,
+                   pad, progress, desc=f"scores b={b}")
+        t = fit.lengths[index].float()
+        row = {"length": b, "fit_inputs": len(index), "heldout_inputs": int((held_bucket == b).sum()),
+               "median_length": float(t.median()), "min_length": int(t.min()), "max_length": int(t.max()),
+               "fit_warning": warning, "path": os.path.join(out, f"covariance_len{b}.safetensors")}
+        cov.num_sequences = len(index)
+        cov.metadata.update(model=source, model_id=identity, kind=kind, seq_len=b, lengths=lengths,
+                            num_layers=layers, num_heads=heads, head_dim=head_dim, num_inputs=len(index),
+                            median_length=row["median_length"], model_type=getattr(model_obj.config, "model_type", ""))
+        cov.save(row["path"])
+        rows.append(row)
+    for s in skipped:  # held-out inputs of a skipped bucket are measured in the bucket they run
+        for r in rows:
+            if r["length"] == s["used_instead"]:
+                r["heldout_inputs"] += int((held_bucket == s["length"]).sum())
+    if len(held):
+        save_file({name: v.contiguous() for name, v in held.tensors().items()}, os.path.join(out, HELDOUT_INPUTS_FILE),
+                  metadata={"model": source, "kind": kind, "lengths": json.dumps(lengths)})
+    values, counts = torch.unique(torch.cat([fit.lengths, held.lengths]), return_counts=True)
+    histogram = {str(int(t)): int(c) for t, c in zip(values.tolist(), counts.tolist())}  # tokens -> inputs
+    figure = plots.plot_length_histogram(fit.lengths.tolist(), held.lengths.tolist(), lengths,
+                                         os.path.join(out, "figures", "input_lengths.png"),
+                                         f"Input lengths ({kind}), buckets {lengths}")
+    truncated = int((fit.lengths == lengths[-1]).sum() + (held.lengths == lengths[-1]).sum())
+    summary = {"model": identity or display_name(source), "kind": kind, "lengths": lengths, "buckets": rows,
+               "skipped": skipped, "fit_inputs": len(fit), "heldout_inputs": len(held),
+               "fit_documents": len(fit_docs), "heldout_documents": len(held_docs), "granularity": granularity,
+               "centered": centered, "head_dim": head_dim, "length_histogram": histogram,
+               "at_longest_bucket": truncated, "figures": {"input_lengths": figure},
+               "seconds": round(time.perf_counter() - start, 1)}
+    from .workflow import update_results
+
+    update_results(out, section, summary)
+    return summary
+
+
+def _is_documents(inputs: Any) -> bool:
+    return isinstance(inputs, list) and bool(inputs) and all(isinstance(d, list) for d in inputs)
+
+
+def _load_heldout(out: str) -> TokenizedInputs | None:
+    path = os.path.join(out, HELDOUT_INPUTS_FILE)
+    if not os.path.isfile(path):
+        return None
+    t = load_file(path)
+    return TokenizedInputs(t["input_ids"], t["token_type_ids"], t["lengths"])
+
+
+def _windows_reference(out: str, tag: str, k: int, centered: bool | None):
+    """The fixed-window pattern of n for k (``patterns/{tag}_k{k}``) and the n-window covariance, when present."""
+    path = os.path.join(out, "patterns", f"{tag}_k{k}.safetensors")
+    pattern = AttentionPattern.load(path) if os.path.isfile(path) else None
+    cov_path = os.path.join(out, "covariance.safetensors")
+    conditional = None
+    if pattern is not None and os.path.isfile(cov_path):
+        cov = ScoreCovariance.load(cov_path)
+        if "per_query" in cov.scopes and cov.seq_len == pattern.seq_len:
+            c = cov.per_query(centered=_centered(pattern, centered))
+            conditional = ConditionalReconstructor(c, pattern.indices, cov.mean_per_query()
+                                                   if pattern.bias is not None else None,
+                                                   pattern.metadata.get("ridge", 1e-6))
+    return pattern, conditional
+
+
+def _centered(pattern: AttentionPattern, centered: bool | None) -> bool:
+    """How ``pattern`` was fitted (its covariance's centring), unless ``centered`` says otherwise."""
+    return pattern.metadata.get("covariance", "centered") == "centered" if centered is None else centered
+
+
+def derive_lengths(out: str, ks, *, family: str = "per_query", objective: str = "paper",
+                   centered: bool | None = None, evaluate: bool = True, batch_size: int = 16, progress: bool = True,
+                   section: str = "derive_lengths") -> dict:
+    """For each k: P and R of every bucket of ``out`` (b > k; b <= k exact) in ``patterns/buckets_k{k}.safetensors``,
+    each bucket's held-out error at real positions in its metadata (``heldout_normalized_error``), and, on the same
+    inputs, the zero fill of the fixed-window pattern of n (``patterns/per_query_k{k}.safetensors``, when `derive`
+    wrote one into ``out``) and the conditional R (`conditional`) of the n-window and of the bucket covariance.
+
+    ``family``, ``objective``, ``centered``: as in `workflow.derive` (each bucket's greedy)."""
+    start = time.perf_counter()
+    files = bucket_covariance_files(out)
+    if not files:
+        raise ValueError(f"{out!r} holds no covariance_len*.safetensors; run `analyze --inputs ...` into it first.")
+    ks = sorted({int(k) for k in ks})
+    if not ks or ks[0] < 1:
+        raise ValueError(f"k must be positive ints, got {ks}.")
+    covs = {b: ScoreCovariance.load(p) for b, p in files.items()}
+    lengths = list(covs)
+    meta = next(iter(covs.values())).metadata
+    d_head = meta.get("head_dim")
+    fitted: dict[int, dict[int, AttentionPattern]] = {}
+    for b, cov in covs.items():
+        wanted = [k for k in ks if k < b]
+        if wanted and (warning := fit_size_warning(cov.num_sequences, b)):
+            logger.warning("Bucket %d: %s", b, warning)
+        if wanted:
+            fitted[b] = select_patterns(cov, wanted, family=family, centered=centered, objective=objective,
+                                        metadata={"bucket": b, "num_inputs": cov.num_sequences})
+    held = _load_heldout(out) if evaluate else None
+    tag = "_".join(["per_query", *([family] if family != "per_query" else []),
+                    *([objective] if objective != "paper" else [])])
+    measured: dict[tuple[int, int], dict] = {}
+    if held is not None and len(held):
+        model, _ = load_model_and_tokenizer(meta["model"], load_tokenizer=False)
+        runs = held.lengths <= lengths[-1]  # longer ones have no bucket here (the longest had no fit input)
+        if not bool(runs.all()):
+            logger.warning("%d held-out inputs are longer than the longest bucket %d: not measured.",
+                           int((~runs).sum()), lengths[-1])
+        held_bucket = torch.tensor([bucket_for(lengths, int(t)) if ok else -1
+                                    for t, ok in zip(held.lengths.tolist(), runs.tolist())], dtype=torch.long)
+        references = {k: _windows_reference(out, tag, k, centered) for k in ks}
+        for b, patterns in fitted.items():
+            index = torch.nonzero(held_bucket == b).flatten()
+            if len(index):
+                measured.update(_measure(model, held, index, b, patterns, covs[b], references, centered,
+                                         batch_size, progress))
+    os.makedirs(os.path.join(out, "patterns"), exist_ok=True)
+    result: dict[str, Any] = {"lengths": lengths, "head_dim": d_head, "family": family, "objective": objective,
+                              "kind": meta.get("kind"), "ks": {}}
+    for k in ks:
+        rows = []
+        for b, cov in covs.items():
+            pattern = fitted.get(b, {}).get(k)
+            row = {"length": b, "exact": pattern is None, "fit_inputs": cov.num_sequences,
+                   "median_length": cov.metadata.get("median_length"),
+                   "relative_cost": 1.0 if pattern is None or not d_head else score_cost(b, k, d_head).relative,
+                   "predicted": None if pattern is None else pattern.normalized_error}
+            if measured or (held is not None and len(held) and pattern is not None):
+                row["heldout_inputs"] = int((held_bucket == b).sum())
+            if (b, k) in measured:
+                row.update(measured[(b, k)])
+                pattern.metadata.update(heldout_normalized_error=row["heldout"],
+                                        heldout_inputs=row["heldout_inputs"])
+            rows.append(row)
+        buckets = PatternBuckets({b: p[k] for b, p in fitted.items() if k in p},
+                                 [b for b in lengths if b <= k], k=k,
+                                 metadata={"source_model": meta.get("model", ""),
+                                           "source_model_id": meta.get("model_id", ""), "kind": meta.get("kind"),
+                                           "lengths": lengths, "family": family, "objective": objective,
+                                           "num_inputs": {str(b): c.num_sequences for b, c in covs.items()}})
+        path = os.path.join(out, "patterns", f"buckets_k{k}.safetensors")
+        buckets.save(path)
+        result["ks"][str(k)] = {"k": k, "path": path, "buckets": rows}
+    result["seconds"] = round(time.perf_counter() - start, 1)
+    from .workflow import update_results
+
+    update_results(out, section, result)
+    return result
+
+
+def _measure(model, held, index, b, patterns, cov, references, centered, batch_size, progress) -> dict:
+    """Held-out errors at real positions of the inputs ``index`` of bucket b, for each k of ``patterns``: the
+    bucket's pattern (``heldout``), its conditional R (``conditional_bucket``) and, when the folder has a
+    fixed-window pattern of n >= b, its zero fill (``zero_fill_n``) and conditional R (``conditional_n``)."""
+    mean = cov.mean_per_query()
+    methods = {}
+    for k, pattern in patterns.items():
+        methods[("heldout", k)] = PaddedPattern(pattern)
+        methods[("conditional_bucket", k)] = ConditionalReconstructor(
+            cov.per_query(centered=_centered(pattern, centered)), pattern.indices,
+            mean if pattern.bias is not None else None, pattern.metadata["ridge"])
+        reference, conditional_n = references.get(k, (None, None))
+        if reference is not None and reference.seq_len >= b:
+            methods[("zero_fill_n", k)] = PaddedPattern(reference)
+            if conditional_n is not None:
+                methods[("conditional_n", k)] = conditional_n
+    meter = RealPositionMeter(b, methods)
+    run_inputs(model, held, index, b, meter.update, batch_size, progress=progress, desc=f"held-out b={b}")
+    errors = meter.results()
+    out = {}
+    for k in patterns:
+        reference = references.get(k, (None, None))[0]
+        row = {"heldout_inputs": len(index), "score_matrices": meter.count,
+               "reference_seq_len": None if reference is None else reference.seq_len}
+        row.update({name: errors[(name, kk)] for name, kk in methods if kk == k})
+        out[(b, k)] = row
+    return out
