@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test test-fast demo paper related bench bench-model bench-quick objectives table1 clean
+.PHONY: setup test test-fast demo paper related bench bench-model bench-quick objectives lengths table1 clean
 
 setup: $(STAMP)
 
@@ -37,6 +37,10 @@ paper: setup
 objectives: setup
 	test -f runs/demo/covariance.safetensors || $(PY) -m experiments demo --out runs/demo
 	$(PY) -m experiments objectives runs/demo --k 8 16 --out results/objectives
+
+# Zero-fill vs length buckets vs conditional R on held-out inputs of real lengths (about 15 min) -> results/lengths/.
+lengths: setup
+	$(PY) -m experiments lengths --out runs/lengths --results results/lengths
 
 # Table 1 on the real MiniLM (about 90 min on 2 cores; resumable: run it again after a kill) -> results/table1/.
 table1: setup

@@ -188,17 +188,7 @@ def markdown(result: dict) -> str:
                      f"{r['s']:.3f} | {r['ratio']:.2f} | {_range(r, 'ratio_range')} | {r['sdpa_ratio']:.2f} | "
                      f"{_range(r, 'sdpa_ratio_range')} |")
     if result.get("mixed"):
-        lines += ["", "## A batch of mixed lengths (inference; benchmarks/mixed.py)", "",
-                  "Inputs of lengths drawn uniformly in the range, padded to the longest. Zero-fill: one bucket "
-                  "(n's P and R for every input); buckets: each input in the smallest bucket >= its length. Goal "
-                  "(issue 23): buckets / zero-fill <= 1.", "",
-                  "| layers | hidden | B | n | k | buckets | lengths | padded T | model | s | / eager | / SDPA | "
-                  "/ zero-fill | (range) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in result["mixed"]:
-            lines.append(f"| {r['layers']} | {r['hidden']} | {r['b']} | {r['n']} | {r['k']} | {r['lengths']} | "
-                         f"{r['t_range'][0]}–{r['t_range'][1]} | {r['padded_length']} | {r['model']} | {r['s']:.3f} | "
-                         f"{r['ratio']:.2f} | {r['sdpa_ratio']:.2f} | {r['zero_fill_ratio']:.2f} | "
-                         f"{_range(r, 'zero_fill_ratio_range')} |")
+        lines += _mixed_lines(result)
     lines += ["", "## Attention function (q, k, v as a model gives them: (B, n, H, d) projections seen as "
               "(B, H, n, d); H = 12)", "",
               "| n | B | k | mode | case | auto | ms | / eager | / SDPA | mac_ratio | saved for backward (MiB) |",
@@ -215,3 +205,28 @@ def markdown(result: dict) -> str:
     for r in result["peers"]:
         lines.append(f"| {r['n']} | {r['b']} | {r['k']} | {r['case']} | {r['ms']:.2f} | {r['ratio']:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def _mixed_lines(result: dict) -> list[str]:
+    """The mixed-length rows' table (benchmarks/mixed.py)."""
+    lines = ["", "## A batch of mixed lengths (inference; benchmarks/mixed.py)", "",
+             "Inputs of lengths drawn uniformly in the range, padded to the longest. Zero-fill: one bucket "
+             "(n's P and R for every input); buckets: each input in the smallest bucket >= its length. Goal "
+             "(issue 23): buckets / zero-fill <= 1.", "",
+             "| layers | hidden | B | n | k | buckets | lengths | padded T | model | s | / eager | / SDPA | "
+             "/ zero-fill | (range) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["mixed"]:
+        lines.append(f"| {r['layers']} | {r['hidden']} | {r['b']} | {r['n']} | {r['k']} | {r['lengths']} | "
+                     f"{r['t_range'][0]}–{r['t_range'][1]} | {r['padded_length']} | {r['model']} | {r['s']:.3f} | "
+                     f"{r['ratio']:.2f} | {r['sdpa_ratio']:.2f} | {r['zero_fill_ratio']:.2f} | "
+                     f"{_range(r, 'zero_fill_ratio_range')} |")
+    return lines
+
+
+def mixed_markdown(result: dict) -> str:
+    """The report of ``run.py --only-mixed``."""
+    m = result["machine"]
+    head = ["# A batch of mixed input lengths: buckets vs zero-fill vs eager and SDPA", "",
+            f"Command: `{result['command']}`  ", f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} "
+            f"({m['torch_threads']} threads)."]
+    return "\n".join(head + _mixed_lines(result)) + "\n"

@@ -198,6 +198,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--allocator", choices=tuple(ALLOCATORS), default="default",
                         help="glibc malloc settings to run under (reuse: a child process with freed blocks kept)")
+    parser.add_argument("--only-mixed", action="store_true",
+                        help="only the mixed-length whole-model rows (benchmarks/mixed.py) -> mixed.json / mixed.md")
     parser.add_argument("--model-spec", default=None, help=argparse.SUPPRESS)  # internal: one model comparison
     parser.add_argument("--model-repeats", type=int, default=None, help=argparse.SUPPRESS)
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -221,6 +223,18 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     spec = QUICK if args.quick else FULL
     repeats = args.repeats or spec["repeats"]
+    if args.only_mixed:
+        from report import mixed_markdown  # noqa: E402  (sibling module)
+
+        rows = []
+        for model_spec in spec["mixed"]:
+            rows += model_rows_in_a_fresh_process(model_spec, args.repeats or spec["model_repeats"], args.threads)
+        mixed = {"command": command_line("run.py", argv), "machine": machine(), "mixed": rows}
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"mixed{suffix}.json").write_text(json.dumps(mixed, indent=1))
+        (out / f"mixed{suffix}.md").write_text(mixed_markdown(mixed))
+        sys.stdout.write(mixed_markdown(mixed))
+        return mixed
     result = {"command": command_line("run.py", argv), "machine": {**machine(), "allocator": args.allocator,
               "allocator_env": ALLOCATORS[args.allocator]}, "attention": [], "breakdown": {}, "peers": [], "model": []}
     for shape in spec["shapes"]:

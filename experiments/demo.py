@@ -5,7 +5,10 @@
 3. Whole-matrix covariance per layer at a small n (n²×n² is 2 GiB at n = 128 and the whole-matrix greedy
    costs O(n⁴) per step), for Fig. 3, 5, 6 (global vs per-query), 8–9 (whole vs per-query), and Fig. 4
    (overlap with a second corpus: installed packages' READMEs).
-4. Conversion at one k to a PartialBert checkpoint, reload with ``AutoModel``, cosine of sentence embeddings.
+4. Length buckets (16, 32, 64, 128): per-query covariances of the text's sentences and paragraphs at their own
+   lengths, P and R per bucket at the converted k, each bucket's held-out error beside the zero fill of n's pattern.
+5. Conversion at one k to a PartialBert checkpoint carrying the buckets, reload with ``AutoModel``, cosine of
+   sentence embeddings beside the one-bucket (zero-fill) model.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from hf_partial_attention.analysis.collect import collect_covariance, load_model
 from hf_partial_attention.analysis.corpus import default_texts, package_readmes, pydoc_paragraphs, split_heldout
 from hf_partial_attention.analysis.covariance import ScoreCovariance
 from hf_partial_attention.analysis.defaults import resolve_model
+from hf_partial_attention.analysis.lengths import analyze_lengths, derive_lengths
 from hf_partial_attention.analysis.embeddings import (
     embedding_cosines, mean_pooled_embeddings, summarize_cosines, text_batches, window_batches,
 )
@@ -33,6 +37,8 @@ from hf_partial_attention.analysis.workflow import (
 from hf_partial_attention.cost import score_cost
 from hf_partial_attention.pattern import AttentionPattern
 from hf_partial_attention.reconstruction import nearest_keys
+
+from .lengths import LENGTHS, fit_documents  # the bucket study's fit inputs: the text's sentences and paragraphs
 
 logger = logging.getLogger(__name__)
 
@@ -89,11 +95,12 @@ def _embeddings(model_path: str, out: str, ks, convert_k: int, seq_len: int, bat
                                                                             f"per_query_k{k}.safetensors"))
                   for k in ks}
     candidates[f"band P + R, k={convert_k}"] = fit_pattern(cov, nearest_keys(cov.seq_len, convert_k), "per_query")
-    checkpoint = os.path.join(out, "checkpoint")
-    conv = convert(os.path.join(out, "patterns", f"per_query_k{convert_k}.safetensors"), checkpoint, model_path)
+    checkpoint = os.path.join(out, "checkpoint")  # the length buckets of step 4
+    conv = convert(os.path.join(out, "patterns", f"buckets_k{convert_k}.safetensors"), checkpoint, model_path)
     rows = []
     models = {name: PartialBertModel.from_bert(original, p).eval() for name, p in candidates.items()}
-    models[f"checkpoint (AutoModel), k={convert_k}"] = AutoModel.from_pretrained(checkpoint).eval()
+    models[f"checkpoint (AutoModel, length buckets {conv['lengths']}), k={convert_k}"] = (
+        AutoModel.from_pretrained(checkpoint).eval())
     for name, model in models.items():
         for label, batches in inputs.items():
             emb = mean_pooled_embeddings(model, batches, progress, f"{name[:12]}")
@@ -103,7 +110,8 @@ def _embeddings(model_path: str, out: str, ks, convert_k: int, seq_len: int, bat
 
 def run_demo(out: str = "runs/demo", model: str | None = None, *, seq_len: int = 128, fit_sequences: int = 320,
              heldout_sequences: int = 64, ks=(16, 24, 32, 48), convert_k: int = 16, whole_seq_len: int = 32,
-             whole_sequences: int = 640, batch_size: int = 8, progress: bool = True) -> dict:
+             whole_sequences: int = 640, batch_size: int = 8, bucket_inputs: int | None = None,
+             progress: bool = True) -> dict:
     """Run the demo end to end into ``out`` (report.md, figures/, patterns/, checkpoint/, whole_n*/)."""
     if convert_k not in ks:
         raise ValueError(f"convert_k={convert_k} must be one of ks={list(ks)} (the pattern is derived there).")
@@ -119,6 +127,11 @@ def run_demo(out: str = "runs/demo", model: str | None = None, *, seq_len: int =
     t = time.perf_counter()
     derive(out, ks, "per_query", batch_size=batch_size, progress=progress, section=f"derive_per_query_n{seq_len}")
     steps["patterns and held-out baselines"] = time.perf_counter() - t
+    t = time.perf_counter()
+    analyze_lengths(model, fit_documents(), out, lengths=LENGTHS, kind="sentence", model_id=model_id,
+                    max_inputs=bucket_inputs, max_heldout=bucket_inputs, batch_size=batch_size * 2, progress=progress)
+    derive_lengths(out, [convert_k], batch_size=batch_size * 2, progress=progress)  # beside patterns/per_query_k*
+    steps["length buckets (sentences and paragraphs)"] = time.perf_counter() - t
     t = time.perf_counter()
     whole = _whole_analysis(model, texts, os.path.join(out, f"whole_n{whole_seq_len}"), whole_seq_len,
                             whole_sequences, heldout_sequences * 2, batch_size, progress, model_id)

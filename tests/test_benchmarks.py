@@ -73,6 +73,20 @@ def test_quick_benchmark_writes_tables_and_goals(tmp_path):
             assert r["ratio"] == pytest.approx(r["s"] / models["BertModel eager"]["s"], rel=1e-9)
             assert r["sdpa_ratio"] == pytest.approx(r["s"] / models["BertModel sdpa"]["s"], rel=1e-9)
 
+    # the mixed-length batch (benchmarks/mixed.py): the four models on the same batch, each over zero-fill by round
+    mixed = {r["model"]: r for r in saved["mixed"]}
+    assert len(saved["mixed"]) == 4 and set(mixed) == {"BertModel eager", "BertModel sdpa", "PartialBert zero-fill",
+                                                       "PartialBert buckets"}
+    zero = mixed["PartialBert zero-fill"]
+    assert zero["zero_fill_ratio"] == 1.0 and zero["zero_fill_ratio_range"] == [1.0, 1.0]
+    for r in mixed.values():
+        assert (r["mode"], r["n"], r["k"], r["lengths"], r["t_range"]) == ("inference, mixed lengths", 32, 4,
+                                                                           [8, 16, 32], [3, 30])
+        assert len(r["input_lengths"]) == r["b"] == 4 and r["padded_length"] == max(r["input_lengths"])
+        assert all(3 <= t <= 30 for t in r["input_lengths"]) and r["input_lengths"] == zero["input_lengths"]
+        assert r["zero_fill_ratio"] == pytest.approx(r["round_s"][0] / zero["round_s"][0], rel=1e-12)  # one round
+        assert r["ratio"] == pytest.approx(r["round_s"][0] / mixed["BertModel eager"]["round_s"][0], rel=1e-12)
+
     # the goals: read from the rows above (recomputed here), met against the stated bound
     goals = {g["goal"]: g for g in saved["goals"]}
     structured = [r for r in att if r["n"] == 16 and r["k"] == 4 and r["mode"] == "forward"
@@ -99,6 +113,10 @@ def test_quick_benchmark_writes_tables_and_goals(tmp_path):
             f"{'yes' if train['met'] else 'no'} | PartialBert shared |") in lines
     table = [line for line in lines if line.count("|") == 12 and line.split("|")[4].strip() in MODES]
     assert len(table) == len(att)
+    assert "## A batch of mixed lengths (inference; benchmarks/mixed.py)" in lines
+    for r in saved["mixed"]:
+        assert (f"| 2 | 32 | 4 | 32 | 4 | [8, 16, 32] | 3–30 | {r['padded_length']} | {r['model']} | {r['s']:.3f} | "
+                f"{r['ratio']:.2f} | {r['sdpa_ratio']:.2f} | {r['zero_fill_ratio']:.2f} |") in text
 
 
 def test_model_ratios_pair_each_round_with_its_baseline():

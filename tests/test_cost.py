@@ -39,3 +39,35 @@ def test_forward_ratio_by_hand():
     assert forward_ratio(128, 16, 64, dense_reconstruction=True, dense_exact=True) == pytest.approx(18432 / 16384)
     # n = 128, d = 64, k = 32, QKᵀ and R alone: (8192 + 96·32 + 8192) / 16384
     assert forward_ratio(128, 32, 64, dense_exact=True) == pytest.approx(19456 / 16384)
+
+
+def test_bucket_savings_by_hand():
+    from hf_partial_attention.cost import bucket_savings
+
+    # k = 6, d_h = 8, per query: 1 − (k·d_h + (b − k)·k) / (b·d_h); b <= k runs exactly
+    got = bucket_savings([4, 6, 8, 16, 32], 6, 8)
+    assert list(got) == [4, 6, 8, 16, 32]
+    assert got[4] == 0.0 and got[6] == 0.0  # exact buckets (b < k, b = k)
+    assert got[8] == pytest.approx(1 - (48 + 2 * 6) / 64)  # 0.0625
+    assert got[16] == pytest.approx(1 - (48 + 10 * 6) / 128)  # 0.15625
+    assert got[32] == pytest.approx(1 - (48 + 26 * 6) / 256)  # 0.203125
+    assert bucket_savings([128], 16, 32) == {128: pytest.approx(0.4375)}  # one bucket: the n saving
+
+
+def test_distribution_saving_by_hand():
+    from hf_partial_attention.cost import distribution_saving
+
+    lengths, k, d = [32, 4, 16, 8], 6, 8  # any order
+    # T = 3 -> bucket 4, exact: 9·8 = 72 either way
+    # T = 7 -> bucket 8: dense 49·8 = 392, partial 7·(6·8 + 2·6) = 420
+    # T = 12 -> bucket 16: dense 144·8 = 1152, partial 12·(48 + 10·6) = 1296
+    # T = 32 -> bucket 32: dense 1024·8 = 8192, partial 32·(48 + 26·6) = 6528
+    want = 1 - (72 + 420 + 1296 + 6528) / (72 + 392 + 1152 + 8192)  # 1 − 8316 / 9808
+    assert distribution_saving(lengths, k, d, [3, 7, 12, 32]) == pytest.approx(want)
+    assert distribution_saving(lengths, k, d, [1, 2, 4]) == 0.0  # exact buckets only
+    assert distribution_saving([6, 16], k, d, [5, 6]) == 0.0  # b = k is exact too (not 5·48 + 6·48 vs 25·8 + 36·8)
+    # T = 5 < k in bucket 8: 5·(48 + 12) = 300 against 5·5·8 = 200 dense, i.e. −50 %
+    assert distribution_saving([8], k, d, [5]) == pytest.approx(-0.5)
+    assert distribution_saving(lengths, k, d, []) == 0.0
+    with pytest.raises(ValueError, match="an input of 33 tokens exceeds the longest bucket 32"):
+        distribution_saving(lengths, k, d, [3, 33])

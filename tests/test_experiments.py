@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from experiments import cli as studies_cli
 from experiments.table1_spec import Arm, StudyArguments, job_names, study_arms
@@ -185,7 +186,8 @@ def test_no_import_cycle_in_the_repository():
 def test_demo_small(tmp_path, minilm_path, capsys):
     out = str(tmp_path / "demo")
     assert studies_cli.main(["demo", "--out", out, "--fit-sequences", "16", "--heldout-sequences", "8", "--k", "16",
-                             "32", "--whole-seq-len", "16", "--whole-sequences", "32", "--no-progress"]) == 0
+                             "32", "--whole-seq-len", "16", "--whole-sequences", "32", "--bucket-inputs", "96",
+                             "--no-progress"]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith(f"Wrote {os.path.join(out, 'report.md')} in ")
     assert printed.rstrip().endswith(f"checkpoint {os.path.join(out, 'checkpoint')} (k = 16)")
@@ -196,3 +198,41 @@ def test_demo_small(tmp_path, minilm_path, capsys):
     assert "sentence-transformers/all-MiniLM-L6-v2" in report
     assert minilm_path not in report and str(tmp_path) not in report
     assert os.path.isfile(os.path.join(out, "checkpoint", "config.json"))
+    config = json.load(open(os.path.join(out, "checkpoint", "config.json")))
+    assert config["partial_lengths"] == [16, 32, 64, 128]  # the checkpoint carries the length buckets
+    assert "Length buckets" in report
+
+
+def test_lengths_small(tmp_path, minilm_path, capsys):
+    """The tiny version of `make lengths`: every arm, kind and k measured, the goals table rendered, the figure drawn,
+    and the three arms give different embeddings (each runs its own P and R)."""
+    results = str(tmp_path / "results")
+    assert studies_cli.main(["lengths", "--out", str(tmp_path / "run"), "--results", results, "--k", "16",
+                             "--fit-windows", "16", "--fit-inputs", "120", "--max-heldout", "24",
+                             "--no-progress"]) == 0
+    assert capsys.readouterr().out.startswith(f"Wrote {os.path.join(results, 'lengths.md')} in ")
+    data = json.load(open(os.path.join(results, "lengths.json")))
+    arms = {(r["arm"], r["inputs_kind"]) for r in data["rows"]}
+    assert {arm for arm, _ in arms} == {"zero-fill", "buckets", "conditional"}
+    assert {kind for _, kind in arms} >= {"sentences", "paragraphs", "windows"}
+    by_arm = {}
+    for r in data["rows"]:
+        if r["inputs_kind"] == "sentences" and r["bucket"] == 32:
+            by_arm[r["arm"]] = r["one_minus_cos"]
+            assert len(r["hidden_error"]) == 6 and 0 <= r["spearman"] <= 1
+    assert len(set(by_arm.values())) == 3, by_arm
+    text = open(os.path.join(results, "lengths.md")).read()
+    assert "## Goals at k = 16" in text and "sentence-transformers/all-MiniLM-L6-v2" in text
+    assert minilm_path not in text and os.path.isfile(os.path.join(results, "figures", "one_minus_cos_vs_length.png"))
+
+
+def test_spearman_matches_scipy():
+    from scipy.stats import spearmanr
+
+    from experiments.lengths import spearman
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(200, generator=g, dtype=torch.float64)
+    b = a + 0.7 * torch.randn(200, generator=g, dtype=torch.float64)
+    assert abs(spearman(a, b) - spearmanr(a.numpy(), b.numpy()).statistic) < 1e-12
+    assert spearman(a, -a) == pytest.approx(-1.0)

@@ -147,3 +147,24 @@ def test_base_model_card_is_feature_extraction():
     card = build_model_card(PartialBertModel(PartialBertConfig(**TINY)))
     validate_card_metadata(card)
     assert card.data.pipeline_tag == "feature-extraction" and "AutoModel.from_pretrained" in card.text
+
+
+def test_card_of_a_bucketed_model_lists_its_buckets():
+    """partial_lengths [4, 8, 16, 32], k = 8, d_h = 64 / 4 = 16: 4 and 8 (b <= k) run exactly; bucket 16 saves
+    1 − (8·16 + 8·8) / (16·16) = 25.0 %, n = 32 saves 1 − (8·16 + 24·8) / (32·16) = 37.5 %."""
+    torch.manual_seed(0)
+    model = PartialBertForMaskedLM(PartialBertConfig(**TINY, partial_lengths=[4, 8, 16, 32], reconstruction="common"))
+    text = build_model_card(model).text
+    lines = text.splitlines()
+    assert "- **Length buckets** [4, 8, 16, 32]: each bucket b holds its own P (b, k) and R (b, b − k, k), fitted " \
+           "on inputs of" in lines
+    assert ("to b. Buckets with b ≤ k = 8 run exact attention. Saving of QKᵀ per query and head in each "
+            "bucket:") in text
+    header = lines.index("| bucket b | P and R | saving |")
+    assert lines[header + 2:header + 6] == ["| 4 | exact (b ≤ k) | 0.0 % |", "| 8 | exact (b ≤ k) | 0.0 % |",
+                                            "| 16 | `bert.encoder.partial_pattern_len16` | 25.0 % |",
+                                            "| 32 | `bert.encoder.partial_pattern` | 37.5 % |"]
+    assert lines[header + 6] == ""  # the table ends there
+    assert "bert.encoder.partial_pattern_len16" in dict(model.named_modules())  # the name is the module's
+    one = build_model_card(PartialBertForMaskedLM(PartialBertConfig(**TINY, reconstruction="common"))).text
+    assert "Length buckets" not in one and "| bucket b |" not in one
