@@ -36,6 +36,7 @@ from hf_partial_attention.analysis.defaults import resolve_model
 from hf_partial_attention.analysis.inputs import TokenizedInputs, split_sentences, tokenize_inputs
 from hf_partial_attention.analysis.lengths import analyze_lengths, derive_lengths
 from hf_partial_attention.analysis.workflow import COVARIANCE_FILE, analyze, derive
+from hf_partial_attention.cost import bucket_savings, distribution_saving
 from hf_partial_attention.modeling_partial_bert import PartialBertModel
 from hf_partial_attention.pattern import AttentionPattern
 from hf_partial_attention.pattern_buckets import PatternBuckets, bucket_for
@@ -212,14 +213,22 @@ def run_lengths(out: str = "runs/lengths", results: str = "results/lengths", mod
                     logger.info("k=%d %s %s b=%d: 1-cos %.4f, spearman %s", k, arm, kind, b, row["one_minus_cos"],
                                 row["spearman"])
     steps["held-out measurement"] = time.perf_counter() - t
+    d_head = original.config.hidden_size // original.config.num_attention_heads
+    real = [int(x) for tk in tokens.values() for x in tk.lengths]  # every held-out real input's length
+    saving = {str(k): {"buckets": distribution_saving(lengths, k, d_head, real),
+                       "zero_fill": distribution_saving([lengths[-1]], k, d_head, real),
+                       "per_bucket": {str(b): v for b, v in bucket_savings(lengths, k, d_head).items()}} for k in ks}
     result = {"command": command or "python -m experiments lengths", "model": model_id, "lengths": list(lengths), "ks": list(ks),
               "fit": {"windows": fit_windows, "bucket_inputs": json.loads(json.dumps(
                   {row["length"]: row["fit_inputs"] for row in derived["ks"][str(ks[0])]["buckets"]}))},
-              "score_errors": derived["ks"], "rows": rows,
+              "score_errors": derived["ks"], "rows": rows, "head_dim": d_head, "saving": saving,
+              "heldout_lengths": {"median": sorted(real)[len(real) // 2], "p10": sorted(real)[len(real) // 10],
+                                  "p90": sorted(real)[9 * len(real) // 10]},
               "seconds": {name: round(s, 1) for name, s in steps.items()},
               "total_seconds": round(time.perf_counter() - start, 1)}
     os.makedirs(os.path.join(results, "figures"), exist_ok=True)
-    result["figures"] = plot_against_length(rows, os.path.join(results, "figures"))
+    figures = plot_against_length(rows, os.path.join(results, "figures"))
+    result["figures"] = {name: os.path.relpath(path, results) for name, path in figures.items()}  # no machine paths
     with open(os.path.join(results, "lengths.json"), "w") as f:
         json.dump(result, f, indent=1)
     with open(os.path.join(results, "lengths.md"), "w") as f:

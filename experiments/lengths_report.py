@@ -51,6 +51,14 @@ def render(result: dict) -> str:
              "Columns: 1 − cos = mean over inputs of 1 − cosine of mean-pooled embeddings to the original model's; "
              "Spearman = rank correlation of all pairwise cosine similarities with the original's; hidden = each "
              "layer's relative hidden-state error at real positions (‖h − h₀‖ / ‖h₀‖).", ""]
+    if "saving" in result:
+        h = result["heldout_lengths"]
+        lines += [f"Cost (QKᵀ multiply-adds, `cost.distribution_saving`, d_h = {result['head_dim']}) over the held-out "
+                  f"real inputs (median T = {h['median']}, p10–p90 {h['p10']}–{h['p90']}), each against dense attention "
+                  "at its own length: " + "; ".join(
+                      f"k = {k}: buckets save {100 * v['buckets']:.1f} %, zero-fill {100 * v['zero_fill']:.1f} % "
+                      f"(per bucket at T = b: " + ", ".join(f"{b}: {100 * x:.1f} %" for b, x in v["per_bucket"].items())
+                      + ")" for k, v in result["saving"].items()) + ". A negative saving: more work than dense.", ""]
     for k in result["ks"]:
         goals = goal_rows(result, k)
         lines += [f"## Goals at k = {k}", "",
@@ -78,7 +86,7 @@ def render(result: dict) -> str:
                          f"{'exact' if b['exact'] else _f(b.get('heldout'))} | {_f(b.get('zero_fill_n'))} | "
                          f"{_f(b.get('conditional_n'))} | {_f(b.get('conditional_bucket'))} | {_f(b['relative_cost'], 3)} |")
         lines.append("")
-    lines += ["## Figures", ""] + [f"![{name}](figures/{os.path.basename(path)})" for name, path in result["figures"].items()]
+    lines += ["## Figures", ""] + [f"![{name}]({path})" for name, path in result["figures"].items()]
     return "\n".join(lines) + "\n"
 
 

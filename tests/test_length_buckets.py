@@ -199,3 +199,17 @@ def test_compile_fullgraph_and_export_run_the_bucket_of_the_padded_length(t, buc
         assert torch.equal(compiled(input_ids=ids, attention_mask=mask).last_hidden_state, ref)
         exported = torch.export.export(model, (), {"input_ids": ids, "attention_mask": mask})
         assert torch.equal(exported.module()(input_ids=ids, attention_mask=mask).last_hidden_state, ref)
+
+
+def test_onnx_export_of_a_bucketed_model_runs_its_bucket_in_onnxruntime():
+    """ONNX (dynamo exporter): one graph per bucket, of the padded length's bucket, run by onnxruntime."""
+    model = _model("common", dtype=torch.float32)
+    ids = torch.randint(1, 99, (2, 12), generator=torch.Generator().manual_seed(1))  # bucket 16
+    mask = torch.ones_like(ids)
+    mask[1, 10:] = 0
+    program = torch.onnx.export(model, (), kwargs={"input_ids": ids, "attention_mask": mask}, dynamo=True)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        one_bucket = _one_bucket_reference(model, 16, torch.float32)(input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(ref, one_bucket, atol=1e-5, rtol=0)  # eager runs bucket 16 here
+    torch.testing.assert_close(program(input_ids=ids, attention_mask=mask)[0], ref, atol=1e-5, rtol=0)
