@@ -101,6 +101,8 @@ def _lengths_args(p):
     p.add_argument("--k", type=int, nargs="+", default=[8, 16], help="per-query ks to compare at")
     p.add_argument("--max-heldout", type=int, default=600, help="held-out inputs per kind (sentences, ...)")
     p.add_argument("--lengths", type=int, nargs="+", default=[16, 32, 64, 128], help="the length buckets (ending in 128)")
+    p.add_argument("--objective", default="paper", help="the greedy objective of the buckets (selection.OBJECTIVES); "
+                                                        "zero-fill keeps the paper's")
     p.add_argument("--fit-windows", type=int, default=320, help="128-token windows of the zero-fill fit")
     p.add_argument("--fit-inputs", type=int, default=None, help="sentences and paragraphs of the bucket fit (default: all)")
 
@@ -109,6 +111,7 @@ def _run_lengths(args) -> int:
     from .lengths import run_lengths
 
     result = run_lengths(args.out, args.results, args.model, ks=tuple(args.k), lengths=tuple(args.lengths),
+                         objective=args.objective,
                          max_heldout=args.max_heldout,
                          fit_windows=args.fit_windows, fit_inputs=args.fit_inputs, progress=not args.no_progress,
                          command=shlex.join([*PROG.split(), *args.argv]))

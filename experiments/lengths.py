@@ -150,7 +150,7 @@ def _conditional_installer(model, pattern: AttentionPattern, cov: ScoreCovarianc
 
 
 def run_lengths(out: str = "runs/lengths", results: str = "results/lengths", model: str | None = None, *,
-                ks=(8, 16), lengths=LENGTHS, fit_windows: int = 320, heldout_windows: int = 64, fit_inputs: int | None = None,
+                ks=(8, 16), lengths=LENGTHS, objective: str = "paper", fit_windows: int = 320, heldout_windows: int = 64, fit_inputs: int | None = None,
                 max_heldout: int = 600, batch_size: int = 16, progress: bool = True, command: str | None = None) -> dict:
     """Fit, convert and measure (see the module docstring); writes ``results``/lengths.json, lengths.md, figures."""
     start = time.perf_counter()
@@ -159,7 +159,8 @@ def run_lengths(out: str = "runs/lengths", results: str = "results/lengths", mod
     if lengths[-1] != LENGTHS[-1]:
         raise ValueError(f"lengths={list(lengths)} must end with n = {LENGTHS[-1]} (the windows' length).")
     windows_dir = os.path.join(out, "windows")
-    buckets_dir = os.path.join(out, "buckets_" + "_".join(map(str, lengths)))
+    buckets_dir = os.path.join(out, "buckets_" + "_".join(map(str, lengths))
+                               + ("" if objective == "paper" else f"_{objective}"))
     steps = {}
     t = time.perf_counter()
     analyze(model_path, default_texts(), windows_dir, seq_len=LENGTHS[-1], max_sequences=fit_windows,
@@ -173,7 +174,7 @@ def run_lengths(out: str = "runs/lengths", results: str = "results/lengths", mod
     for k in ks:  # the zero-fill reference of derive_lengths' score errors
         AttentionPattern.load(os.path.join(windows_dir, "patterns", f"per_query_k{k}.safetensors")).save(
             os.path.join(buckets_dir, "patterns", f"per_query_k{k}.safetensors"))
-    derived = derive_lengths(buckets_dir, ks, progress=progress)
+    derived = derive_lengths(buckets_dir, ks, objective=objective, progress=progress)  # the buckets' greedy objective
     steps["buckets: analyze_lengths + derive_lengths"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -218,7 +219,7 @@ def run_lengths(out: str = "runs/lengths", results: str = "results/lengths", mod
     saving = {str(k): {"buckets": distribution_saving(lengths, k, d_head, real),
                        "zero_fill": distribution_saving([lengths[-1]], k, d_head, real),
                        "per_bucket": {str(b): v for b, v in bucket_savings(lengths, k, d_head).items()}} for k in ks}
-    result = {"command": command or "python -m experiments lengths", "model": model_id, "lengths": list(lengths), "ks": list(ks),
+    result = {"command": command or "python -m experiments lengths", "model": model_id, "lengths": list(lengths), "ks": list(ks), "objective": objective,
               "fit": {"windows": fit_windows, "bucket_inputs": json.loads(json.dumps(
                   {row["length"]: row["fit_inputs"] for row in derived["ks"][str(ks[0])]["buckets"]}))},
               "score_errors": derived["ks"], "rows": rows, "head_dim": d_head, "saving": saving,

@@ -199,8 +199,11 @@ def _load_heldout(out: str) -> TokenizedInputs | None:
 
 
 def _windows_reference(out: str, tag: str, k: int, centered: bool | None):
-    """The fixed-window pattern of n for k (``patterns/{tag}_k{k}``) and the n-window covariance, when present."""
+    """The fixed-window pattern of n for k (``patterns/{tag}_k{k}``, else the paper objective's ``per_query_k{k}``: the
+    zero fill a one-bucket model runs today) and the n-window covariance, when present."""
     path = os.path.join(out, "patterns", f"{tag}_k{k}.safetensors")
+    if not os.path.isfile(path):
+        path = os.path.join(out, "patterns", f"per_query_k{k}.safetensors")
     pattern = AttentionPattern.load(path) if os.path.isfile(path) else None
     cov_path = os.path.join(out, "covariance.safetensors")
     conditional = None
