@@ -82,6 +82,21 @@ def load_text_datasets(data_args, cache_dir: str | None = None, token: str | Non
     return DatasetDict(train=raw["train"], validation=raw["validation"])
 
 
+def _text_setup(raw, tokenizer, length: int, text_column: str | None, field: str):
+    """What both tokenizers need: the first split, its text column, [CLS] / [SEP] ids, whether examples are wrapped
+    in them, and the tokens left between them (a ValueError naming ``field`` when none are)."""
+    first = next(iter(raw.values()))
+    column = text_column or ("text" if "text" in first.column_names else first.column_names[0])
+    if column not in first.column_names:
+        raise ValueError(f"text_column_name={column!r} not in the dataset's columns {first.column_names}.")
+    cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
+    wrap = cls is not None and sep is not None
+    body = length - 2 if wrap else length
+    if body < 1:
+        raise ValueError(f"{field}={length} leaves no room for tokens between [CLS] and [SEP]; use >= 3.")
+    return first, column, cls, sep, wrap, body
+
+
 def group_into_windows(raw, tokenizer, window: int, text_column: str | None = None, num_proc: int | None = None,
                        load_from_cache_file: bool = True):
     """Tokenize every split and cut the token stream into windows of exactly `window` tokens.
@@ -89,15 +104,7 @@ def group_into_windows(raw, tokenizer, window: int, text_column: str | None = No
     Each window is ``[CLS] + window−2 tokens + [SEP]`` when the tokenizer has both special tokens, else
     `window` plain tokens. The tail of each map batch (1000 texts) shorter than a window is dropped.
     """
-    first = next(iter(raw.values()))
-    column = text_column or ("text" if "text" in first.column_names else first.column_names[0])
-    if column not in first.column_names:
-        raise ValueError(f"text_column_name={column!r} not in the dataset's columns {first.column_names}.")
-    cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
-    wrap = cls is not None and sep is not None
-    body = window - 2 if wrap else window
-    if body < 1:
-        raise ValueError(f"window={window} leaves no room for tokens between [CLS] and [SEP].")
+    first, column, cls, sep, wrap, body = _text_setup(raw, tokenizer, window, text_column, "window")
 
     def tokenize_and_cut(batch: dict[str, list]) -> dict[str, list]:
         texts = [t for t in batch[column] if isinstance(t, str) and t.strip()]
@@ -133,15 +140,7 @@ def examples_at_own_length(raw, tokenizer, max_length: int, unit: str = "lines",
     """
     if unit not in MLM_INPUTS[1:]:
         raise ValueError(f"unit={unit!r} is not one of {MLM_INPUTS[1:]}; whole windows come from group_into_windows.")
-    first = next(iter(raw.values()))
-    column = text_column or ("text" if "text" in first.column_names else first.column_names[0])
-    if column not in first.column_names:
-        raise ValueError(f"text_column_name={column!r} not in the dataset's columns {first.column_names}.")
-    cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
-    wrap = cls is not None and sep is not None
-    body = max_length - 2 if wrap else max_length
-    if body < 1:
-        raise ValueError(f"max_length={max_length} leaves no room for tokens between [CLS] and [SEP]; use >= 3.")
+    first, column, cls, sep, wrap, body = _text_setup(raw, tokenizer, max_length, text_column, "max_length")
 
     def tokenize(batch: dict[str, list]) -> dict[str, list]:
         texts = [t.strip() for t in batch[column] if isinstance(t, str) and t.strip()]
