@@ -13,6 +13,7 @@ from transformers import TrainingArguments
 
 from ..configuration_partial_bert import RECONSTRUCTION_MODES
 from .data import MLM_INPUTS
+from .recovery import ATTENTION_TRANSFER_PARAMETERS, parse_recovery_objective
 
 __all__ = ["PartialAttentionTrainingArguments", "ModelArguments", "MlmDataArguments", "MnliDataArguments"]
 
@@ -45,6 +46,25 @@ class PartialAttentionTrainingArguments(TrainingArguments):
                           "the strategy). Lengths come from --length_column_name if the dataset has it, else from "
                           "the input ids."},
     )
+    recovery_objective: str = field(
+        default="mlm",
+        metadata={"help": "What training minimises, comma-separated terms summed with --recovery_weights: mlm (the "
+                          "model's own loss), attention_transfer (each partial layer's attention output on the exact "
+                          "teacher's input to that layer, MSE), distill_kl, distill_hidden, distill (both), embedding "
+                          "(mean-pooled normalised embedding, squared distance). Every term but mlm needs the exact "
+                          "teacher (PartialAttentionTrainer's teacher_model, default the model's exact twin)."},
+    )
+    recovery_weights: str | None = field(
+        default=None, metadata={"help": "Comma-separated weights, one per term of --recovery_objective (default 1)."}
+    )
+    attention_transfer_parameters: str | None = field(
+        default=None,
+        metadata={"help": "What trains when the objective is attention_transfer alone: reconstruction (R and bias), "
+                          "query_key (also the partial layers' query and key weights) or as_given (the caller's "
+                          "choice, e.g. LoRA adapters). Default reconstruction; with other terms, as_given.",
+                  "choices": ATTENTION_TRANSFER_PARAMETERS},
+    )
+    distill_temperature: float = field(default=1.0, metadata={"help": "Temperature of the distill_kl term."})
     mlm_logits_at_masked_only: bool = field(
         default=False,
         metadata={"help": "MLM models (with .bert and .cls): compute vocabulary logits only at the labelled "
@@ -63,6 +83,13 @@ class PartialAttentionTrainingArguments(TrainingArguments):
             raise ValueError(f"reconstruction_learning_rate must be >= 0 or None, got {lr}.")
         if self.reconstruction_weight_decay < 0:
             raise ValueError(f"reconstruction_weight_decay must be >= 0, got {self.reconstruction_weight_decay}.")
+        parse_recovery_objective(self.recovery_objective, self.recovery_weights)  # a ValueError naming the term
+        if (self.attention_transfer_parameters is not None
+                and self.attention_transfer_parameters not in ATTENTION_TRANSFER_PARAMETERS):
+            raise ValueError(f"attention_transfer_parameters must be one of {ATTENTION_TRANSFER_PARAMETERS}, got "
+                             f"{self.attention_transfer_parameters!r}.")
+        if self.distill_temperature <= 0:
+            raise ValueError(f"distill_temperature must be > 0, got {self.distill_temperature}.")
 
 
 @dataclass

@@ -20,6 +20,9 @@ What it adds to `Trainer`:
   eval batch size and process count. The stock loop averages per-batch means weighted by the batch size, lets
   the training normaliser ``num_items_in_batch`` rescale them, and counts the examples accelerate repeats to even
   out the last batch across processes.
+- Recovery objectives beside the model's own loss (``--recovery_objective``, `recovery`): attention transfer,
+  distillation and embedding matching against a frozen exact teacher (``teacher_model``, default the model's
+  exact twin taken at construction), each term logged as ``recovery/<term>``.
 - This project's model card (P, R, cost, base model, training details) from `create_model_card`, so
   ``trainer.push_to_hub()`` uploads it instead of the Trainer's template.
 
@@ -41,6 +44,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from ..model_card import write_model_card
 from ..modeling_partial_bert import PartialBertPreTrainedModel
+from .recovery import recovery_losses, setup_recovery
 from .sampling import EpochLengthGroupedSampler, example_lengths
 
 logger = logging.getLogger(__name__)
@@ -113,8 +117,13 @@ class PartialAttentionTrainer(Trainer):
     ```
     """
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, model=None, args=None, *rest, teacher_model: torch.nn.Module | None = None, **kwargs):
+        # Before Trainer moves the model or a checkpoint is loaded into it: the teacher is the model as converted.
+        self.recovery, teacher_model = setup_recovery(model, args, teacher_model)
+        super().__init__(model, args, *rest, **kwargs)
+        self.teacher_model = teacher_model
+        self._recovery_tally: dict[str, float] = {}
+        self._recovery_count = 0
         # compute_loss normalises by the global item count itself (see the module docstring), so the Trainer
         # must count items and must not divide by the accumulation steps again.
         self.model_accepts_loss_kwargs = True
@@ -182,6 +191,8 @@ class PartialAttentionTrainer(Trainer):
         """
         if self.label_smoother is not None or self.compute_loss_func is not None:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if not self.recovery.is_model_loss:
+            return self._recovery_loss(model, inputs, return_outputs, num_items_in_batch)
         if getattr(self.args, "mlm_logits_at_masked_only", False) and inputs.get("labels") is not None:
             outputs = masked_only_mlm_loss(self.accelerator.unwrap_model(model), inputs)
         else:
@@ -201,6 +212,24 @@ class PartialAttentionTrainer(Trainer):
             if self.args.average_tokens_across_devices and self.accelerator.num_processes > 1:
                 loss = loss * (self.accelerator.num_processes // self.get_tp_size())
         return (loss, outputs) if return_outputs else loss
+
+    def _recovery_loss(self, model, inputs, return_outputs, num_items_in_batch):
+        """`recovery.recovery_losses` of the batch: a mean over this process's batch, divided by the accumulation
+        steps while training (the Trainer leaves that to a loss that gets ``num_items_in_batch``)."""
+        teacher = self.teacher_model
+        device = next(model.parameters()).device
+        if next(teacher.parameters()).device != device:
+            teacher.to(device)
+        layers = getattr(self.accelerator.unwrap_model(model).config, "partial_layers", ())
+        loss, terms = recovery_losses(model, teacher, inputs, self.recovery, layers,
+                                      temperature=getattr(self.args, "distill_temperature", 1.0))
+        if model.training:
+            for name, value in terms.items():
+                self._recovery_tally[name] = self._recovery_tally.get(name, 0.0) + float(value)
+            self._recovery_count += 1
+            if num_items_in_batch is not None:
+                loss = loss / self.current_gradient_accumulation_steps
+        return (loss, {"loss": loss}) if return_outputs else loss
 
     # ------------------------------------------------------------------ samplers
     def _model_input_name(self) -> str:
@@ -292,6 +321,10 @@ class PartialAttentionTrainer(Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and getattr(self.args, "log_reconstruction_stats", True):
             logs.update(self.reconstruction_stats())
+        if "loss" in logs and self._recovery_count:
+            logs.update({f"recovery/{name}": total / self._recovery_count
+                         for name, total in self._recovery_tally.items()})
+            self._recovery_tally, self._recovery_count = {}, 0
         super().log(logs, start_time)
 
     def _example_losses(self, outputs, labels: torch.Tensor, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -314,8 +347,18 @@ class PartialAttentionTrainer(Trainer):
         return sums.float(), counts
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        """`Trainer.prediction_step`; adds the batch's summed loss and labelled items to the evaluation tally."""
+        """`Trainer.prediction_step`; adds the batch's summed loss and labelled items to the evaluation tally. With
+        a recovery objective the loss is that objective's (each example weighted once), and no logits are kept."""
         self._eval_step = None
+        if not self.recovery.is_model_loss:
+            inputs = self._prepare_inputs(inputs)
+            with torch.no_grad():
+                loss = self._recovery_loss(model, inputs, False, None).detach()
+            if self._eval_tally is not None:
+                batch = next(iter(inputs.values())).shape[0]
+                per_example = torch.stack([loss.float().expand(batch), torch.ones(batch, device=loss.device)], 1)
+                self._eval_tally += self.gather_function(per_example).sum(0).double().cpu()  # (2,)
+            return loss, None, None
         result = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         if self._eval_tally is not None and self._eval_step is not None:
             per_example = torch.stack(self._eval_step, 1)  # (B, 2): summed loss, labelled items
