@@ -277,3 +277,22 @@ def test_a_wrapped_model_needs_its_teacher(tokenizer):
     wrapper = torch.nn.Sequential(student)
     with pytest.raises(TypeError, match="pass the exact model yourself"):
         exact_teacher(wrapper)
+
+
+def test_a_batch_of_exact_bucket_inputs_is_a_no_op_step(tokenizer, windows, tmp_path):
+    """With R alone trained and every input in the exact bucket (T <= k), no trained weight reaches the loss: the step
+    must run (not fail in backward) and leave R as it was."""
+    from hf_partial_attention.pattern_buckets import PatternBuckets
+
+    torch.manual_seed(0)
+    source = BertForMaskedLM(bert_config(tokenizer)).eval()
+    buckets = PatternBuckets({N: AttentionPattern.local(N, K)}, exact_lengths=[K])
+    student = PartialBertForMaskedLM.from_bert(source, buckets, reconstruction="per_layer")
+    assert student.config.partial_lengths == [K, N]
+    short = windows.map(lambda row: {"input_ids": row["input_ids"][:K - 1] + [tokenizer.sep_token_id],
+                                     "attention_mask": [1] * K, "special_tokens_mask": [1] + [0] * (K - 2) + [1]})
+    trainer = _trainer(tokenizer, short, str(tmp_path), "attention_transfer", model=student, max_steps=2)
+    before = {k: v.clone() for k, v in student.reconstruction_tensors().items()}
+    trainer.train()
+    for name, r in student.reconstruction_tensors().items():
+        assert torch.equal(r, before[name]), name
