@@ -236,3 +236,40 @@ def test_spearman_matches_scipy():
     b = a + 0.7 * torch.randn(200, generator=g, dtype=torch.float64)
     assert abs(spearman(a, b) - spearmanr(a.numpy(), b.numpy()).statistic) < 1e-12
     assert spearman(a, -a) == pytest.approx(-1.0)
+
+
+def test_recover_small(tmp_path, minilm_path, capsys):
+    """The tiny version of `make recover`: buckets fitted, converted, two recovery steps, measured, saved. The saved
+    checkpoint is the measured one (its embeddings reproduce the recovered row), it differs from the conversion, it
+    loads in sentence-transformers, and its card names the base model, the command and the numbers."""
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoTokenizer, BertModel
+
+    import hf_partial_attention  # noqa: F401  (registers PartialBert with the Auto classes)
+    from experiments.recover import _heldout, measure
+    from hf_partial_attention.modeling_partial_bert import PartialBertModel
+
+    out, results = str(tmp_path / "run"), str(tmp_path / "results")
+    assert studies_cli.main(["recover", "--out", out, "--results", results, "--steps", "2", "--batch-size", "8",
+                             "--train-inputs", "48", "--fit-inputs", "120", "--max-heldout", "24",
+                             "--no-progress"]) == 0
+    assert "recovery.md" in capsys.readouterr().out
+    data = json.load(open(os.path.join(results, "recovery.json")))
+    assert data["lengths"] == [16, 32, 64, 128] and data["steps"] == 2
+    rows = {(r["model"], r["inputs_kind"], r["bucket"]): r for r in data["rows"]}
+    assert {m for m, _, _ in rows} == {"converted", "recovered"}
+    rec, conv = rows[("recovered", "sentences", "all")], rows[("converted", "sentences", "all")]
+    assert rec["one_minus_cos"] != conv["one_minus_cos"]
+    folder = os.path.join(out, "recovered")
+    tok = AutoTokenizer.from_pretrained(folder)
+    saved = PartialBertModel.from_pretrained(folder, add_pooling_layer=False).eval()
+    original = BertModel.from_pretrained(minilm_path, add_pooling_layer=False).eval()
+    again = measure(original, {"recovered": saved}, {"sentences": _heldout(tok, 128, 24)["sentences"]}, data["lengths"])
+    again = {r["bucket"]: r for r in again}
+    assert again["all"]["one_minus_cos"] == pytest.approx(rec["one_minus_cos"], rel=1e-6, abs=1e-9)
+    st = SentenceTransformer(folder, trust_remote_code=True, device="cpu")
+    assert st.encode(["A held-out sentence."]).shape == (1, 384)
+    card = open(os.path.join(folder, "README.md")).read()
+    assert "base_model: sentence-transformers/all-MiniLM-L6-v2" in card
+    assert "python -m experiments recover" in card and f"{rec['one_minus_cos']:.4f}" in card
+    assert minilm_path not in card and minilm_path not in open(os.path.join(results, "recovery.md")).read()

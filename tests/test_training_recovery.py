@@ -296,3 +296,24 @@ def test_a_batch_of_exact_bucket_inputs_is_a_no_op_step(tokenizer, windows, tmp_
     trainer.train()
     for name, r in student.reconstruction_tensors().items():
         assert torch.equal(r, before[name]), name
+
+
+def test_every_buckets_r_gets_rs_learning_rate_and_trains_alone(tokenizer):
+    """R of shorter buckets (``reconstruction_len16``, in the encoder's pattern module or per layer) is R: in R's
+    optimizer group and trainable under attention transfer. Matching only the names ``reconstruction`` and
+    ``reconstruction_bias`` left it frozen / at the main learning rate."""
+    from hf_partial_attention.pattern_buckets import PatternBuckets
+    from hf_partial_attention.training import is_reconstruction_parameter
+    from hf_partial_attention.training.recovery import freeze_for_attention_transfer
+
+    torch.manual_seed(0)
+    source = BertForMaskedLM(bert_config(tokenizer)).eval()
+    buckets = PatternBuckets({16: AttentionPattern.local(16, K), N: AttentionPattern.local(N, K)})
+    for mode, expected in (("per_layer", {f"bert.encoder.layer.{i}.attention.self.reconstruction{s}"
+                                          for i in (0, 1) for s in ("", "_len16")}),
+                           ("common", {"bert.encoder.partial_pattern.reconstruction",
+                                       "bert.encoder.partial_pattern_len16.reconstruction"})):
+        student = PartialBertForMaskedLM.from_bert(source, buckets, reconstruction=mode)
+        assert {n for n, _ in student.named_parameters() if is_reconstruction_parameter(n)} == expected
+        assert set(freeze_for_attention_transfer(student, "reconstruction")) == expected
+    assert not is_reconstruction_parameter("bert.encoder.layer.0.attention.self.query.weight")

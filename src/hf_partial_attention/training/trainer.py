@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -52,12 +53,13 @@ logger = logging.getLogger(__name__)
 __all__ = ["PartialAttentionTrainer", "RECONSTRUCTION_INITIAL_NAME", "is_reconstruction_parameter"]
 
 RECONSTRUCTION_INITIAL_NAME = "reconstruction_initial.safetensors"
-_R_NAMES = ("reconstruction", "reconstruction_bias")
+_R_NAME = re.compile(r"reconstruction(_bias)?(_len\d+)?")
 
 
 def is_reconstruction_parameter(name: str) -> bool:
-    """True for R and its bias (``...partial_pattern.reconstruction``, ``...self.reconstruction_bias``, ...)."""
-    return name.rsplit(".", 1)[-1] in _R_NAMES
+    """True for R and its bias, of n and of every shorter length bucket (``...partial_pattern.reconstruction``,
+    ``...self.reconstruction_bias``, ``...partial_pattern_len32.reconstruction``, ``...self.reconstruction_len32``)."""
+    return _R_NAME.fullmatch(name.rsplit(".", 1)[-1]) is not None
 
 
 def masked_only_mlm_loss(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
