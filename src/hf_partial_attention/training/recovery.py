@@ -25,6 +25,7 @@ Every term is a mean over the process's batch; `PartialAttentionTrainer` divides
 
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -45,11 +46,13 @@ __all__ = [
     "mean_pooled_embedding",
     "freeze_for_attention_transfer",
     "setup_recovery",
+    "is_reconstruction_parameter",
 ]
 
 RECOVERY_TERMS = ("mlm", "attention_transfer", "distill_kl", "distill_hidden", "embedding")
 _ALIASES = {"distill": ("distill_kl", "distill_hidden")}
 ATTENTION_TRANSFER_PARAMETERS = ("reconstruction", "query_key", "as_given")
+_R_NAME = re.compile(r"reconstruction(_bias)?(_len\d+)?")
 _NOT_BERT_FIELDS = ("model_type", "architectures", "auto_map", "transformers_version", "_name_or_path")
 
 
@@ -115,6 +118,12 @@ def parse_recovery_objective(objective: str, weights: str | None = None, has_mlm
     return RecoveryObjective(out)
 
 
+def is_reconstruction_parameter(name: str) -> bool:
+    """True for R and its bias, of n and of every shorter length bucket (``...partial_pattern.reconstruction``,
+    ``...self.reconstruction_bias``, ``...partial_pattern_len32.reconstruction``, ``...self.reconstruction_len32``)."""
+    return _R_NAME.fullmatch(name.rsplit(".", 1)[-1]) is not None
+
+
 def _base_partial_model(model: nn.Module):
     from ..modeling_partial_bert import PartialBertPreTrainedModel
 
@@ -176,8 +185,6 @@ def freeze_for_attention_transfer(model: nn.Module, which: str) -> list[str]:
     Raises:
         ValueError: on an unknown ``which``, or when nothing is left to train (a ``fixed`` R with ``reconstruction``).
     """
-    from .trainer import is_reconstruction_parameter
-
     if which not in ATTENTION_TRANSFER_PARAMETERS:
         raise ValueError(f"attention_transfer_parameters must be one of {ATTENTION_TRANSFER_PARAMETERS}, "
                          f"got {which!r}.")

@@ -35,7 +35,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -45,7 +44,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from ..model_card import write_model_card
 from ..modeling_partial_bert import PartialBertPreTrainedModel
-from .recovery import recovery_losses, setup_recovery
+from .recovery import is_reconstruction_parameter, recovery_losses, setup_recovery
 from .sampling import EpochLengthGroupedSampler, example_lengths
 
 logger = logging.getLogger(__name__)
@@ -53,13 +52,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["PartialAttentionTrainer", "RECONSTRUCTION_INITIAL_NAME", "is_reconstruction_parameter"]
 
 RECONSTRUCTION_INITIAL_NAME = "reconstruction_initial.safetensors"
-_R_NAME = re.compile(r"reconstruction(_bias)?(_len\d+)?")
-
-
-def is_reconstruction_parameter(name: str) -> bool:
-    """True for R and its bias, of n and of every shorter length bucket (``...partial_pattern.reconstruction``,
-    ``...self.reconstruction_bias``, ``...partial_pattern_len32.reconstruction``, ``...self.reconstruction_len32``)."""
-    return _R_NAME.fullmatch(name.rsplit(".", 1)[-1]) is not None
 
 
 def masked_only_mlm_loss(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
