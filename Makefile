@@ -47,7 +47,7 @@ lengths: setup
 recover: setup
 	$(PY) -m experiments recover --out runs/recover --results results/recovery
 
-# Table 1 on the real MiniLM (about 90 min on 2 cores; resumable: run it again after a kill) -> results/table1/.
+# Table 1 on the real MiniLM (about 2.5 h on 2 cores, estimated; resumable: run it again after a kill) -> results/table1/.
 table1: setup
 	$(PY) -m experiments table1 --output_dir results/table1 --run_dir runs/table1
 

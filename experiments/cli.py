@@ -130,11 +130,11 @@ def _recover_args(p):
     p.add_argument("--objective", default=DEFAULT_OBJECTIVE, help="--recovery_objective of the trainer")
     p.add_argument("--steps", type=int, default=150, help="recovery steps")
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--learning-rate", type=float, default=5e-5, help="learning rate of the weights other than R")
+    p.add_argument("--learning-rate", type=float, default=1e-4, help="learning rate of the weights other than R")
     p.add_argument("--reconstruction-learning-rate", type=float, default=1e-3, help="R's own learning rate")
-    p.add_argument("--trainable", default="reconstruction", choices=("reconstruction", "query_key", "all"),
+    p.add_argument("--trainable", default="query_key", choices=("reconstruction", "query_key", "all"),
                    help="what recovery trains: R (and bias) only, which keeps inputs of exact buckets exact; also the "
-                        "partial layers' query/key weights; or every weight")
+                        "partial layers' query/key weights (measured best, results/recovery); or every weight")
     p.add_argument("--train-inputs", type=int, default=None, help="recovery inputs (default: all fit sentences and "
                                                                    "paragraphs)")
     p.add_argument("--fit-inputs", type=int, default=None, help="inputs of the bucket fit (default: all)")

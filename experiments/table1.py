@@ -1,24 +1,36 @@
-"""Table 1 of Bhojanapalli et al. (2021) on a real pretrained model: does converting an exactly trained model to
-partial attention lose accuracy, and does training with partial attention built in recover it?
+"""Table 1 of Bhojanapalli et al. (2021) on a real pretrained model, v2 (issue 24): does converting an exactly trained
+model to partial attention lose accuracy, at the inputs' own lengths, and does training with partial attention built
+in (MLM, or attention transfer + distillation from the exact model) recover it?
 
 Protocol (every number is a flag of `StudyArguments`; ``python -m experiments table1 --help``):
 
-1. **Phase 1, exact.** The pretrained encoder (default: the real all-MiniLM-L6-v2, 6 layers, 12 heads,
-   d_h = 32) gets an MLM head, and the whole model is trained with exact attention on the pretraining text.
-2. **P and R** from that model's per-query pre-softmax score statistics, pooled over all layers and heads, on
-   training windows: greedy P and optimal R for each k (the paper's protocol, `analysis.select_patterns`).
-3. **Phase 2, one arm per (k, R mode)**, equal budgets, the same data order and masks: the phase-1 weights
-   converted (P, R installed in all layers but the last) and trained with MLM for ``arm_steps``, R fixed, common
-   or per layer; the exact arm continues the phase-1 model for as many steps. Each converted arm's held-out MLM
-   loss is recorded before retraining (the paper's "performs poorly") and after.
-4. **Fine-tuning** of every arm, and of converted models without MLM recovery (``no_recovery_ks``), on a
-   sentence-pair task, several seeds; held-out accuracy per seed and per example.
-5. **Cost**: each configuration's QKᵀ saving and its measured inference / training-step time beside the exact
-   model (eager and SDPA) at the same shapes.
+1. **Phase 1, exact** (job ``phase1``). The pretrained encoder (default: the real all-MiniLM-L6-v2, 6 layers, 12
+   heads, d_h = 32) gets an MLM head, and the whole model is trained with exact attention on the training windows.
+2. **P and R** (``patterns``) from that model's per-query score statistics, pooled over all layers and heads, for
+   each k: the *zero-fill* pattern from n-token training windows (greedy P, optimal R: the paper's protocol; shorter
+   inputs use it with zero scores for their missing keys), and *length buckets* (`analysis.lengths`: P and R per
+   bucket, Fisher objective) from the training documents' sentences and paragraphs at their own lengths.
+3. **R's learning rate** (``rlr``): the ``--rlr_arm`` (k = 16, common R, distill) is trained once per candidate of
+   ``--reconstruction_learning_rates`` and scored by its MLM loss on the *selection* split (training documents used
+   for nothing else); the lowest wins, and is used for every trained R after. This job runs before any job that
+   reads the test split, and its winner's model is reused as that arm's phase 2 (the same training).
+4. **Phase 2, one arm per (k, R mode, recovery)** at equal budgets (``arm_steps`` at one batch size, the same
+   data order and masks; measured wall-clock recorded beside): the phase-1 weights converted with the buckets and
+   trained with MLM (``mlm_<arm>``) or with ``--distill_objective`` against the frozen phase-1 model (every weight
+   trains), R fixed, common or per layer; the exact arm continues MLM as long. Every converted arm's held-out MLM
+   loss is recorded on test windows and on the test pairs at their own lengths before (the paper's "performs
+   poorly") and after; arms with recovery ``none`` get only the first (``conv_<arm>``, which also scores the
+   zero-fill conversion of its k). One zero-fill arm (``--zero_fill_control``) is the control of the buckets.
+5. **Fine-tuning** (``ft_<arm>_s<seed>``) of every arm on a sentence-pair task at the pairs' own lengths (each
+   partial arm with its buckets, the control with its zero fill), several seeds; test accuracy per seed and per
+   example.
+6. **Cost** (``timing``): each configuration's measured inference / training-step time beside the exact model
+   (eager and SDPA) at n.
 
 Every job's result is a JSON file under ``run_dir/jobs``: a killed run started again continues where it stopped.
-`table1_report` turns the jobs into ``table1.md``, ``table1.json``, the verdicts and the arms' model cards; the
-arms are `table1_spec.Arm` values, which both modules take from `table1_spec`.
+`table1_report` turns the jobs into ``table1.md``, ``table1.json``, the verdicts, the gap decomposition
+(`table1_gaps`) and the arms' model cards; the arms are `table1_spec.Arm` values, which all modules take from
+`table1_spec`. `table1_budget` estimates the wall time of a set of arguments (the defaults: about 2.4 h on 2 cores).
 """
 
 from __future__ import annotations
@@ -32,37 +44,89 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from . import table1_steps as steps
 from .store import JobStore
 from .table1_data import load_study_data
 from .table1_report import write_report
-from .table1_spec import COMMAND, Arm, StudyArguments, job_names
+from .table1_spec import BUCKET_OBJECTIVE, COMMAND, Arm, StudyArguments, job_names
+from .table1_stats import mlm_loss
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["StudyArguments", "run_table1"]
 
 
+class _Study:
+    """What the jobs of one run share: the arguments, the job store, the data and the fitted patterns."""
+
+    def __init__(self, a: StudyArguments, store: JobStore, data):
+        self.a, self.store, self.data = a, store, data
+        self.phase1_dir = store.model_dir("phase1")
+        self._patterns: dict = {}
+
+    def pattern(self, arm: Arm):
+        """The arm's `PatternBuckets` (``buckets``) or zero-fill `AttentionPattern` of n (``zero_fill``)."""
+        from hf_partial_attention.pattern import AttentionPattern
+        from hf_partial_attention.pattern_buckets import PatternBuckets
+
+        key = (arm.k, arm.lengths)
+        if key not in self._patterns:
+            if arm.lengths == "buckets":
+                self._patterns[key] = PatternBuckets.load(self.buckets_path(arm.k))
+            else:
+                path = os.path.join(self.a.run_dir, f"pattern_k{arm.k}.safetensors")
+                self._patterns[key] = AttentionPattern.load(path)
+        return self._patterns[key]
+
+    def buckets_path(self, k: int) -> str:
+        return os.path.join(self.a.run_dir, "buckets", "patterns", f"buckets_k{k}.safetensors")
+
+    def exact_mlm(self):
+        from transformers import BertForMaskedLM
+
+        return BertForMaskedLM.from_pretrained(self.phase1_dir)
+
+    def convert(self, arm: Arm, head=None, source=None):
+        """The phase-1 model (or `source`) converted with the arm's pattern and R mode, the ``auto`` kernel."""
+        from hf_partial_attention.modeling_partial_bert import PartialBertForMaskedLM
+
+        head = head or PartialBertForMaskedLM
+        model = head.from_bert(source if source is not None else self.exact_mlm(), self.pattern(arm),
+                               reconstruction=arm.reconstruction)
+        model.set_partial_implementation("auto")
+        return model
+
+    def evaluate(self, model) -> dict:
+        """Test MLM losses per example: on the held-out windows and on the held-out pairs at their own lengths."""
+        d, seed = self.data, self.a.seed
+        return {"windows": steps.mlm_window_losses(model, d.tokenizer, d.windows["validation"], seed),
+                "pairs": steps.mlm_window_losses(model, d.tokenizer, d.mlm_pairs, seed)}
+
+    def recover(self, arm: Arm, model, reconstruction_learning_rate: float):
+        """Phase 2 of `arm` on the training windows and training pairs (`table1_data._recovery_inputs`): MLM, or the
+        distill objective against the phase-1 model."""
+        a = self.a
+        objective = "mlm" if arm.recovery == "mlm" else a.distill_objective
+        teacher = None if objective == "mlm" else self.exact_mlm().eval()
+        # windows and the training pairs at their own lengths, batched by length: every bucket's R trains
+        return steps.train_mlm(model, self.data.tokenizer, self.data.recovery_inputs, self.store.model_dir("tmp"),
+                               a.arm_steps, a.pretrain_batch_size, a.pretrain_learning_rate, a.seed,
+                               objective=objective, teacher=teacher, group_by_length=True,
+                               reconstruction_learning_rate=reconstruction_learning_rate, bf16=a.bf16)
+
+
 def run_table1(a: StudyArguments, argv: list[str] | None = None) -> dict:
     """Run (or resume) the study and write its report; returns the report dict (see `table1_report`)."""
-    from transformers import BertForMaskedLM
-
-    from hf_partial_attention.analysis import collect_covariance
-    from hf_partial_attention.analysis.selection import select_patterns
-    from hf_partial_attention.modeling_partial_bert import PartialBertForMaskedLM
-    from hf_partial_attention.pattern import AttentionPattern
-
-    from .table1_steps import mlm_window_losses, train_mlm
-
     command = " ".join([COMMAND, *(shlex.quote(x) for x in (argv or []))])
     if a.threads:
         torch.set_num_threads(a.threads)
     store = JobStore(a.run_dir, a.result_fields())
     data = load_study_data(a)
+    study = _Study(a, store, data)
     arms = a.arms()
     jobs = job_names(a)
     bar = tqdm(total=len(jobs), desc="table1 jobs", disable=not a.progress)
     bar.update(sum(store.done(j) for j in jobs))
-    n, shared = a.max_seq_length, dict(bf16=a.bf16)
 
     def job(name, fn):
         if not store.done(name):
@@ -75,123 +139,190 @@ def run_table1(a: StudyArguments, argv: list[str] | None = None) -> dict:
             bar.update(1)
         return store.load(name)
 
-    phase1_dir = store.model_dir("phase1")
-
-    def phase1():
-        model = BertForMaskedLM.from_pretrained(data.model_path)
-        losses = []
-        if a.phase1_steps:
-            model, _, losses = train_mlm(model, data.tokenizer, data.windows["train"], store.model_dir("tmp"),
-                                         a.phase1_steps, a.pretrain_batch_size, a.phase1_learning_rate, a.seed,
-                                         **shared)
-        model.save_pretrained(phase1_dir)
-        data.tokenizer.save_pretrained(phase1_dir)
-        return {"train_losses": losses, **mlm_window_losses(model, data.tokenizer, data.windows["validation"], a.seed)}
-
-    job("phase1", phase1)
-
-    def patterns():
-        model = BertForMaskedLM.from_pretrained(phase1_dir).eval()
-        windows = data.windows["train"].shuffle(seed=a.seed)
-        ids = torch.tensor(windows[: a.covariance_windows]["input_ids"])  # (S, n)
-        centered = a.covariance == "centered"
-        cov = collect_covariance(model, ids, data.tokenizer, seq_len=n, centered=centered, batch_size=32,
-                                 distributed=False, progress=a.progress)
-        found = select_patterns(cov, a.k_list, centered=centered, bias=centered)
-        for k, pattern in found.items():
-            pattern.save(os.path.join(a.run_dir, f"pattern_k{k}.safetensors"))
-        return {"normalized_error": {str(k): p.normalized_error for k, p in found.items()},
-                "windows": int(ids.shape[0])}
-
-    job("patterns", patterns)
-    pattern_of = {k: AttentionPattern.load(os.path.join(a.run_dir, f"pattern_k{k}.safetensors")) for k in a.k_list}
-
-    def convert(k, mode, head=PartialBertForMaskedLM, source=None, **kw):
-        source = source if source is not None else BertForMaskedLM.from_pretrained(phase1_dir)
-        model = head.from_bert(source, pattern_of[k], reconstruction=mode, **kw)
-        model.set_partial_implementation("auto")
-        return model
-
+    job("phase1", lambda: _phase1(study))
+    job("patterns", lambda: _patterns(study))
+    rlr = job("rlr", lambda: _select_rate(study))  # before any job that reads the test split
+    r_lr = rlr["chosen"]
+    job("phase1_eval", lambda: study.evaluate(study.exact_mlm()))
+    first_of_k = {}
+    for arm in arms.converted:
+        first_of_k.setdefault(arm.k, arm)
+    for arm in arms.converted:
+        job(f"conv_{arm.name}", lambda arm=arm: _converted(study, arm, first_of_k[arm.k] == arm))
     for arm in arms.mlm:
-        def mlm_arm(arm=arm):
-            result = {}
-            if arm.is_exact:
-                model = BertForMaskedLM.from_pretrained(phase1_dir)
-            else:
-                model = convert(arm.k, arm.reconstruction)
-                result["converted"] = mlm_window_losses(model, data.tokenizer, data.windows["validation"], a.seed)
-            model, drift, losses = train_mlm(model, data.tokenizer, data.windows["train"], store.model_dir("tmp"),
-                                             a.arm_steps, a.pretrain_batch_size, a.pretrain_learning_rate, a.seed,
-                                             reconstruction_learning_rate=a.reconstruction_learning_rate, **shared)
-            model.save_pretrained(store.model_dir(f"mlm_{arm.name}"))
-            result.update(r_drift=drift, train_losses=losses,
-                          **mlm_window_losses(model, data.tokenizer, data.windows["validation"], a.seed))
-            return result
-
-        job(f"mlm_{arm.name}", mlm_arm)
-
+        job(f"mlm_{arm.name}", lambda arm=arm: _phase2(study, arm, rlr))
     for arm in arms.finetune:
         for seed in a.seeds:
-            job(f"ft_{arm.name}_s{seed}", lambda arm=arm, seed=seed: _finetune_arm(a, store, data, arm, seed, convert))
-    job("timing", lambda: _timing(a, data, convert))
+            job(f"ft_{arm.name}_s{seed}", lambda arm=arm, seed=seed: _finetune_arm(study, arm, seed, r_lr))
+    job("timing", lambda: _timing(study))
     bar.close()
     return write_report(a, store, data, command)
 
 
-def _finetune_arm(a, store, data, arm: Arm, seed: int, convert) -> dict:
+def _phase1(study: _Study) -> dict:
+    """The start model with a new MLM head trained with exact attention; its loss on the selection split."""
+    from transformers import BertForMaskedLM
+
+    a, data = study.a, study.data
+    model = BertForMaskedLM.from_pretrained(data.model_path)
+    record = {"train_losses": [], "train_seconds": 0.0}
+    if a.phase1_steps:
+        model, record = steps.train_mlm(model, data.tokenizer, data.windows["train"], study.store.model_dir("tmp"),
+                                        a.phase1_steps, a.phase1_batch_size, a.phase1_learning_rate, a.seed,
+                                        bf16=a.bf16)
+    model.save_pretrained(study.phase1_dir)
+    data.tokenizer.save_pretrained(study.phase1_dir)
+    return {"train_losses": record["train_losses"], "train_seconds": record["train_seconds"],
+            "selection": steps.mlm_window_losses(model, data.tokenizer, data.windows["selection"], a.seed)}
+
+
+def _patterns(study: _Study) -> dict:
+    """Zero-fill patterns from training windows (`select_patterns`), length buckets from the training documents'
+    sentences and paragraphs at their own lengths (`analyze_lengths` + `derive_lengths`), per k."""
+    from transformers import BertForMaskedLM
+
+    from hf_partial_attention.analysis import collect_covariance
+    from hf_partial_attention.analysis.lengths import analyze_lengths, derive_lengths
+    from hf_partial_attention.analysis.selection import select_patterns
+    from hf_partial_attention.pattern_buckets import PatternBuckets
+
+    a, data, n = study.a, study.data, study.a.max_seq_length
+    model = BertForMaskedLM.from_pretrained(study.phase1_dir).eval()
+    windows = data.windows["train"].shuffle(seed=a.seed)
+    ids = torch.tensor(windows[: a.covariance_windows]["input_ids"])  # (S, n)
+    centered = a.covariance == "centered"
+    t0 = time.perf_counter()
+    cov = collect_covariance(model, ids, data.tokenizer, seq_len=n, centered=centered, batch_size=32,
+                             distributed=False, progress=a.progress)
+    found = select_patterns(cov, a.k_list, centered=centered, bias=centered)
+    for k, pattern in found.items():
+        pattern.save(os.path.join(a.run_dir, f"pattern_k{k}.safetensors"))
+    windows_seconds = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    folder = os.path.join(a.run_dir, "buckets")
+    fit = analyze_lengths(study.phase1_dir, data.fit_documents, folder, lengths=a.length_list, kind="sentence",
+                          heldout_every=0, max_inputs=a.bucket_fit_inputs, centered=centered,
+                          model_id=data.model_id, progress=a.progress)
+    derive_lengths(folder, a.k_list, objective=BUCKET_OBJECTIVE, evaluate=False, progress=a.progress)
+    buckets = {}
+    for k in a.k_list:
+        b = PatternBuckets.load(study.buckets_path(k))
+        if b.seq_len != n:
+            raise ValueError(f"The bucket fit of k={k} has no input of n={n} tokens (buckets {b.lengths}); give it "
+                             f"more inputs (--bucket_fit_inputs, now {a.bucket_fit_inputs}) or end --lengths lower.")
+        buckets[str(k)] = {"lengths": b.lengths, "exact_lengths": b.exact_lengths,
+                           "normalized_error": {str(length): p.normalized_error for length, p in b.patterns.items()}}
+    return {"normalized_error": {str(k): p.normalized_error for k, p in found.items()}, "windows": int(ids.shape[0]),
+            "windows_seconds": windows_seconds, "buckets": buckets, "bucket_objective": BUCKET_OBJECTIVE,
+            "bucket_fit": {"inputs": fit["fit_inputs"], "skipped": fit["skipped"],
+                           "per_bucket": {str(r["length"]): r["fit_inputs"] for r in fit["buckets"]},
+                           "seconds": time.perf_counter() - t0}}
+
+
+def _select_rate(study: _Study) -> dict:
+    """R's learning rate: the selection arm trained per candidate, scored on the selection split only."""
+    a, data = study.a, study.data
+    arm, rates = a.selection_arm, a.learning_rate_list
+    if arm is None:  # one candidate (StudyArguments checks it): nothing to choose
+        return {"arm": None, "candidates": [], "chosen": rates[0], "chosen_index": 0}
+    rows = []
+    for i, rate in enumerate(rates):
+        model, record = study.recover(arm, study.convert(arm), rate)
+        model.save_pretrained(study.store.model_dir(f"rlr_{i}"))
+        selection = steps.mlm_window_losses(model, data.tokenizer, data.windows["selection"], a.seed)
+        rows.append({"reconstruction_learning_rate": rate, "selection": selection,
+                     "selection_loss": mlm_loss(selection), **record})
+    best = min(range(len(rows)), key=lambda i: rows[i]["selection_loss"])
+    return {"arm": arm.name, "candidates": rows, "chosen": rates[best], "chosen_index": best,
+            "selection_windows": len(data.windows["selection"])}
+
+
+def _converted(study: _Study, arm: Arm, with_zero_fill: bool) -> dict:
+    """An arm without recovery: its converted test losses (the same weights for every R mode of its k), and for
+    the first such arm of each k also the zero-fill conversion's (the gap decomposition's step (ii))."""
+    result = {"converted": study.evaluate(study.convert(arm))}
+    if with_zero_fill:
+        result["zero_fill_converted"] = study.evaluate(study.convert(arm.twin(lengths="zero_fill")))
+    return result
+
+
+def _phase2(study: _Study, arm: Arm, rlr: dict) -> dict:
+    """Phase 2 of a recovered arm (or of the exact one): test losses before (converted) and after."""
+    from hf_partial_attention.modeling_partial_bert import PartialBertForMaskedLM
+
+    result = {}
+    if arm.is_exact:
+        model = study.exact_mlm()
+    else:
+        model = study.convert(arm)
+        result["converted"] = study.evaluate(model)
+    if rlr["arm"] == arm.name:  # the selection trained this very arm with the chosen rate: reuse its model
+        chosen = rlr["candidates"][rlr["chosen_index"]]
+        model = PartialBertForMaskedLM.from_pretrained(study.store.model_dir(f"rlr_{rlr['chosen_index']}"),
+                                                       partial_implementation="auto")
+        record = {k: v for k, v in chosen.items() if k not in ("selection", "selection_loss")}
+        result["reused_from"] = f"rlr (candidate {rlr['chosen_index']})"
+    else:
+        model, record = study.recover(arm, model, rlr["chosen"])
+    model.save_pretrained(study.store.model_dir(f"mlm_{arm.name}"))
+    result.update(record, reconstruction_learning_rate=rlr["chosen"], batch=study.a.pretrain_batch_size,
+                  recovered=study.evaluate(model))
+    return result
+
+
+def _finetune_arm(study: _Study, arm: Arm, seed: int, reconstruction_learning_rate: float) -> dict:
     from transformers import BertForSequenceClassification
 
     from hf_partial_attention.modeling_partial_bert import PartialBertForSequenceClassification
 
-    from .table1_steps import finetune, seeded
-
+    a, store, data = study.a, study.store, study.data
     labels = len(data.labels)
-    if not arm.recovery:  # the phase-1 exact model converted, no MLM recovery
-        build = lambda: convert(arm.k, arm.reconstruction, PartialBertForSequenceClassification,  # noqa: E731
-                                BertForSequenceClassification.from_pretrained(store.model_dir("phase1"),
-                                                                              num_labels=labels))
-    elif arm.is_exact:
+    if arm.is_exact:
         build = lambda: BertForSequenceClassification.from_pretrained(store.model_dir(f"mlm_{arm.name}"),  # noqa: E731
                                                                       num_labels=labels)
+    elif not arm.trains:  # the phase-1 exact model converted, no recovery
+        build = lambda: study.convert(arm, PartialBertForSequenceClassification,  # noqa: E731
+                                      BertForSequenceClassification.from_pretrained(study.phase1_dir,
+                                                                                    num_labels=labels))
     else:
         build = lambda: PartialBertForSequenceClassification.from_pretrained(  # noqa: E731
             store.model_dir(f"mlm_{arm.name}"), num_labels=labels, partial_implementation="auto")
-    model = seeded(seed, build)
+    model = steps.seeded(seed, build)
     # MLM checkpoints have no pooler: every arm gets the start model's pretrained one (the same weights for all)
     model.bert.pooler.load_state_dict(data.pooler)
     out = store.model_dir(f"ft_{arm.name}_s{seed}")
-    result = finetune(model, data.tokenizer, data.pairs["train"], data.pairs["validation"], out, a.finetune_steps,
-                      a.finetune_batch_size, a.finetune_learning_rate, seed, bf16=a.bf16,
-                      reconstruction_learning_rate=a.reconstruction_learning_rate)
+    result = steps.finetune(model, data.tokenizer, data.pairs["train"], data.pairs["validation"], out,
+                            a.finetune_steps, a.finetune_batch_size, a.finetune_learning_rate, seed, bf16=a.bf16,
+                            reconstruction_learning_rate=reconstruction_learning_rate)
     trainer = result.pop("trainer")
+    result["partial_lengths"] = None if arm.is_exact else list(model.config.partial_lengths)
     if seed == a.seeds[0]:
         trainer.save_model(out)  # the model the arm's card describes
     return result
 
 
-def _timing(a, data, convert) -> dict:
-    """Inference and training-step time of the exact model (eager, SDPA) and of every k with frozen and trained
-    R, with the exact last layer run by eager or by SDPA; `auto` picks the partial kernel."""
+def _timing(study: _Study) -> dict:
+    """Inference and training-step time at n of the exact model (eager, SDPA) and of every k with frozen and
+    trained R (buckets: at n every input runs n's bucket), with the exact last layer run by eager or by SDPA;
+    `auto` picks the partial kernel."""
     from transformers import BertForMaskedLM
 
     from hf_partial_attention.attention_dispatch import auto_kernel
 
-    from .table1_steps import time_models
-
+    a, data = study.a, study.data
     models, kernels = {}, {}
     for impl in ("eager", "sdpa"):
         source = lambda: BertForMaskedLM.from_pretrained(data.model_path, attn_implementation=impl)  # noqa: E731
-        for arm in (Arm(), *(Arm(k, mode) for k in a.k_list for mode in ("fixed", "common"))):
-            name = f"{arm.name}/{impl}"
-            if arm.is_exact:
-                models[name] = source()
-                continue
-            model = models[name] = convert(arm.k, arm.reconstruction, source=source())
-            layout = model.bert.encoder.partial_pattern.layout()
-            kernels[name] = auto_kernel(layout, model.device, model.config.hidden_size
-                                        // model.config.num_attention_heads, training=False)
-    ms = time_models(models, a.timing_batch_size, a.max_seq_length, a.timing_repeats,
-                     data.tokenizer.vocab_size, a.seed)
+        models[f"exact/{impl}"] = source()
+        for k in a.k_list:
+            for mode in ("fixed", "common"):
+                name = f"k{k}_{mode}/{impl}"
+                model = models[name] = study.convert(Arm(k, mode), source=source())
+                layout = model.bert.encoder.partial_pattern.layout()
+                kernels[name] = auto_kernel(layout, model.device, model.config.hidden_size
+                                            // model.config.num_attention_heads, training=False)
+    ms = steps.time_models(models, a.timing_batch_size, a.max_seq_length, a.timing_repeats,
+                           data.tokenizer.vocab_size, a.seed)
     return {"ms": ms, "kernels": kernels, "batch": a.timing_batch_size, "n": a.max_seq_length,
             "repeats": a.timing_repeats, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "python": sys.version.split()[0]}

@@ -1,9 +1,18 @@
-"""The Table-1 study's data: the start model, its tokenizer, MLM windows and sentence pairs.
+"""The Table-1 study's data: the start model, its tokenizer, MLM windows, sentence pairs and the bucket-fit inputs.
 
 Default (offline): the English prose that ships with CPython (``pydoc_data.topics`` and the standard library's
-docstrings), split by document: every `train_every`-th document is for training (MLM and fine-tuning), the
-others are held out (MLM losses and accuracies), so no evaluation sentence is seen in training. Holding out
-the larger part buys a held-out pair set big enough for a standard error under one point.
+docstrings), split by document: every `train_every`-th document is for training (MLM, P and R, fine-tuning), the
+others are held out (the test split: MLM losses and accuracies), so no evaluation sentence is seen in training.
+Holding out the larger part buys a held-out pair set big enough for a standard error near one point. Of the
+training documents, every `selection_every`-th is the *selection* split: the validation data of the R learning-rate
+choice, used for nothing else (no training, no fit), so that choice reads neither the test split nor the data it
+trained on.
+
+Splits: ``windows`` train / selection / validation (n-token MLM windows, the last two at most ``mlm_eval_windows``;
+validation = test), ``pairs`` train /
+validation (tokenized at their own lengths, validation sorted by length), ``mlm_pairs`` (held-out pairs spread
+over their lengths, without labels: the MLM losses at the pairs' lengths) and ``fit_documents`` (the training
+documents' sentences and paragraphs, each at its own length: the inputs of the length-bucket fit).
 """
 
 from __future__ import annotations
@@ -12,7 +21,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["StudyData", "load_study_data", "split_documents", "TASK_DESCRIPTION"]
+__all__ = ["StudyData", "load_study_data", "split_documents", "bucket_fit_documents", "TASK_DESCRIPTION"]
 
 TASK_DESCRIPTION = {
     "next_sentence": "next-sentence prediction (next / unrelated) on CPython's English prose",
@@ -26,12 +35,15 @@ class StudyData:
     model_path: str  # what from_pretrained loads
     model_id: str  # how reports name it (a Hub id, never a local path)
     tokenizer: Any
-    windows: Any  # DatasetDict train / validation of n-token MLM windows
+    windows: Any  # DatasetDict train / selection / validation of n-token MLM windows
     pairs: Any  # DatasetDict train / validation of tokenized pairs (validation sorted by length)
+    mlm_pairs: Any  # Dataset of held-out pairs' input_ids, token_type_ids, attention_mask (MLM at their lengths)
+    fit_documents: list  # training documents as [sentence, ..., paragraph, ...] (the bucket fit)
     labels: tuple[str, ...]
     corpus: str
     sizes: dict
     pooler: dict  # the start model's pooler weights (fine-tuning heads start from them)
+    recovery_inputs: Any = None  # phase 2's data: training windows and training pairs at their own lengths
 
 
 def split_documents(documents: list, train_every: int) -> tuple[list, list]:
@@ -40,6 +52,27 @@ def split_documents(documents: list, train_every: int) -> tuple[list, list]:
         raise ValueError(f"train_every must be >= 2 (some documents held out), got {train_every}.")
     return ([d for i, d in enumerate(documents) if i % train_every == 0],
             [d for i, d in enumerate(documents) if i % train_every != 0])
+
+
+def bucket_fit_documents(documents: list) -> list[list[str]]:
+    """Each document (a list of paragraphs, or of a paragraph's pieces) as its sentences followed by its paragraphs
+    of more than 12 words: real inputs of both kinds, as `experiments.lengths.fit_documents` builds them."""
+    from hf_partial_attention.analysis.inputs import split_sentences
+
+    out = []
+    for doc in documents:
+        paragraphs = [" ".join(p.split()) if isinstance(p, str) else " ".join(p) for p in doc]
+        sentences = [s for p in paragraphs for s in split_sentences(p)]
+        out.append(sentences + [p for p in paragraphs if len(p.split()) > 12])
+    return [d for d in out if d]
+
+
+def _spread(dataset, count: int):
+    """At most ``count`` rows of ``dataset`` taken evenly over it (it is sorted by length: every length kept)."""
+    if not count or count >= len(dataset):
+        return dataset
+    step = len(dataset) / count
+    return dataset.select([int(i * step) for i in range(count)])
 
 
 def load_study_data(a) -> StudyData:
@@ -57,20 +90,32 @@ def load_study_data(a) -> StudyData:
 
     path, hub_id = resolve_model(a.model_name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    prose = None
+    prose = None  # (train, selection, held-out) documents of the default corpus
     if a.pretrain_dataset_name or a.pretrain_train_file:
         raw = load_text_datasets(MlmDataArguments(dataset_name=a.pretrain_dataset_name,
                                                   dataset_config_name=a.pretrain_dataset_config_name,
                                                   train_file=a.pretrain_train_file))
+        rows = raw["train"]  # each row a document; every selection_every-th the selection split
+        raw = DatasetDict(train=rows.select([i for i in range(len(rows)) if i % a.selection_every]),
+                          selection=rows.select(range(0, len(rows), a.selection_every)),
+                          validation=raw["validation"])
+        fit_documents = bucket_fit_documents([[t] for t in raw["train"]["text"] if isinstance(t, str) and t.strip()])
         corpus = a.pretrain_dataset_name or "local text files"
     else:
-        prose = split_documents(pydoc_paragraphs() + stdlib_docstring_documents(), a.train_every)
+        train_docs, held = split_documents(pydoc_paragraphs() + stdlib_docstring_documents(), a.train_every)
+        selection, train_docs = split_documents(train_docs, a.selection_every)
+        prose = (train_docs, selection, held)
         raw = DatasetDict({split: Dataset.from_dict({"text": [" ".join(d) for d in docs]})
-                           for split, docs in zip(("train", "validation"), prose)})
+                           for split, docs in zip(("train", "selection", "validation"), prose)})
+        fit_documents = bucket_fit_documents(train_docs)
         corpus = f"pydoc_data.topics + standard-library docstrings (CPython {sys.version.split()[0]})"
     windows = group_into_windows(raw, tokenizer, a.max_seq_length)
-    held = windows["validation"]
-    windows["validation"] = held.select(range(min(a.mlm_eval_windows, len(held))))
+    for split in ("selection", "validation"):  # the first mlm_eval_windows of each (the selection has fewer)
+        windows[split] = windows[split].select(range(min(a.mlm_eval_windows, len(windows[split]))))
+    for split in ("train", "selection", "validation"):
+        if not len(windows[split]):
+            raise ValueError(f"The {split} split has no window of max_seq_length={a.max_seq_length} tokens; give "
+                             "more text, a smaller --max_seq_length or a larger --selection_every.")
     if a.task == "mnli":
         pairs_raw = load_mnli(MnliDataArguments(dataset_name=a.finetune_dataset_name,
                                                 dataset_config_name=a.finetune_dataset_config_name,
@@ -80,20 +125,40 @@ def load_study_data(a) -> StudyData:
         labels = ("entailment", "neutral", "contradiction")
     else:
         if prose is None:
-            prose = split_documents(pydoc_paragraphs() + stdlib_docstring_documents(), a.train_every)
+            train_docs, held = split_documents(pydoc_paragraphs() + stdlib_docstring_documents(), a.train_every)
+            prose = (split_documents(train_docs, a.selection_every)[1], None, held)
         make, labels = ((next_sentence_examples, NEXT_SENTENCE_LABELS) if a.task == "next_sentence" else
                         (sentence_order_examples, PAIR_LABELS))
         pairs_raw = DatasetDict(train=Dataset.from_list(make(prose[0], seed=a.seed, all_variants=True)),
-                                validation=Dataset.from_list(make(prose[1], seed=a.seed + 1)))
+                                validation=Dataset.from_list(make(prose[2], seed=a.seed + 1)))
     if a.max_finetune_eval:
         pairs_raw["validation"] = pairs_raw["validation"].select(range(min(a.max_finetune_eval,
                                                                            len(pairs_raw["validation"]))))
     pairs = tokenize_pairs(pairs_raw, tokenizer, a.max_seq_length, pad=False)
     lengths = [len(x) for x in pairs["validation"]["input_ids"]]
     pairs["validation"] = pairs["validation"].add_column("length", lengths).sort("length").remove_columns("length")
-    sizes = {"mlm_windows": {k: len(v) for k, v in windows.items()}, "pairs": {k: len(v) for k, v in pairs.items()}}
+    mlm_pairs = _spread(pairs["validation"], a.mlm_eval_pairs).remove_columns("label")
+    recovery_inputs = _recovery_inputs(windows["train"], pairs["train"], tokenizer)
+    sizes = {"mlm_windows": {k: len(v) for k, v in windows.items()}, "pairs": {k: len(v) for k, v in pairs.items()},
+             "mlm_pairs": len(mlm_pairs), "recovery_inputs": len(recovery_inputs), "bucket_fit_documents": len(fit_documents),
+             "bucket_fit_inputs_available": sum(len(d) for d in fit_documents)}
     pooler = _start_pooler(path)
-    return StudyData(path, hub_id or a.model_name_or_path, tokenizer, windows, pairs, labels, corpus, sizes, pooler)
+    return StudyData(path, hub_id or a.model_name_or_path, tokenizer, windows, pairs, mlm_pairs, fit_documents,
+                     labels, corpus, sizes, pooler, recovery_inputs)
+
+
+def _recovery_inputs(train_windows, train_pairs, tokenizer):
+    """Phase 2's data: the training windows (n tokens) and the training pairs at their own lengths (the inputs
+    fine-tuning will see, so every length bucket's R trains), as MLM examples (input ids, attention mask, special
+    tokens mask; the pairs' segment ids are left out, as the windows have none)."""
+    from datasets import concatenate_datasets
+
+    special = {tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.pad_token_id}
+    pairs = train_pairs.map(lambda row: {"special_tokens_mask": [int(t in special) for t in row["input_ids"]]},
+                            remove_columns=[c for c in train_pairs.column_names if c not in ("input_ids",
+                                                                                             "attention_mask")])
+    windows = train_windows.select_columns(["input_ids", "attention_mask", "special_tokens_mask"])
+    return concatenate_datasets([windows, pairs.cast(windows.features)])
 
 
 def _start_pooler(path: str) -> dict:

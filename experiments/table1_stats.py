@@ -1,19 +1,24 @@
-"""Statistics of the Table-1 study: MLM losses compared window by window, accuracies over seeds and examples,
-and the verdict on each of the paper's claims.
+"""Statistics of the Table-1 study: MLM losses compared example by example (test windows, or test pairs at their
+own lengths), accuracies over seeds and examples, and the verdict on each of the paper's claims.
 
 A difference counts as real when it exceeds twice its standard error; otherwise the verdict says it is not
 distinguishable at this scale.
+
+The verdicts read each arm's losses as `ArmLosses`: ``converted`` and ``recovered``, each ``{"windows": ...,
+"pairs": ...}`` of `mlm_window_losses` results (None where the arm has none: the exact arm was never converted,
+an arm with recovery ``none`` never recovered), and its R drift.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from .table1_spec import Arm, StudyArms
 
 __all__ = ["mlm_loss", "paired_loss_difference", "accuracy_summary", "accuracy_difference", "verdicts",
-           "MIN_EFFECT_NATS"]
+           "ArmLosses", "MIN_EFFECT_NATS", "MIN_EFFECT_ACCURACY", "MIN_DRIFT", "fmt_difference"]
 
 
 def mlm_loss(result: dict[str, list[float]]) -> float:
@@ -70,6 +75,9 @@ def accuracy_difference(runs_a: list[dict], runs_b: list[dict]) -> tuple[float, 
 # for practical purposes, however small the standard error (R that barely moves gives 1e-4-nat differences that
 # are many standard errors wide).
 MIN_EFFECT_NATS = 0.01
+MIN_EFFECT_ACCURACY = 0.01  # one point
+# Smallest relative R drift ‖R − R₀‖/‖R₀‖ (the largest over an arm's R tensors) that counts as R having trained.
+MIN_DRIFT = 0.01
 
 
 def _verdict(diff: float, se: float, better_when_negative: bool = True, floor: float = MIN_EFFECT_NATS) -> str:
@@ -79,8 +87,12 @@ def _verdict(diff: float, se: float, better_when_negative: bool = True, floor: f
     return "supported" if (diff < 0) == better_when_negative else "contradicted"
 
 
-def _fmt(diff: float, se: float, unit: str = "nats") -> str:
+def fmt_difference(diff: float, se: float, unit: str = "nats") -> str:
+    """``+0.1234 ± 0.0056 nats`` or (``unit="acc"``, fractions) ``-12.9 ± 1.8 points``."""
     return f"{diff:+.4f} ± {se:.4f} {unit}" if unit == "nats" else f"{100 * diff:+.1f} ± {100 * se:.1f} points"
+
+
+_fmt = fmt_difference
 
 
 def _combine(verdicts: list[str]) -> str:
@@ -93,74 +105,121 @@ def _combine(verdicts: list[str]) -> str:
     return "not distinguishable" if set(verdicts) == {"not distinguishable"} else "mixed"
 
 
-def verdicts(arms: StudyArms, mlm: dict[str, dict], phase1: dict,
+@dataclass(frozen=True)
+class ArmLosses:
+    """An arm's test MLM losses before (``converted``) and after phase 2 (``recovered``), each ``{"windows",
+    "pairs"}`` of per-example results or None, and its R drift after phase 2 (mean and largest over R tensors)."""
+
+    converted: dict | None = None
+    recovered: dict | None = None
+    r_drift: float | None = None
+    r_drift_max: float | None = None
+
+
+def _drift_note(losses: dict[str, ArmLosses], names: list[str]) -> str:
+    """Whether R measurably trained in the arms ``names`` that train R (largest drift >= `MIN_DRIFT`)."""
+    drifts = [losses[n].r_drift_max for n in names if losses[n].r_drift_max is not None]
+    if not drifts:
+        return "no arm here trains R"
+    moved = sum(d >= MIN_DRIFT for d in drifts)
+    return (f"R measurably trained (largest drift >= {MIN_DRIFT:.0%}) in {moved} of {len(drifts)} arms with trained R "
+            f"(largest drifts {min(drifts):.3f}–{max(drifts):.3f})")
+
+
+def verdicts(arms: StudyArms, losses: dict[str, ArmLosses], phase1: dict,
              finetune: dict[str, list[dict]]) -> dict[str, dict[str, Any]]:
     """One verdict per claim of the paper, with the numbers behind it.
 
-    ``mlm[name]`` are the phase-2 jobs of ``arms.mlm`` by arm name (with ``converted`` for partial arms),
-    ``phase1`` the phase-1 job, ``finetune[name]`` the fine-tuning runs of ``arms.finetune``. MLM losses decide
-    (they are measured far more precisely than accuracies); accuracy differences are reported beside them.
+    ``losses[name]`` are the arms' `ArmLosses` (every arm of ``arms.finetune``), ``phase1`` the phase-1 model's
+    test losses ``{"windows", "pairs"}``, ``finetune[name]`` the fine-tuning runs of every arm. MLM losses on the
+    test windows decide (they are measured far more precisely than accuracies); the pairs' losses and accuracy
+    differences are reported beside them. Claims (a) and (b) are judged on the arms with length buckets (and (a)
+    also on the zero-fill conversion); (c) and (d) on the recovered arms, distill and MLM, and say whether R
+    measurably trained.
     """
     out: dict[str, dict[str, Any]] = {}
     exact = Arm().name
-    partial = [arm.name for arm in arms.mlm if not arm.is_exact]
-    ks = list(dict.fromkeys(arm.k for arm in arms.mlm if not arm.is_exact))
-    modes = list(dict.fromkeys(arm.reconstruction for arm in arms.mlm if not arm.is_exact))
-    # (a) conversion alone loses: converted loss above the exact model it was converted from.
-    lines, votes = [], []
+    partial = [arm for arm in arms.finetune if not arm.is_exact]
+    recovered = [arm for arm in partial if arm.trains and arm.lengths == "buckets"]
+    ks = list(dict.fromkeys(arm.k for arm in partial))
+    modes = list(dict.fromkeys(arm.reconstruction for arm in partial))
+    recoveries = [r for r in ("distill", "mlm") if any(arm.recovery == r for arm in recovered)]
+    # (a) conversion alone loses: converted loss above the exact model it was converted from (the same weights for
+    # every R mode of one k and pattern: one line each).
+    lines, votes, seen = [], [], set()
     for arm in partial:
-        diff, se = paired_loss_difference(mlm[arm]["converted"], phase1)
+        if (arm.k, arm.lengths) in seen or losses[arm.name].converted is None:
+            continue
+        seen.add((arm.k, arm.lengths))
+        conv = losses[arm.name].converted
+        diff, se = paired_loss_difference(conv["windows"], phase1["windows"])
+        pairs = paired_loss_difference(conv["pairs"], phase1["pairs"])
         votes.append(_verdict(-diff, se))  # the claim: converted loss is higher
-        lines.append(f"{arm}: converted − exact {_fmt(diff, se)}")
-    for arm in [a.name for a in arms.finetune if not a.recovery]:
-        diff, se = accuracy_difference(finetune[arm], finetune[exact])
-        lines.append(f"{arm} fine-tuned without recovery − exact: {_fmt(diff, se, 'acc')}")
+        lines.append(f"k={arm.k} {arm.lengths.replace('_', '-')}: converted − exact {_fmt(diff, se)} on windows, "
+                     f"{_fmt(*pairs)} on the pairs")
+    for arm in [a for a in partial if not a.trains]:
+        diff, se = accuracy_difference(finetune[arm.name], finetune[exact])
+        lines.append(f"{arm.name} fine-tuned without recovery − exact: {_fmt(diff, se, 'acc')}")
     out["a"] = {"claim": "inserting the approximation into an exactly trained model loses accuracy",
-                "verdict": _combine(votes), "evidence": lines}
+                "verdict": _combine(votes) if votes else "not run", "evidence": lines}
     # (b) training recovers: the gap to the exact arm after phase 2 is smaller than right after conversion, by at
     # least half ("most"), and the fine-tuned accuracy is not distinguishable from the exact arm's.
     lines, votes, acc_lost = [], [], []
-    for arm in partial:
-        before, se_b = paired_loss_difference(mlm[arm]["converted"], phase1)
-        after, se_a = paired_loss_difference(mlm[arm], mlm[exact])
+    for arm in recovered:
+        own = losses[arm.name]
+        before, se_b = paired_loss_difference(own.converted["windows"], phase1["windows"])
+        after, se_a = paired_loss_difference(own.recovered["windows"], losses[exact].recovered["windows"])
+        pairs_before = paired_loss_difference(own.converted["pairs"], phase1["pairs"])[0]
+        pairs_after = paired_loss_difference(own.recovered["pairs"], losses[exact].recovered["pairs"])[0]
         shrink, se = after - before, math.sqrt(se_a ** 2 + se_b ** 2)
-        recovered = 1 - after / before if before > 0 else float("nan")
+        share = 1 - after / before if before > 0 else float("nan")
         vote = _verdict(shrink, se)
-        votes.append("partly supported" if vote == "supported" and not recovered >= 0.5 else vote)
-        acc = accuracy_difference(finetune[arm], finetune[exact])
-        if acc[0] < -max(2 * acc[1], 0.01):  # more than twice its error, and more than one point
-            acc_lost.append(arm)
-        lines.append(f"{arm}: MLM gap to exact {before:.4f} → {after:.4f} nats ({100 * recovered:.0f} % recovered; "
-                     f"change {_fmt(shrink, se)}); accuracy − exact {_fmt(*acc, 'acc')}")
-    verdict = _combine(votes)
+        votes.append("partly supported" if vote == "supported" and not share >= 0.5 else vote)
+        acc = accuracy_difference(finetune[arm.name], finetune[exact])
+        if acc[0] < -max(2 * acc[1], MIN_EFFECT_ACCURACY):  # more than twice its error, and more than one point
+            acc_lost.append(arm.name)
+        lines.append(f"{arm.name}: MLM gap to exact on windows {before:.4f} → {after:.4f} nats ({100 * share:.0f} % "
+                     f"recovered; change {_fmt(shrink, se)}), on the pairs {pairs_before:.4f} → {pairs_after:.4f}; "
+                     f"accuracy − exact {_fmt(*acc, 'acc')}")
+    verdict = _combine(votes) if votes else "not run"
     if acc_lost:
-        verdict += (f" for the MLM loss; the accuracy is not recovered ({len(acc_lost)} of {len(partial)} arms "
+        verdict += (f" for the MLM loss; the accuracy is not recovered ({len(acc_lost)} of {len(recovered)} arms "
                     "below the exact arm by more than twice the standard error)")
     out["b"] = {"claim": "training with partial attention built in recovers most of what conversion loses",
                 "verdict": verdict, "evidence": lines}
-    # (c) trained R beats fixed R.
-    lines, votes = [], []
-    for k in ks:
-        fixed = Arm(k, "fixed").name
-        if fixed not in mlm:
-            continue
-        for mode in [m for m in modes if m != "fixed"]:
-            trained = Arm(k, mode).name
-            diff, se = paired_loss_difference(mlm[trained], mlm[fixed])
-            votes.append(_verdict(diff, se))
-            acc = accuracy_difference(finetune[trained], finetune[fixed])
-            lines.append(f"k={k} {mode} − fixed: MLM {_fmt(diff, se)}, accuracy {_fmt(*acc, 'acc')}")
-    out["c"] = {"claim": "trained R beats fixed R", "verdict": _combine(votes) if votes else "not run",
-                "evidence": lines}
-    # (d) common R better at the smallest k, per-layer R at the largest.
-    lines, votes = [], []
+    # (c) trained R beats fixed R, per recovery.
+    lines, votes, trained_names = [], [], []
+    for recovery in recoveries:
+        for k in ks:
+            fixed = Arm(k, "fixed", recovery).name
+            if fixed not in losses:
+                continue
+            for mode in [m for m in modes if m != "fixed"]:
+                trained = Arm(k, mode, recovery).name
+                own = losses[trained]
+                diff, se = paired_loss_difference(own.recovered["windows"], losses[fixed].recovered["windows"])
+                votes.append(_verdict(diff, se))
+                trained_names.append(trained)
+                acc = accuracy_difference(finetune[trained], finetune[fixed])
+                lines.append(f"{recovery}, k={k} {mode} − fixed: MLM {_fmt(diff, se)}, accuracy {_fmt(*acc, 'acc')}; "
+                             f"R drift {own.r_drift_max:.3f} (largest)")
+    verdict = _combine(votes) if votes else "not run"
+    out["c"] = {"claim": "trained R beats fixed R", "verdict": verdict + (f"; {_drift_note(losses, trained_names)}"
+                                                                          if votes else ""), "evidence": lines}
+    # (d) common R better at the smallest k, per-layer R at the largest, per recovery.
+    lines, votes, trained_names = [], [], []
     if {"common", "per_layer"} <= set(modes) and len(ks) > 1:
-        for k, common_better in ((min(ks), True), (max(ks), False)):
-            common, per_layer = Arm(k, "common").name, Arm(k, "per_layer").name
-            diff, se = paired_loss_difference(mlm[common], mlm[per_layer])
-            votes.append(_verdict(diff, se, better_when_negative=common_better))
-            acc = accuracy_difference(finetune[common], finetune[per_layer])
-            lines.append(f"k={k} common − per_layer: MLM {_fmt(diff, se)}, accuracy {_fmt(*acc, 'acc')}")
+        for recovery in recoveries:
+            for k, common_better in ((min(ks), True), (max(ks), False)):
+                common, per_layer = Arm(k, "common", recovery).name, Arm(k, "per_layer", recovery).name
+                diff, se = paired_loss_difference(losses[common].recovered["windows"],
+                                                  losses[per_layer].recovered["windows"])
+                votes.append(_verdict(diff, se, better_when_negative=common_better))
+                trained_names += [common, per_layer]
+                acc = accuracy_difference(finetune[common], finetune[per_layer])
+                lines.append(f"{recovery}, k={k} common − per_layer: MLM {_fmt(diff, se)}, accuracy "
+                             f"{_fmt(*acc, 'acc')}")
+    verdict = _combine(votes) if votes else "not run"
     out["d"] = {"claim": "a common R is better at small k, per-layer R at larger k",
-                "verdict": _combine(votes) if votes else "not run", "evidence": lines}
+                "verdict": verdict + (f"; {_drift_note(losses, trained_names)}" if votes else ""), "evidence": lines}
     return out

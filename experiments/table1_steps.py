@@ -1,4 +1,5 @@
-"""The Table-1 study's units of work: MLM training and per-window evaluation, fine-tuning, timing.
+"""The Table-1 study's units of work: phase-2 training (MLM or a recovery objective against the exact teacher),
+per-example MLM evaluation, fine-tuning, timing.
 
 Every function takes what it needs explicitly (no study state), so the tests can run each one alone.
 """
@@ -22,39 +23,56 @@ __all__ = ["train_args", "train_mlm", "mlm_window_losses", "finetune", "time_mod
 
 
 def train_args(out: str, steps: int, batch: int, lr: float, seed: int, data_seed: int, bf16: bool = False,
-               reconstruction_learning_rate: float | None = None, mlm: bool = False, group_by_length: bool = False):
-    """The arguments every arm shares: linear decay after 6 % warm-up, AdamW, no checkpoints, no reports."""
+               reconstruction_learning_rate: float | None = None, mlm: bool = False, group_by_length: bool = False,
+               recovery_objective: str = "mlm"):
+    """The arguments every arm shares: linear decay after 6 % warm-up, AdamW, no checkpoints, no reports.
+    ``recovery_objective`` other than ``mlm`` (`training.recovery`) trains every weight against a teacher."""
     return PartialAttentionTrainingArguments(
         output_dir=out, max_steps=steps, per_device_train_batch_size=batch, per_device_eval_batch_size=64,
         learning_rate=lr, warmup_steps=0.06, weight_decay=0.01, logging_steps=max(1, steps // 5),
         save_strategy="no", report_to="none", seed=seed, data_seed=data_seed, disable_tqdm=True,
         dataloader_num_workers=0, bf16=bf16, reconstruction_learning_rate=reconstruction_learning_rate,
         train_sampling_strategy="group_by_length" if group_by_length else "random",
-        mlm_logits_at_masked_only=mlm, use_cpu=not torch.cuda.is_available())
+        mlm_logits_at_masked_only=mlm, use_cpu=not torch.cuda.is_available(), recovery_objective=recovery_objective)
 
 
 def train_mlm(model, tokenizer, train_windows, out: str, steps: int, batch: int, lr: float, seed: int,
-              **kwargs) -> tuple[Any, float | None, list[float]]:
-    """MLM for `steps` with masks and data order fixed by `seed` (the same for every arm).
+              objective: str = "mlm", teacher=None, **kwargs) -> tuple[Any, dict[str, Any]]:
+    """Phase-2 training for `steps` with masks and data order fixed by `seed` (the same for every arm): MLM, or
+    the recovery `objective` (e.g. ``attention_transfer,distill``) against `teacher` on the same masked batches
+    (the distill terms ignore the labels).
 
-    Returns (model, mean relative R drift ‖R − R₀‖/‖R₀‖ at the end (None without trained R), logged losses).
+    Returns (model, record): ``r_drift`` (mean relative R drift ‖R − R₀‖/‖R₀‖ over the R tensors at the end; None
+    without trained R), ``r_drift_max``, ``r_drift_by_tensor`` (n's R and each bucket's, ``common.len32``, ...),
+    ``train_losses``, ``train_log`` (each logged step's loss and ``recovery/<term>`` values), ``train_seconds``
+    (wall-clock of the training loop alone) and ``steps``.
     """
-    args = train_args(out, steps, batch, lr, seed, seed, mlm=True, **kwargs)
+    args = train_args(out, steps, batch, lr, seed, seed, mlm=True, recovery_objective=objective, **kwargs)
     trainer = PartialAttentionTrainer(model=model, args=args, data_collator=MlmCollator(tokenizer, seed=seed),
-                                      train_dataset=train_windows)
+                                      train_dataset=train_windows, teacher_model=teacher)
+    t0 = time.perf_counter()
     trainer.train()
+    seconds = time.perf_counter() - t0
     stats = trainer.reconstruction_stats()
-    drifts = [v for key, v in stats.items() if key.startswith("reconstruction_drift/") and not key.endswith("/mean")]
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return trainer.model, (sum(drifts) / len(drifts) if drifts else None), losses
+    drifts = {key.split("/", 1)[1]: v for key, v in stats.items()
+              if key.startswith("reconstruction_drift/") and not key.endswith("/mean")}
+    log = [{k: v for k, v in h.items() if k in ("step", "loss") or k.startswith("recovery/")}
+           for h in trainer.state.log_history if "loss" in h]
+    return trainer.model, {
+        "r_drift": sum(drifts.values()) / len(drifts) if drifts else None,
+        "r_drift_max": max(drifts.values()) if drifts else None, "r_drift_by_tensor": drifts,
+        "train_losses": [h["loss"] for h in log], "train_log": log, "train_seconds": seconds, "steps": steps,
+        "objective": objective}
 
 
 @torch.no_grad()
 def mlm_window_losses(model, tokenizer, windows, seed: int, batch_size: int = 64) -> dict[str, list[float]]:
-    """Per held-out window: the summed MLM cross-entropy and the number of masked tokens.
+    """Per held-out example: the summed MLM cross-entropy and the number of masked tokens.
 
-    The masks are the collator's evaluation masks (a function of the window and `seed` only), so two models
-    evaluated here are scored on the very same tokens and their losses can be compared window by window.
+    `windows` is any dataset of ``input_ids`` (with ``attention_mask`` and ``token_type_ids`` if it has them):
+    n-token windows, or sentence pairs at their own lengths (the collator pads each batch to its longest). The
+    masks are the collator's evaluation masks (a function of the example and `seed` only), so two models evaluated
+    here are scored on the very same tokens and their losses can be compared example by example.
     """
     collator = MlmCollator(tokenizer, seed=seed, epoch=None)
     model.eval()

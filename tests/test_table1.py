@@ -1,18 +1,25 @@
-"""The Table-1 study: its statistics by hand, the masked-only MLM loss, and a tiny study killed and resumed."""
+"""The Table-1 study (v2): its statistics and gap decomposition by hand, its arms and arguments, the masked-only
+MLM loss, and a tiny study killed and resumed."""
 
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
 from huggingface_hub import ModelCard
 from transformers import BertConfig, BertForMaskedLM
 
-from experiments import table1_steps
+from experiments import table1, table1_steps
 from experiments.cli import main as cli_main
-from experiments.table1_spec import study_arms
-from experiments.table1_stats import accuracy_difference, accuracy_summary, paired_loss_difference, verdicts
+from experiments.table1_budget import BUDGET_SECONDS, estimate_seconds
+from experiments.table1_gaps import gap_decomposition
+from experiments.table1_spec import Arm, StudyArguments, job_names, parse_arm, study_arms
+from experiments.table1_stats import (
+    ArmLosses, accuracy_difference, accuracy_summary, mlm_loss, paired_loss_difference, verdicts,
+)
+from hf_partial_attention.configuration_partial_bert import PartialBertConfig
 from hf_partial_attention.model_card import validate_card_metadata
 from hf_partial_attention.training.trainer import masked_only_mlm_loss
 
@@ -42,29 +49,119 @@ def _window(sums, counts=(10, 10, 10, 10)):
     return {"loss_sums": list(sums), "token_counts": list(counts)}
 
 
+def _both(sums, pair_sums=None):
+    """Test losses on windows and pairs (the pairs: the same numbers unless given)."""
+    return {"windows": _window(sums), "pairs": _window(pair_sums or sums)}
+
+
 def test_verdicts_follow_the_numbers():
-    phase1 = _window([20, 21, 19, 20])
-    converted = _window([40, 41, 39, 42])  # +2 nats per token: conversion clearly loses
-    mlm = {"exact": _window([19, 20, 18, 19]),
-           "k8_fixed": {**_window([30, 31, 29, 31]), "converted": converted},
-           "k8_common": {**_window([22, 23, 21, 22]), "converted": converted},  # beats fixed
-           "k16_fixed": {**_window([25, 26, 24, 25]), "converted": converted},
-           # 0.005 nats below fixed in every window: many standard errors, but under the 0.01-nat minimum effect
-           "k16_common": {**_window([24.95, 25.95, 23.95, 24.95]), "converted": converted}}
+    phase1 = _both([20, 21, 19, 20])
+    converted = _both([40, 41, 39, 42])  # +2 nats per token: conversion clearly loses
+    losses = {"exact": ArmLosses(None, _both([19, 20, 18, 19])),
+              "k8_fixed_mlm": ArmLosses(converted, _both([30, 31, 29, 31]), 0.0, 0.0),
+              "k8_common_mlm": ArmLosses(converted, _both([22, 23, 21, 22]), 0.02, 0.05),  # beats fixed
+              "k16_fixed_mlm": ArmLosses(converted, _both([25, 26, 24, 25]), 0.0, 0.0),
+              # 0.005 nats below fixed in every window: many standard errors, but under the 0.01-nat minimum effect
+              "k16_common_mlm": ArmLosses(converted, _both([24.95, 25.95, 23.95, 24.95]), 0.001, 0.002)}
     runs = [{"accuracy": 0.5, "correct": "10" * 20}, {"accuracy": 0.5, "correct": "01" * 20}]
-    ft = {arm: runs for arm in mlm}
-    arms = study_arms([8, 16], ["fixed", "common"])
-    v = verdicts(arms, mlm, phase1, ft)
-    assert v["a"]["verdict"] == "supported"
+    ft = {arm: runs for arm in losses}
+    arms = study_arms([8, 16], ["fixed", "common"], ["mlm"])
+    v = verdicts(arms, losses, phase1, ft)
+    assert v["a"]["verdict"] == "supported" and len(v["a"]["evidence"]) == 2  # one line per k (same weights)
     assert v["b"]["verdict"] == "partly supported"  # k8_fixed: gap 2.05 -> 1.125 nats, 45 % recovered (< half)
-    assert v["c"]["verdict"] == "partly supported"  # k = 8 yes, k = 16 a negligible difference
+    # k = 8 yes, k = 16 a negligible difference; R moved >= 1 % in one of the two trained-R arms
+    assert v["c"]["verdict"].startswith("partly supported; R measurably trained (largest drift >= 1%) in 1 of 2")
     assert v["d"]["verdict"] == "not run"  # no per_layer arms
     worse = [{"accuracy": 0.0, "correct": "0" * 40}, {"accuracy": 0.025, "correct": "0" * 39 + "1"}]
-    v = verdicts(arms, mlm, phase1, {**ft, "k8_common": worse})
+    v = verdicts(arms, losses, phase1, {**ft, "k8_common_mlm": worse})
     assert v["b"]["verdict"].endswith("the accuracy is not recovered (1 of 4 arms below the exact arm by more than "
                                       "twice the standard error)")
-    mlm["k8_common"] = {**_window([35, 36, 34, 36]), "converted": converted}  # now worse than fixed
-    assert verdicts(arms, mlm, phase1, ft)["c"]["verdict"] == "mixed"
+    losses["k8_common_mlm"] = ArmLosses(converted, _both([35, 36, 34, 36]), 0.02, 0.05)  # now worse than fixed
+    assert verdicts(arms, losses, phase1, ft)["c"]["verdict"].startswith("mixed")
+
+
+def test_gap_decomposition_names_the_step_that_loses_most():
+    """Synthetic numbers where conversion loses 30 points and distillation wins back 20: the sentence names the
+    conversion, from the numbers; each step is the difference of the entries it names."""
+    phase1 = _both([20, 20, 20, 20], [10, 10, 10, 10])
+    zero_fill = {"8": _both([30, 30, 31, 30], [20, 21, 20, 20])}
+    converted = _both([28, 29, 28, 28], [15, 15, 16, 15])
+    losses = {"exact": ArmLosses(None, _both([19, 19, 19, 19], [9, 9, 9, 9])),
+              "k8_common_none": ArmLosses(converted),
+              "k8_common_distill": ArmLosses(converted, _both([21, 21, 21, 22], [11, 11, 12, 11]), 0.1, 0.2),
+              "k8_common_distill_zerofill": ArmLosses(zero_fill["8"], _both([22, 22, 22, 22], [13, 13, 13, 13]))}
+    ft = {"exact": [{"accuracy": 0.9, "correct": "1" * 9 + "0"}] * 3,
+          "k8_common_none": [{"accuracy": 0.6, "correct": "1" * 6 + "0" * 4}] * 3,
+          "k8_common_distill": [{"accuracy": 0.8, "correct": "1" * 8 + "00"}] * 3,
+          "k8_common_distill_zerofill": [{"accuracy": 0.7, "correct": "1" * 7 + "000"}] * 3}
+    arms = study_arms([8], ["common"], ["none", "distill"], parse_arm("8:common:distill", "t", "zero_fill"))
+    d = gap_decomposition(arms, losses, phase1, ft, zero_fill)["8"]
+    assert d["loses_most"]["step"].startswith("conversion (k8_common_none")
+    assert d["loses_most"]["diff"] == pytest.approx(-0.3)
+    assert d["sentence"].startswith("At k = 8 the step that loses the most accuracy is conversion")
+    by = {(s["step"].split()[0], s["comparison"]): s for s in d["steps"]}
+    assert by[("(i)", "zero-fill converted − exact (phase 1)")]["windows"]["diff"] == pytest.approx(10.25 / 10)
+    assert by[("(ii)", "buckets − zero-fill (converted)")]["pairs"]["diff"] == pytest.approx((61 - 81) / 40)
+    assert by[("(iv)", "zero-fill control: k8_common_distill_zerofill − k8_common_distill")]["accuracy"][
+        "diff"] == pytest.approx(-0.1)
+    ft["k8_common_distill_zerofill"] = [{"accuracy": 0.2, "correct": "11" + "0" * 8}] * 3  # zero fill: -60 points
+    d = gap_decomposition(arms, losses, phase1, ft, zero_fill)["8"]
+    assert d["loses_most"]["step"].startswith("zero-fill instead of buckets")
+
+
+def test_arm_names_and_their_checks():
+    assert [Arm().name, Arm(8, "fixed", "none").name, Arm(16, "common", "distill", "zero_fill").name] == [
+        "exact", "k8_fixed_none", "k16_common_distill_zerofill"]
+    assert Arm(16, "common", "distill", "zero_fill").twin(lengths="buckets") == Arm(16, "common", "distill")
+    assert parse_arm("16:per_layer:mlm", "rlr_arm") == Arm(16, "per_layer", "mlm")
+
+
+@pytest.mark.parametrize("fields, words", [
+    (dict(k=8), "reconstruction=None"), (dict(reconstruction="common"), "k=None"),
+    (dict(recovery=True), "Arm(recovery=True): use one of ('none', 'mlm', 'distill')"),
+    (dict(k=8, reconstruction="fixed", recovery="distil"), "Arm(recovery='distil')"),
+    (dict(recovery="none"), "needs a k"), (dict(recovery="distill"), "needs a k"),
+    (dict(lengths="zero_fill"), "the exact arm has no pattern"),
+    (dict(k=8, reconstruction="fixed", lengths="zerofill"), "Arm(lengths='zerofill'): use one of"),
+    (dict(k=0, reconstruction="fixed"), "k must be an int >= 1"),
+    (dict(k=8, reconstruction="shared"), "use one of ('fixed', 'common', 'per_layer')"),
+])
+def test_arm_refuses_what_has_no_name(fields, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        Arm(**fields)
+
+
+@pytest.mark.parametrize("fields, words", [
+    (dict(arm_steps=0), "arm_steps must be >= 1"),
+    (dict(modes="fixed,shared"), "--modes"),
+    (dict(recoveries="none,distil"), "--recoveries 'none,distil'"),
+    (dict(zero_fill_control="32:common:distill"), "its buckets twin k32_common_distill is not an arm"),
+    (dict(zero_fill_control="16:common"), "--zero_fill_control '16:common' is not an arm k:mode:recovery"),
+    (dict(rlr_arm="16:fixed:distill"), "--rlr_arm '16:fixed:distill' must be an arm of the study that trains R"),
+    (dict(rlr_arm=""), "--rlr_arm '' selects no R learning rate"),
+    (dict(lengths="16,32"), "--lengths 16,32 must end with --max_seq_length 128"),
+    (dict(reconstruction_learning_rates="fast"), "comma-separated numbers"),
+    (dict(reconstruction_learning_rates="1e-3,1e-3"), "distinct positive"),
+    (dict(distill_objective="distill,kl"), "unknown term 'kl'"),
+    (dict(ks="16,16"), "repeat a name"),
+])
+def test_study_arguments_refuse_what_cannot_run(fields, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        StudyArguments(**fields)
+
+
+def test_default_study_has_every_arm_and_fits_the_budget():
+    """Issue 24's arms (exact; k 8, 16 x R fixed / common / per layer x recovery none / MLM / distill; one zero-fill
+    control), >= 3 seeds, the R-lr job before every job that reads the test split, and <= 3 h estimated."""
+    a = StudyArguments()
+    names = [arm.name for arm in a.arms().finetune]
+    assert len(names) == 1 + 2 * 3 * 3 + 1 and names[-1] == "k16_common_distill_zerofill" and len(a.seeds) >= 3
+    assert {"k8_per_layer_none", "k16_fixed_mlm", "k8_common_distill"} <= set(names)
+    jobs = job_names(a)
+    reads_test = [i for i, j in enumerate(jobs) if j.startswith(("phase1_eval", "conv_", "mlm_", "ft_", "timing"))]
+    assert jobs.index("rlr") < min(reads_test) and len(set(jobs)) == len(jobs)
+    estimate = estimate_seconds(a)
+    assert estimate["total"] <= BUDGET_SECONDS and estimate["finetune"] > estimate["phase2"] > estimate["rlr"]
 
 
 def test_masked_only_mlm_loss_equals_the_models_own_loss():
@@ -90,19 +187,37 @@ def test_masked_only_mlm_loss_equals_the_models_own_loss():
         masked_only_mlm_loss(model.bert, inputs)
 
 
-TINY = ["--max_seq_length", "32", "--ks", "8,16", "--phase1_steps", "2", "--arm_steps", "3",
+TINY = ["--max_seq_length", "32", "--lengths", "16,32", "--ks", "8", "--modes", "fixed,common",
+        "--recoveries", "none,distill", "--zero_fill_control", "8:common:distill", "--rlr_arm", "8:common:distill",
+        "--bucket_fit_inputs", "300", "--phase1_steps", "2", "--phase1_batch_size", "4", "--arm_steps", "3",
         "--pretrain_batch_size", "4", "--pretrain_learning_rate", "1e-3", "--covariance_windows", "8",
-        "--mlm_eval_windows", "8", "--finetune_steps", "2", "--finetune_batch_size", "4", "--finetune_seeds", "0,1",
-        "--max_finetune_eval", "40", "--timing_batch_size", "2", "--timing_repeats", "1", "--progress", "false"]
+        "--mlm_eval_windows", "8", "--mlm_eval_pairs", "24", "--finetune_steps", "2", "--finetune_batch_size", "4",
+        "--finetune_seeds", "0,1", "--max_finetune_eval", "40", "--timing_batch_size", "2", "--timing_repeats", "1",
+        "--progress", "false", "--threads", "1"]  # tiny batches gain nothing from 2 threads, which a busy CPU slows
+TINY_ARMS = ["exact", "k8_fixed_none", "k8_common_none", "k8_fixed_distill", "k8_common_distill",
+             "k8_common_distill_zerofill"]  # recovery mlm of a partial arm: test_tiny_table1_study_by_the_mnli_flags
+
+
+def _at(report: dict, path: str):
+    """The report entry at a decomposition path (``rows.k8_common_none.mlm_converted_pairs``, ...)."""
+    value = report
+    for key in path.split("."):
+        value = value[key]
+    return value
 
 
 @pytest.mark.slow
-def test_tiny_table1_study_killed_and_resumed(tmp_path, monkeypatch, capsys):
-    """The whole study at tiny sizes on the real MiniLM: a run killed in fine-tuning continues where it stopped."""
+def test_tiny_table1_study_killed_and_resumed(tmp_path, monkeypatch, capsys, one_torch_thread):
+    """The whole study at tiny sizes on the real MiniLM: a run killed in fine-tuning continues where it stopped;
+    R's learning rate is chosen on the selection split before any test number is read; the zero-fill control runs
+    one bucket and the others theirs; the decomposition is differences of the table's numbers."""
     argv = ["table1", *TINY, "--output_dir", str(tmp_path / "out"), "--run_dir", str(tmp_path / "run"),
             "--cards_dir", str(tmp_path / "cards")]
+    jobs = tmp_path / "run" / "jobs"
     real_finetune, real_train = table1_steps.finetune, table1_steps.train_mlm
+    real_losses, real_load = table1_steps.mlm_window_losses, table1.load_study_data
     calls = {"finetune": 0, "train_mlm": 0}
+    seen, loaded = [], []  # (rlr job done?, what, dataset) of every evaluation and training; the study's data
 
     def dying_finetune(*args, **kwargs):
         calls["finetune"] += 1
@@ -110,13 +225,42 @@ def test_tiny_table1_study_killed_and_resumed(tmp_path, monkeypatch, capsys):
             raise KeyboardInterrupt("killed")
         return real_finetune(*args, **kwargs)
 
+    def spy(what, real, position):
+        def wrapper(*args, **kwargs):
+            seen.append(((jobs / "rlr.json").exists(), what, args[position]))
+            return real(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(table1, "load_study_data", lambda a: loaded.append(real_load(a)) or loaded[-1])
     monkeypatch.setattr(table1_steps, "finetune", dying_finetune)
+    monkeypatch.setattr(table1_steps, "mlm_window_losses", spy("evaluate", real_losses, 2))
+    monkeypatch.setattr(table1_steps, "train_mlm", spy("train", real_train, 2))
     with pytest.raises(KeyboardInterrupt):
         cli_main(argv)
-    jobs = tmp_path / "run" / "jobs"
     done = {p.name: p.read_bytes() for p in jobs.iterdir()}
-    assert {"phase1.json", "patterns.json", "mlm_exact.json", "ft_exact_s0.json", "ft_exact_s1.json"} <= set(done)
-    assert "ft_k8_fixed_s0.json" not in done and not list(jobs.glob("*.tmp"))
+    assert {"phase1.json", "patterns.json", "rlr.json", "phase1_eval.json", "conv_k8_common_none.json",
+            "mlm_exact.json", "mlm_k8_common_distill_zerofill.json", "ft_exact_s0.json",
+            "ft_exact_s1.json"} <= set(done)
+    assert "zero_fill_converted" in json.loads(done["conv_k8_fixed_none.json"])  # the first converted arm of k
+    assert "ft_k8_fixed_none_s0.json" not in done and not list(jobs.glob("*.tmp"))
+    # before the R-lr job was saved: training on training data only (phase 1 on the training windows, the R-lr runs
+    # on phase 2's data: those windows and the training pairs), evaluation on the selection split only
+    windows, recovery = loaded[0].windows, loaded[0].recovery_inputs
+    before = [(what, ds) for rlr_done, what, ds in seen if not rlr_done]
+    assert {what for what, _ in before} == {"train", "evaluate"}
+    assert all(ds is windows["train"] or ds is recovery if what == "train" else ds is windows["selection"]
+               for what, ds in before)
+    assert len(recovery) == len(windows["train"]) + len(loaded[0].pairs["train"])
+    assert min(len(x) for x in recovery["input_ids"]) < len(windows["train"][0]["input_ids"])  # pairs: shorter than n
+    assert any(ds is windows["validation"] for rlr_done, what, ds in seen if rlr_done)  # the test split, after
+    rlr = json.loads(done["rlr.json"])
+    losses = [c["selection_loss"] for c in rlr["candidates"]]
+    assert [c["reconstruction_learning_rate"] for c in rlr["candidates"]] == [1e-3, 1e-2]
+    assert losses == [mlm_loss(c["selection"]) for c in rlr["candidates"]]
+    assert rlr["chosen"] == rlr["candidates"][losses.index(min(losses))]["reconstruction_learning_rate"]
+    reused = json.loads(done["mlm_k8_common_distill.json"])  # the selection's winner is that arm's phase 2
+    assert reused["reused_from"].startswith("rlr") and reused["r_drift"] == rlr["candidates"][rlr["chosen_index"]][
+        "r_drift"] and reused["reconstruction_learning_rate"] == rlr["chosen"]
 
     def counting(name, real):
         def wrapper(*args, **kwargs):
@@ -128,30 +272,54 @@ def test_tiny_table1_study_killed_and_resumed(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(table1_steps, "finetune", counting("finetune", real_finetune))
     monkeypatch.setattr(table1_steps, "train_mlm", counting("train_mlm", real_train))
     assert cli_main(argv) == 0
-    assert calls == {"train_mlm": 0, "finetune": 8 * 2 - 2}  # 8 arms x 2 seeds, 2 finished before the kill
+    assert calls == {"train_mlm": 0, "finetune": 6 * 2 - 2}  # 6 arms x 2 seeds, 2 finished before the kill
     assert all((jobs / name).read_bytes() == data for name, data in done.items())  # finished jobs untouched
 
     report = json.loads((tmp_path / "out" / "table1.json").read_text())
     rows = report["rows"]
-    assert list(rows) == ["exact", "k8_fixed", "k8_common", "k8_per_layer", "k16_fixed", "k16_common",
-                          "k16_per_layer", "k8_converted"]
-    assert rows["k8_fixed"]["r_drift"] == 0.0 and rows["k8_common"]["r_drift"] > 0
-    assert rows["k8_fixed"]["mlm_loss"] != rows["k8_common"]["mlm_loss"]  # R trained or not changes the model
-    assert rows["k8_converted"]["mlm_loss_converted"] == rows["k8_common"]["mlm_loss_converted"]
+    assert list(rows) == TINY_ARMS
+    # every partial arm fine-tunes with its buckets, the control with one bucket (zero fill at n)
+    for name in TINY_ARMS[1:]:
+        ft = json.loads((jobs / f"ft_{name}_s0.json").read_text())
+        config = PartialBertConfig.from_pretrained(tmp_path / "run" / "models" / f"ft_{name}_s0")
+        assert ft["partial_lengths"] == list(config.partial_lengths) == rows[name]["partial_lengths"]
+        assert (len(config.partial_lengths) == 1) == name.endswith("_zerofill")
+    assert rows["k8_common_distill"]["partial_lengths"] == [16, 32]
+    assert rows["k8_fixed_distill"]["r_drift"] == 0.0 and rows["k8_common_distill"]["r_drift_max"] > 0
+    assert rows["k8_fixed_distill"]["mlm_windows"] != rows["k8_common_distill"]["mlm_windows"]  # R trained or not
+    assert rows["k8_fixed_none"]["mlm_windows"] is None and rows["exact"]["mlm_converted_pairs"] is None
+    assert rows["k8_fixed_none"]["mlm_converted_pairs"] == rows["k8_common_distill"]["mlm_converted_pairs"]
+    assert rows["exact"]["recovery_steps"] == rows["k8_common_distill"]["recovery_steps"] == 3  # equal budgets
+    assert rows["k8_common_distill"]["recovery_seconds"] > 0
+    # the decomposition: each step the difference of the two table entries it names, the loser among them
+    d = report["decomposition"]["8"]
+    measures = [m for s in d["steps"] for m in (s["windows"], s["pairs"], s["accuracy"]) if m is not None]
+    assert len(measures) >= 12 and {s["step"].split()[0] for s in d["steps"]} == {"(i)", "(ii)", "(iii)", "(iv)"}
+    for m in measures:
+        assert m["diff"] == pytest.approx(_at(report, m["of"]) - _at(report, m["minus"]), abs=1e-9)
+    chain = d["accuracy_steps"]  # conversion, recovery by mlm / distill instead of none, zero-fill vs buckets
+    assert len(chain) == 3 and all(m["diff"] == pytest.approx(_at(report, m["of"]) - _at(report, m["minus"]),
+                                                              abs=1e-9) for m in chain)
+    assert d["loses_most"] == min(chain, key=lambda m: m["diff"]) and d["sentence"].startswith("At k = 8 ")
     # QKᵀ saving by hand at n = 32, d_h = 32, k = 8: 1 - (8*32 + 24*8) / (32*32) = 0.5625, over 5 of 6 layers
-    assert rows["k8_fixed"]["qk_saving_partial_layers"] == pytest.approx(0.5625)
-    assert rows["k8_fixed"]["qk_saving_model"] == pytest.approx(0.5625 * 5 / 6)
+    assert rows["k8_fixed_distill"]["qk_saving_partial_layers"] == pytest.approx(0.5625)
+    assert rows["k8_fixed_distill"]["qk_saving_model"] == pytest.approx(0.5625 * 5 / 6)
     assert report["model"] == "sentence-transformers/all-MiniLM-L6-v2"
-    assert set(report["timing"]["ms"]) >= {"exact/eager", "exact/sdpa", "k8_fixed/eager", "k16_common/sdpa"}
+    assert set(report["timing"]["ms"]) >= {"exact/eager", "exact/sdpa", "k8_fixed/eager", "k8_common/sdpa"}
     text = (tmp_path / "out" / "table1.md").read_text()
-    assert "python -m experiments table1 --max_seq_length 32" in text and "| k16_per_layer | 16 | per_layer |" in text
+    assert "python -m experiments table1 --max_seq_length 32" in text
+    assert "| k8_common_distill_zerofill | 8 | common | distill | zero_fill |" in text
+    assert "## Gap decomposition" in text and d["sentence"] in text and "## Goals (issue 24)" in text
+    assert f"chosen **{rlr['chosen']:g}**" in text
     assert "site-packages" not in text  # the model is named by its Hub id, not by where it lies here
-    card = ModelCard.load(tmp_path / "cards" / "table1-k8_common" / "README.md")
+    card = ModelCard.load(tmp_path / "cards" / "table1-k8_common_distill" / "README.md")
     validate_card_metadata(card)
     result = card.data.eval_results[0]
     assert result.metric_type == "accuracy"
-    assert result.metric_value == pytest.approx(round(rows["k8_common"]["accuracy"]["values"][0], 4))
-    assert "greedy P and optimal R" in card.text and str(tmp_path) not in card.content
+    assert result.metric_value == pytest.approx(round(rows["k8_common_distill"]["accuracy"]["values"][0], 4))
+    assert "P and R per length bucket" in card.text and "python -m experiments table1" in card.text
+    assert str(tmp_path) not in card.content
+    assert "zero-filled below n" in (tmp_path / "cards" / "table1-k8_common_distill_zerofill" / "README.md").read_text()
 
     # resuming with other arguments would mix studies: refused, in one line (-v: the traceback)
     other = [*argv[:-6], "--arm_steps", "4", *argv[-6:]]
@@ -206,7 +374,7 @@ def test_tokenize_pairs_without_padding_keeps_each_length():
 
 
 @pytest.mark.slow
-def test_tiny_table1_study_by_the_mnli_flags(tmp_path):
+def test_tiny_table1_study_by_the_mnli_flags(tmp_path, one_torch_thread):
     """The GPU command's path (--task mnli, its own text, no phase 1), here with local MNLI-format files."""
     import random
 
@@ -222,25 +390,16 @@ def test_tiny_table1_study_by_the_mnli_flags(tmp_path):
         (tmp_path / f"{split}.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     argv = ["table1", *TINY, "--task", "mnli", "--pretrain_train_file", str(text), "--finetune_train_file",
             str(tmp_path / "train.jsonl"), "--finetune_validation_file", str(tmp_path / "validation.jsonl"),
-            "--phase1_steps", "0", "--ks", "8", "--modes", "fixed", "--no_recovery_ks", "", "--finetune_seeds", "0",
+            "--phase1_steps", "0", "--ks", "8", "--modes", "fixed", "--recoveries", "mlm", "--zero_fill_control", "",
+            "--rlr_arm", "", "--reconstruction_learning_rates", "1e-3", "--finetune_seeds", "0",
             "--output_dir", str(tmp_path / "out"), "--run_dir", str(tmp_path / "run"),
             "--cards_dir", str(tmp_path / "cards")]
     assert cli_main(argv) == 0
     report = json.loads((tmp_path / "out" / "table1.json").read_text())
-    assert list(report["rows"]) == ["exact", "k8_fixed"]
+    assert list(report["rows"]) == ["exact", "k8_fixed_mlm"]
+    assert report["selection"] == {"arm": None, "chosen": 1e-3, "windows": None, "candidates": []}
     assert report["sizes"]["pairs"] == {"train": 64, "validation": 24}
     assert report["labels"] == ["entailment", "neutral", "contradiction"]
     assert report["phase1_train_losses"] == []  # --phase1_steps 0: the start model is converted as it is
-    card = ModelCard.load(tmp_path / "cards" / "table1-k8_fixed" / "README.md")
+    card = ModelCard.load(tmp_path / "cards" / "table1-k8_fixed_mlm" / "README.md")
     assert card.data.eval_results[0].dataset_name == "MNLI"
-
-
-def test_study_arguments_refuse_what_cannot_run():
-    from experiments.table1_spec import StudyArguments
-
-    with pytest.raises(ValueError, match="arm_steps must be >= 1"):
-        StudyArguments(arm_steps=0)
-    with pytest.raises(ValueError, match="--no_recovery_ks"):
-        StudyArguments(ks="8", no_recovery_ks="16")
-    with pytest.raises(ValueError, match="--modes"):
-        StudyArguments(modes="fixed,shared")
