@@ -317,3 +317,11 @@ def test_every_buckets_r_gets_rs_learning_rate_and_trains_alone(tokenizer):
         assert {n for n, _ in student.named_parameters() if is_reconstruction_parameter(n)} == expected
         assert set(freeze_for_attention_transfer(student, "reconstruction")) == expected
     assert not is_reconstruction_parameter("bert.encoder.layer.0.attention.self.query.weight")
+
+
+def test_the_card_of_a_recovery_run_names_its_objective(tokenizer, windows, tmp_path):
+    trainer = _trainer(tokenizer, windows, str(tmp_path), "attention_transfer", max_steps=1)
+    trainer.train()
+    trainer.create_model_card()
+    card = open(os.path.join(str(tmp_path), "README.md")).read()
+    assert "recovery objective `attention_transfer` against the exact teacher" in card

@@ -44,6 +44,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from ..model_card import write_model_card
 from ..modeling_partial_bert import PartialBertPreTrainedModel
+from .losses import example_loss_sums, masked_only_mlm_loss, training_details
 from .recovery import is_reconstruction_parameter, recovery_losses, setup_recovery
 from .sampling import EpochLengthGroupedSampler, example_lengths
 
@@ -52,36 +53,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["PartialAttentionTrainer", "RECONSTRUCTION_INITIAL_NAME", "is_reconstruction_parameter"]
 
 RECONSTRUCTION_INITIAL_NAME = "reconstruction_initial.safetensors"
-
-
-def masked_only_mlm_loss(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``{"loss", "logits"}``: an MLM model's mean cross-entropy over its M labelled positions, and the vocabulary
-    logits (M, vocab) at those positions, the only ones computed (the model's own loss computes them at every
-    position)."""
-    if not (hasattr(model, "bert") and hasattr(model, "cls")):
-        raise TypeError(f"mlm_logits_at_masked_only needs a BERT MLM model with .bert and .cls, got "
-                        f"{type(model).__name__}; unset --mlm_logits_at_masked_only.")
-    labels = inputs["labels"]  # (B, T)
-    body = {k: v for k, v in inputs.items() if k != "labels"}
-    hidden = model.bert(**body).last_hidden_state  # (B, T, hidden)
-    chosen = labels != -100  # (B, T)
-    logits = model.cls(hidden[chosen])  # (M, vocab): the M labelled positions only
-    return {"loss": torch.nn.functional.cross_entropy(logits.float(), labels[chosen]), "logits": logits}
-
-
-def _example_loss_sums(logits: torch.Tensor | None, labels: torch.Tensor) -> torch.Tensor | None:
-    """(B,): each example's cross-entropy summed over its labelled items (``labels != -100``), from logits
-    (*labels.shape, C) at every position or (M, C) at the M labelled ones; None where they do not classify labels."""
-    if not torch.is_tensor(logits) or labels.is_floating_point():
-        return None
-    chosen = labels.ne(-100)  # labels' shape, (B, ...)
-    if logits.shape[:-1] == labels.shape:
-        logits = logits[chosen]  # (M, C)
-    elif logits.dim() != 2 or logits.shape[0] != int(chosen.sum()):
-        return None
-    token = torch.nn.functional.cross_entropy(logits.float(), labels[chosen], reduction="none")  # (M,)
-    rows = chosen.nonzero()[:, 0]  # (M,): each labelled item's example, in the order of labels[chosen]
-    return torch.zeros(labels.shape[0], dtype=token.dtype, device=token.device).index_add_(0, rows, token)
 
 
 class _CollatorEpoch(TrainerCallback):
@@ -327,7 +298,7 @@ class PartialAttentionTrainer(Trainer):
         if not counts.any():  # no labelled item: nothing to add (and the model's mean is NaN)
             return torch.zeros_like(counts), counts
         logits = outputs.get("logits") if isinstance(outputs, dict) else None
-        sums = _example_loss_sums(logits.detach() if torch.is_tensor(logits) else None, labels)
+        sums = example_loss_sums(logits.detach() if torch.is_tensor(logits) else None, labels)
         mean = loss.detach().float().mean()
         # Cross-entropy over the labels is these models' loss; where the model computes another (a regression, a
         # shifted causal loss) its mean is spread over the examples: exact for the batch, approximate only for the
@@ -412,18 +383,5 @@ class PartialAttentionTrainer(Trainer):
                          model_name=model_name or os.path.basename(os.path.normpath(self.args.output_dir)),
                          base_model=finetuned_from, datasets=dataset, license=license, language=language or "en",
                          tags=[*(model.model_tags or []), *tags], eval_results=eval_results,
-                         training_details=self._training_details(), repo_id=self.hub_model_id)
+                         training_details=training_details(self.args, self.state), repo_id=self.hub_model_id)
         return None
-
-    def _training_details(self) -> str:
-        args, state = self.args, self.state
-        last = {}
-        for entry in state.log_history:
-            last.update({k: v for k, v in entry.items() if isinstance(v, (int, float)) and k not in ("step", "epoch")})
-        metrics = ", ".join(f"{k} {v:.4g}" for k, v in sorted(last.items()) if k.startswith(("eval_", "train_loss")))
-        r_lr = getattr(args, "reconstruction_learning_rate", None)
-        return (f"Trained with `hf_partial_attention.training.PartialAttentionTrainer` for {state.global_step} steps: "
-                f"learning rate {args.learning_rate:g} (R: {args.learning_rate if r_lr is None else r_lr:g}), "
-                f"batch size {args.per_device_train_batch_size} per device × {args.world_size} processes × "
-                f"{args.gradient_accumulation_steps} accumulation steps, seed {args.seed}."
-                + (f" Last logged: {metrics}." if metrics else ""))
