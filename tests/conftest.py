@@ -19,6 +19,26 @@ def minilm_path():
     return str(gt.get_model_path())
 
 
+@pytest.fixture(scope="session")
+def tokenizer(minilm_path):
+    """The real MiniLM tokenizer."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(minilm_path)
+
+
+@pytest.fixture(scope="session")
+def windows(tokenizer):
+    """32-token MLM windows of tests/data/tiny_corpus.txt (the training tests' data)."""
+    from datasets import Dataset, DatasetDict
+
+    from hf_partial_attention.training import group_into_windows
+
+    with open(os.path.join(os.path.dirname(__file__), "data", "tiny_corpus.txt")) as f:
+        texts = [t for t in f.read().split("\n\n") if t.strip()]
+    return group_into_windows(DatasetDict(train=Dataset.from_dict({"text": texts})), tokenizer, 32)["train"]
+
+
 @pytest.fixture
 def tiny_bert_config():
     """Tiny BERT (hidden 32, 2 layers, 4 heads, vocab 99), as in transformers' own tests."""

