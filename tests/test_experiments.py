@@ -66,14 +66,55 @@ def test_arm_names_round_trip(flags):
     assert {f"ft_{arm.name}_s{s}" for arm in arms.finetune for s in a.seeds} <= set(jobs)
 
 
-def test_committed_table1_names_its_arms_and_command():
-    """results/table1/table1.json: one row per arm it names, and the command that made it. (The committed file is
-    the first protocol's until `make table1` reruns the study with recovery and length buckets: its arms are read
-    from its own rows, as that protocol's spec is gone.)"""
+def _report_entry(report: dict, path: str):
+    """``rows.exact.accuracy.mean`` -> report["rows"]["exact"]["accuracy"]["mean"] (arm names hold no dot)."""
+    value = report
+    for key in path.split("."):
+        value = value[key]
+    return value
+
+
+def test_committed_table1_is_the_second_protocol_and_consistent():
+    """results/table1/table1.json: made by the command with today's default arguments, one row per arm of that
+    protocol, and every step of its gap decomposition and goals the difference of the two entries it names (a
+    paired MLM difference is the difference of the two token-weighted means; an accuracy difference the difference
+    of the seeds' means). The cards of model_cards/table1-<arm> carry the seed-0 accuracy of their row."""
     with open(os.path.join(ROOT, "results", "table1", "table1.json")) as f:
         report = json.load(f)
     assert report["command"].startswith("python -m experiments table1")
-    assert "exact" in report["rows"] and all(row["k"] in (None, 8, 16) for row in report["rows"].values())
+    defaults = StudyArguments()
+    assert report["arguments"] == defaults.result_fields()
+    names = [arm.name for arm in defaults.arms().finetune]
+    assert sorted(report["rows"]) == sorted(names) and len(names) == 20
+    for row in report["rows"].values():
+        acc = row["accuracy"]
+        assert len(acc["values"]) == 3 and acc["mean"] == pytest.approx(sum(acc["values"]) / 3, abs=1e-12)
+    checked = 0
+    for k, d in report["decomposition"].items():
+        for step in d["steps"]:
+            for kind in ("windows", "pairs", "accuracy"):
+                m = step[kind]
+                if m is None:
+                    continue
+                assert m["diff"] == pytest.approx(_report_entry(report, m["of"]) - _report_entry(report, m["minus"]),
+                                                  abs=1e-9), (k, step["comparison"], kind)
+                assert m["se"] > 0
+                checked += 1
+        worst = min(d["accuracy_steps"], key=lambda s: s["diff"])
+        assert d["loses_most"]["step"] == worst["step"]
+    assert checked >= 20
+    exact = report["rows"]["exact"]["accuracy"]["mean"]
+    for goal in report["goals"]:
+        if "diff" in goal:
+            row = report["rows"][goal["arm"]]
+            assert goal["diff"] == pytest.approx(row["accuracy"]["mean"] - exact, abs=1e-12)
+            tolerance = 0.01 if goal["goal"].startswith("k = 16") else 0.03
+            assert goal["met"] == (goal["diff"] >= -tolerance)
+    for name in names:
+        with open(os.path.join(ROOT, "model_cards", f"table1-{name}", "README.md")) as f:
+            card = f.read()
+        value = round(report["rows"][name]["accuracy"]["values"][0], 4)
+        assert re.search(rf"value: {value}\b", card), name
 
 
 def test_study_arms_refuse_a_name_twice():
