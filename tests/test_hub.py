@@ -58,13 +58,16 @@ GOLDEN = os.path.join(os.path.dirname(__file__), "data", "golden")
 @pytest.mark.parametrize("mode", ["fixed", "common", "per_layer"])
 def test_checkpoints_of_earlier_versions_load_bit_exactly(version, mode):
     """Tiny checkpoints written by hf-partial-attention 0.1.0 and 0.2.0 (tests/data/golden/make_golden.py, run with
-    that release's code): same P, R, logits."""
+    that release's code): P and R bit-exact, logits to float32 rounding. The logits were bit-exact on the machine
+    that wrote them, but a CPU of another kind takes other MKL kernel paths and rounds differently (seen: 4.5e-8 on
+    logits of size 0.25). The tolerance sits between that and the smallest change of behaviour tried: these tiny
+    random models are weakly sensitive, and zeroing R moves their logits by 3.9e-7 (its break, which this fails)."""
     folder = os.path.join(GOLDEN, f"v{version}-{mode}")
     model = AutoModelForMaskedLM.from_pretrained(folder).eval()
     ref = torch.load(os.path.join(folder, "reference.pt"))
     with torch.no_grad():
         logits = model(input_ids=ref["input_ids"], attention_mask=ref["attention_mask"]).logits
-    assert torch.equal(logits, ref["logits"])
+    torch.testing.assert_close(logits, ref["logits"], rtol=0, atol=1e-7)
     saved = load_file(os.path.join(folder, "model.safetensors"))
     state = model.state_dict()
     for name in [k for k in saved if "partial_pattern" in k or "reconstruction" in k]:
