@@ -42,7 +42,7 @@ objectives: setup
 lengths: setup
 	$(PY) -m experiments lengths --out runs/lengths --results results/lengths
 
-# A k = 16 MiniLM with length buckets, recovered by distillation (about 10 min on 2 cores; resumable)
+# A k = 16 MiniLM with length buckets, recovered by distillation (about 12 min on 2 cores; resumable)
 # -> runs/recover/recovered (sentence-transformers checkpoint with its card) and results/recovery/.
 recover: setup
 	$(PY) -m experiments recover --out runs/recover --results results/recovery

@@ -128,10 +128,10 @@ def _recover_args(p):
     p.add_argument("--k", type=int, default=16, help="exact scores per query")
     p.add_argument("--buckets", default=None, help="a PatternBuckets file (default: fitted, or the lengths study's)")
     p.add_argument("--objective", default=DEFAULT_OBJECTIVE, help="--recovery_objective of the trainer")
-    p.add_argument("--steps", type=int, default=150, help="recovery steps")
+    p.add_argument("--steps", type=int, default=300, help="recovery steps")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--learning-rate", type=float, default=1e-4, help="learning rate of the weights other than R")
-    p.add_argument("--reconstruction-learning-rate", type=float, default=1e-3, help="R's own learning rate")
+    p.add_argument("--reconstruction-learning-rate", type=float, default=3e-3, help="R's own learning rate")
     p.add_argument("--trainable", default="query_key", choices=("reconstruction", "query_key", "all"),
                    help="what recovery trains: R (and bias) only, which keeps inputs of exact buckets exact; also the "
                         "partial layers' query/key weights (measured best, results/recovery); or every weight")

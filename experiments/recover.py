@@ -168,8 +168,8 @@ def _card(model, folder: str, result: dict, model_id: str) -> None:
 
 
 def run_recover(out: str = "runs/recover", results: str = "results/recovery", model: str | None = None, *,
-                k: int = 16, buckets: str | None = None, objective: str = DEFAULT_OBJECTIVE, steps: int = 150,
-                batch_size: int = 32, learning_rate: float = 1e-4, reconstruction_learning_rate: float = 1e-3,
+                k: int = 16, buckets: str | None = None, objective: str = DEFAULT_OBJECTIVE, steps: int = 300,
+                batch_size: int = 32, learning_rate: float = 1e-4, reconstruction_learning_rate: float = 3e-3,
                 train_inputs: int | None = None, fit_inputs: int | None = None, max_heldout: int = 600,
                 seed: int = 0, trainable: str = "query_key", progress: bool = True,
                 command: str | None = None) -> dict:
