@@ -10,7 +10,9 @@ windows of them. Arms, each converted from the same MiniLM without retraining, k
 - ``zero-fill``: n's P and R fitted on windows, an input of T < n tokens padded with zero scores (format 1);
 - ``buckets``: P and R per bucket fitted on real inputs of that length (the smallest bucket >= T);
 - ``conditional``: n's P, and for each T the conditional R_i(T) = C_US C_SS⁻¹ of the window covariance
-  (`analysis.conditional`), installed per input length.
+  (`analysis.conditional`), installed per input length;
+- ``bucket-conditional``: the buckets, with bucket(T)'s R replaced by the conditional R_i(T) of that bucket's
+  covariance: the keys of [T, b) are left out instead of reconstructed.
 
 Per bucket: mean 1 − cos of mean-pooled embeddings to the original model's, the Spearman correlation of all pairwise
 cosine similarities with the original's, each layer's relative hidden-state error at real positions; and the held-out
@@ -149,6 +151,33 @@ def _conditional_installer(model, pattern: AttentionPattern, cov: ScoreCovarianc
     return install
 
 
+def _bucket_conditional_installer(model, buckets: PatternBuckets, buckets_dir: str, cache: dict):
+    """``install(T)`` for the ``bucket-conditional`` arm: every bucket's own P and R, except bucket(T)'s R, which is
+    the conditional R_i(T) of that bucket's covariance (the keys of [T, b) are not reconstructed)."""
+    lengths = [*buckets.exact_lengths, *buckets.partial_lengths]
+    covs: dict = {}
+
+    def install(t: int) -> None:
+        b = bucket_for(sorted(lengths), t)
+        pattern = buckets[b]
+        if pattern is None:  # an exact bucket: nothing is reconstructed
+            return
+        if t not in cache:
+            if b not in covs:  # one bucket's (L, H, b, b, b) covariance at a time: the largest is 128
+                covs.clear()
+                cov = ScoreCovariance.load(os.path.join(buckets_dir, f"covariance_len{b}.safetensors"))
+                centered = pattern.metadata.get("covariance", "centered") == "centered"
+                covs[b] = (cov.per_query(centered=centered), cov.mean_per_query() if pattern.bias is not None else None)
+            c, mean = covs[b]
+            solved = conditional_reconstruction(c, pattern.indices, t, mean, pattern.metadata.get("ridge", 1e-6))
+            patterns = {bb: buckets[bb] for bb in buckets.partial_lengths}
+            patterns[b] = AttentionPattern(pattern.indices, solved.reconstruction.float(),
+                                           None if solved.bias is None else solved.bias.float())
+            cache[t] = PatternBuckets(patterns, buckets.exact_lengths, k=buckets.k, metadata=buckets.metadata)
+        model.set_pattern(cache[t])
+    return install
+
+
 def run_lengths(out: str = "runs/lengths", results: str = "results/lengths", model: str | None = None, *,
                 ks=(8, 16), lengths=LENGTHS, objective: str = "paper", fit_windows: int = 320, heldout_windows: int = 64, fit_inputs: int | None = None,
                 max_heldout: int = 600, batch_size: int = 16, progress: bool = True, command: str | None = None) -> dict:
@@ -196,8 +225,11 @@ def run_lengths(out: str = "runs/lengths", results: str = "results/lengths", mod
         buckets = PatternBuckets.load(os.path.join(buckets_dir, "patterns", f"buckets_k{k}.safetensors"))
         arms = {"zero-fill": PartialBertModel.from_bert(original, zero, reconstruction="fixed").eval(),
                 "buckets": PartialBertModel.from_bert(original, buckets, reconstruction="fixed").eval(),
-                "conditional": PartialBertModel.from_bert(original, zero, reconstruction="fixed").eval()}
-        cache: dict = {}
+                "conditional": PartialBertModel.from_bert(original, zero, reconstruction="fixed").eval(),
+                "bucket-conditional": PartialBertModel.from_bert(original, buckets, reconstruction="fixed").eval()}
+        installers = {"conditional": _conditional_installer(arms["conditional"], zero, cov, {}),
+                      "bucket-conditional": _bucket_conditional_installer(arms["bucket-conditional"], buckets,
+                                                                          buckets_dir, {})}
         for kind, tk in [*tokens.items(), ("windows", windows)]:
             bucket_of = [bucket_for(list(lengths), int(x)) for x in tk.lengths]
             for b in lengths:
@@ -206,7 +238,7 @@ def run_lengths(out: str = "runs/lengths", results: str = "results/lengths", mod
                     continue
                 ref = _run(original, tk, index, batch_size)
                 for arm, m in arms.items():
-                    install = _conditional_installer(m, zero, cov, cache) if arm == "conditional" else None
+                    install = installers.get(arm)
                     got = _run(m, tk, index, batch_size, install)
                     row = {"k": k, "arm": arm, "inputs_kind": kind, "bucket": b,
                            "lengths": [int(tk.lengths[i]) for i in index], **_metrics(ref, got)}

@@ -6,7 +6,7 @@ import os
 
 __all__ = ["render", "plot_against_length", "goal_rows"]
 
-ARMS = ("zero-fill", "buckets", "conditional")
+ARMS = ("zero-fill", "buckets", "conditional", "bucket-conditional")
 
 
 def _rows(result, **match):

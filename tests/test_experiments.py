@@ -234,7 +234,7 @@ def test_demo_small(tmp_path, minilm_path, capsys):
 
 def test_lengths_small(tmp_path, minilm_path, capsys):
     """The tiny version of `make lengths`: every arm, kind and k measured, the goals table rendered, the figure drawn,
-    and the three arms give different embeddings (each runs its own P and R)."""
+    and the four arms give different embeddings (each runs its own P and R)."""
     results = str(tmp_path / "results")
     assert studies_cli.main(["lengths", "--out", str(tmp_path / "run"), "--results", results, "--k", "16",
                              "--fit-windows", "16", "--fit-inputs", "120", "--max-heldout", "24",
@@ -242,14 +242,14 @@ def test_lengths_small(tmp_path, minilm_path, capsys):
     assert capsys.readouterr().out.startswith(f"Wrote {os.path.join(results, 'lengths.md')} in ")
     data = json.load(open(os.path.join(results, "lengths.json")))
     arms = {(r["arm"], r["inputs_kind"]) for r in data["rows"]}
-    assert {arm for arm, _ in arms} == {"zero-fill", "buckets", "conditional"}
+    assert {arm for arm, _ in arms} == {"zero-fill", "buckets", "conditional", "bucket-conditional"}
     assert {kind for _, kind in arms} >= {"sentences", "paragraphs", "windows"}
     by_arm = {}
     for r in data["rows"]:
         if r["inputs_kind"] == "sentences" and r["bucket"] == 32:
             by_arm[r["arm"]] = r["one_minus_cos"]
             assert len(r["hidden_error"]) == 6 and 0 <= r["spearman"] <= 1
-    assert len(set(by_arm.values())) == 3, by_arm
+    assert len(set(by_arm.values())) == 4, by_arm
     text = open(os.path.join(results, "lengths.md")).read()
     assert "## Goals at k = 16" in text and "sentence-transformers/all-MiniLM-L6-v2" in text
     assert minilm_path not in text and os.path.isfile(os.path.join(results, "figures", "one_minus_cos_vs_length.png"))
