@@ -309,3 +309,28 @@ def test_the_card_of_a_recovery_run_names_its_objective(tokenizer, windows, tmp_
     trainer.create_model_card()
     card = open(os.path.join(str(tmp_path), "README.md")).read()
     assert "recovery objective `attention_transfer` against the exact teacher" in card
+
+
+def test_attention_transfer_trains_lora_adapters_of_a_peft_model(tokenizer, windows, tmp_path):
+    """LoRA via peft on the query/key projections, ``attention_transfer_parameters=as_given``: exactly the adapters of
+    the partial layers (0 and 1) train, the base weights and the exact layer's adapters do not, and the loss falls
+    (one batch of 4 windows every step, so the losses compare)."""
+    from peft import LoraConfig, get_peft_model
+
+    source, student = converted(tokenizer)
+    model = get_peft_model(student, LoraConfig(r=4, lora_alpha=8, target_modules=["query", "key"]))
+    args = PartialAttentionTrainingArguments(
+        output_dir=str(tmp_path), logging_steps=1, use_cpu=True, report_to="none", seed=0, disable_tqdm=True,
+        dataloader_num_workers=0, max_steps=6, per_device_train_batch_size=4, learning_rate=5e-2,
+        recovery_objective="attention_transfer", attention_transfer_parameters="as_given")
+    trainer = PartialAttentionTrainer(model=model, args=args, train_dataset=windows.select(range(4)),
+                                      teacher_model=source,
+                                      data_collator=MlmCollator(tokenizer))
+    before = _weights(trainer.model)
+    trainer.train()
+    after = _weights(trainer.model)
+    changed = {n for n in before if before[n].is_floating_point() and not torch.equal(before[n], after[n])}
+    expected = {n for n in before if "lora_" in n and (".layer.0." in n or ".layer.1." in n)}
+    assert expected and changed == expected
+    losses = [h["recovery/attention_transfer"] for h in trainer.state.log_history if "loss" in h]
+    assert losses[-1] < losses[0]
