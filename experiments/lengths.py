@@ -31,12 +31,12 @@ from importlib import metadata
 import torch
 
 from hf_partial_attention.analysis.collect import load_model_and_tokenizer
-from hf_partial_attention.analysis.conditional import conditional_reconstruction
+from hf_partial_attention.analysis.conditional import ConditionalReconstructor
 from hf_partial_attention.analysis.corpus import default_texts, make_windows, pydoc_paragraphs
 from hf_partial_attention.analysis.covariance import ScoreCovariance
 from hf_partial_attention.analysis.defaults import resolve_model
 from hf_partial_attention.analysis.inputs import TokenizedInputs, split_sentences, tokenize_inputs
-from hf_partial_attention.analysis.lengths import analyze_lengths, derive_lengths
+from hf_partial_attention.analysis.lengths import analyze_lengths, bucket_covariance_files, derive_lengths
 from hf_partial_attention.analysis.workflow import COVARIANCE_FILE, analyze, derive
 from hf_partial_attention.cost import bucket_savings, distribution_saving
 from hf_partial_attention.modeling_partial_bert import PartialBertModel
@@ -137,44 +137,19 @@ def _metrics(ref, arm) -> dict:
             else None, "hidden_error": hidden, "one_minus_cos_each": (1 - cos).tolist()}
 
 
-def _conditional_installer(model, pattern: AttentionPattern, cov: ScoreCovariance, cache: dict):
-    centered = pattern.metadata.get("covariance", "centered") == "centered"
-    c = cov.per_query(centered=centered)
-    mean = cov.mean_per_query() if pattern.bias is not None else None
+def _conditional_installer(model, buckets: PatternBuckets, reconstructors: dict):
+    """``install(T)``: the model's buckets with bucket(T)'s R replaced by the conditional R_i(T) of
+    ``reconstructors[b]`` (the keys of [T, b) are left out instead of reconstructed); an exact bucket installs
+    nothing. The ``conditional`` arm runs it on n's one bucket, ``bucket-conditional`` on the length buckets."""
 
     def install(t: int) -> None:
-        if t not in cache:
-            solved = conditional_reconstruction(c, pattern.indices, t, mean, pattern.metadata.get("ridge", 1e-6))
-            cache[t] = AttentionPattern(pattern.indices, solved.reconstruction.float(),
-                                        None if solved.bias is None else solved.bias.float())
-        model.set_pattern(cache[t])
-    return install
-
-
-def _bucket_conditional_installer(model, buckets: PatternBuckets, buckets_dir: str, cache: dict):
-    """``install(T)`` for the ``bucket-conditional`` arm: every bucket's own P and R, except bucket(T)'s R, which is
-    the conditional R_i(T) of that bucket's covariance (the keys of [T, b) are not reconstructed)."""
-    lengths = [*buckets.exact_lengths, *buckets.partial_lengths]
-    covs: dict = {}
-
-    def install(t: int) -> None:
-        b = bucket_for(sorted(lengths), t)
-        pattern = buckets[b]
-        if pattern is None:  # an exact bucket: nothing is reconstructed
+        b = buckets.bucket_for(t)
+        if buckets[b] is None:
             return
-        if t not in cache:
-            if b not in covs:  # one bucket's (L, H, b, b, b) covariance at a time: the largest is 128
-                covs.clear()
-                cov = ScoreCovariance.load(os.path.join(buckets_dir, f"covariance_len{b}.safetensors"))
-                centered = pattern.metadata.get("covariance", "centered") == "centered"
-                covs[b] = (cov.per_query(centered=centered), cov.mean_per_query() if pattern.bias is not None else None)
-            c, mean = covs[b]
-            solved = conditional_reconstruction(c, pattern.indices, t, mean, pattern.metadata.get("ridge", 1e-6))
-            patterns = {bb: buckets[bb] for bb in buckets.partial_lengths}
-            patterns[b] = AttentionPattern(pattern.indices, solved.reconstruction.float(),
-                                           None if solved.bias is None else solved.bias.float())
-            cache[t] = PatternBuckets(patterns, buckets.exact_lengths, k=buckets.k, metadata=buckets.metadata)
-        model.set_pattern(cache[t])
+        reconstruction, bias = reconstructors[b].params(t)  # cached per t
+        patterns = {bb: buckets[bb] for bb in buckets.partial_lengths}
+        patterns[b] = AttentionPattern(buckets[b].indices, reconstruction, bias)
+        model.set_pattern(PatternBuckets(patterns, buckets.exact_lengths, k=buckets.k, metadata=buckets.metadata))
     return install
 
 
@@ -227,9 +202,13 @@ def run_lengths(out: str = "runs/lengths", results: str = "results/lengths", mod
                 "buckets": PartialBertModel.from_bert(original, buckets, reconstruction="fixed").eval(),
                 "conditional": PartialBertModel.from_bert(original, zero, reconstruction="fixed").eval(),
                 "bucket-conditional": PartialBertModel.from_bert(original, buckets, reconstruction="fixed").eval()}
-        installers = {"conditional": _conditional_installer(arms["conditional"], zero, cov, {}),
-                      "bucket-conditional": _bucket_conditional_installer(arms["bucket-conditional"], buckets,
-                                                                          buckets_dir, {})}
+        bucket_covs = bucket_covariance_files(buckets_dir)
+        installers = {
+            "conditional": _conditional_installer(arms["conditional"], PatternBuckets.single(zero), {
+                zero.seq_len: ConditionalReconstructor.for_pattern(cov, zero)}),
+            "bucket-conditional": _conditional_installer(arms["bucket-conditional"], buckets, {
+                b: ConditionalReconstructor.for_pattern(ScoreCovariance.load(bucket_covs[b]), buckets[b])
+                for b in buckets.partial_lengths})}
         for kind, tk in [*tokens.items(), ("windows", windows)]:
             bucket_of = [bucket_for(list(lengths), int(x)) for x in tk.lengths]
             for b in lengths:

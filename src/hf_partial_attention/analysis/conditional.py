@@ -109,6 +109,16 @@ class ConditionalReconstructor:
         self.cache = cache
         self._solved: OrderedDict[int, tuple[torch.Tensor, torch.Tensor | None]] = OrderedDict()
 
+    @classmethod
+    def for_pattern(cls, cov, pattern, centered: bool | None = None, cache: int = 32) -> "ConditionalReconstructor":
+        """The conditional R of ``pattern``'s P from ``cov`` (a `ScoreCovariance` of the pattern's n, pooled per
+        query): centred as the pattern was fitted unless ``centered`` says otherwise, with the pattern's ridge, and a
+        bias where the pattern has one."""
+        if centered is None:
+            centered = pattern.metadata.get("covariance", "centered") == "centered"
+        mean = cov.mean_per_query() if pattern.bias is not None else None
+        return cls(cov.per_query(centered=centered), pattern.indices, mean, pattern.metadata.get("ridge", 1e-6), cache)
+
     def params(self, t: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """R_t ``(n, n−k, k)`` and bias ``(n, n−k)`` (or None), float32."""
         if t in self._solved:

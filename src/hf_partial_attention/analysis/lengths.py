@@ -210,16 +210,8 @@ def _windows_reference(out: str, tag: str, k: int, centered: bool | None):
     if pattern is not None and os.path.isfile(cov_path):
         cov = ScoreCovariance.load(cov_path)
         if "per_query" in cov.scopes and cov.seq_len == pattern.seq_len:
-            c = cov.per_query(centered=_centered(pattern, centered))
-            conditional = ConditionalReconstructor(c, pattern.indices, cov.mean_per_query()
-                                                   if pattern.bias is not None else None,
-                                                   pattern.metadata.get("ridge", 1e-6))
+            conditional = ConditionalReconstructor.for_pattern(cov, pattern, centered)
     return pattern, conditional
-
-
-def _centered(pattern: AttentionPattern, centered: bool | None) -> bool:
-    """How ``pattern`` was fitted (its covariance's centring), unless ``centered`` says otherwise."""
-    return pattern.metadata.get("covariance", "centered") == "centered" if centered is None else centered
 
 
 def derive_lengths(out: str, ks, *, family: str = "per_query", objective: str = "paper",
@@ -306,13 +298,10 @@ def _measure(model, held, index, b, patterns, cov, references, centered, batch_s
     """Held-out errors at real positions of the inputs ``index`` of bucket b, for each k of ``patterns``: the
     bucket's pattern (``heldout``), its conditional R (``conditional_bucket``) and, when the folder has a
     fixed-window pattern of n >= b, its zero fill (``zero_fill_n``) and conditional R (``conditional_n``)."""
-    mean = cov.mean_per_query()
     methods = {}
     for k, pattern in patterns.items():
         methods[("heldout", k)] = PaddedPattern(pattern)
-        methods[("conditional_bucket", k)] = ConditionalReconstructor(
-            cov.per_query(centered=_centered(pattern, centered)), pattern.indices,
-            mean if pattern.bias is not None else None, pattern.metadata["ridge"])
+        methods[("conditional_bucket", k)] = ConditionalReconstructor.for_pattern(cov, pattern, centered)
         reference, conditional_n = references.get(k, (None, None))
         if reference is not None and reference.seq_len >= b:
             methods[("zero_fill_n", k)] = PaddedPattern(reference)
