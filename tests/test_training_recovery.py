@@ -161,14 +161,14 @@ def test_distill_kl_needs_an_mlm_head():
         parse_recovery_objective("distill_kl", has_mlm_head=False)
 
 
-def _trainer(tokenizer, windows, out, objective, model=None, mode="per_layer", **kw):
+def _trainer(tokenizer, windows, out, objective, model=None, mode="per_layer", teacher_model=None, **kw):
     kw = {"max_steps": 6, "per_device_train_batch_size": 4, "save_steps": 3, "learning_rate": 1e-3,
           "reconstruction_learning_rate": 1e-2, **kw}
     args = PartialAttentionTrainingArguments(
         output_dir=out, logging_steps=1, use_cpu=True, report_to="none", seed=0, disable_tqdm=True,
         dataloader_num_workers=0, recovery_objective=objective, **kw)
     model = converted(tokenizer, mode)[1] if model is None else model
-    return PartialAttentionTrainer(model=model, args=args, train_dataset=windows,
+    return PartialAttentionTrainer(model=model, args=args, train_dataset=windows, teacher_model=teacher_model,
                                    data_collator=MlmCollator(tokenizer))
 
 
@@ -319,13 +319,8 @@ def test_attention_transfer_trains_lora_adapters_of_a_peft_model(tokenizer, wind
 
     source, student = converted(tokenizer)
     model = get_peft_model(student, LoraConfig(r=4, lora_alpha=8, target_modules=["query", "key"]))
-    args = PartialAttentionTrainingArguments(
-        output_dir=str(tmp_path), logging_steps=1, use_cpu=True, report_to="none", seed=0, disable_tqdm=True,
-        dataloader_num_workers=0, max_steps=6, per_device_train_batch_size=4, learning_rate=5e-2,
-        recovery_objective="attention_transfer", attention_transfer_parameters="as_given")
-    trainer = PartialAttentionTrainer(model=model, args=args, train_dataset=windows.select(range(4)),
-                                      teacher_model=source,
-                                      data_collator=MlmCollator(tokenizer))
+    trainer = _trainer(tokenizer, windows.select(range(4)), str(tmp_path), "attention_transfer", model=model,
+                       teacher_model=source, learning_rate=5e-2, attention_transfer_parameters="as_given")
     before = _weights(trainer.model)
     trainer.train()
     after = _weights(trainer.model)
