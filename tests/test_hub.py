@@ -54,15 +54,16 @@ def test_save_pretrained_merges_a_users_auto_map(tmp_path):
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "golden")
 
 
-@pytest.mark.parametrize("version", ["0.1.0", "0.2.0"])
+@pytest.mark.parametrize("version", ["v0.1.0", "v0.2.0", "format2"])
 @pytest.mark.parametrize("mode", ["fixed", "common", "per_layer"])
 def test_checkpoints_of_earlier_versions_load_bit_exactly(version, mode):
     """Tiny checkpoints written by hf-partial-attention 0.1.0 and 0.2.0 (tests/data/golden/make_golden.py, run with
-    that release's code): P and R bit-exact, logits to float32 rounding. The logits were bit-exact on the machine
+    that release's code: format 1) and of format 2 (length buckets, one k; make_golden_buckets.py at 538ce26, a batch
+    with a sequence in every bucket): P and R bit-exact, logits to float32 rounding. The logits were bit-exact on the machine
     that wrote them, but a CPU of another kind takes other MKL kernel paths and rounds differently (seen: 4.5e-8 on
     logits of size 0.25). The tolerance sits between that and the smallest change of behaviour tried: these tiny
     random models are weakly sensitive, and zeroing R moves their logits by 3.9e-7 (its break, which this fails)."""
-    folder = os.path.join(GOLDEN, f"v{version}-{mode}")
+    folder = os.path.join(GOLDEN, f"{version}-{mode}")
     model = AutoModelForMaskedLM.from_pretrained(folder).eval()
     ref = torch.load(os.path.join(folder, "reference.pt"))
     with torch.no_grad():
