@@ -14,7 +14,7 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-from hf_partial_attention.cli import USER_ERRORS, HelpFormatter, common_arguments, report_user_error
+from hf_partial_attention.cli import USER_ERRORS, HelpFormatter, common_arguments, parse_bucket_k, report_user_error
 
 __all__ = ["main", "build_parser", "COMMANDS", "PROG"]
 
@@ -105,6 +105,8 @@ def _lengths_args(p):
                                                         "zero-fill keeps the paper's")
     p.add_argument("--fit-windows", type=int, default=320, help="128-token windows of the zero-fill fit")
     p.add_argument("--fit-inputs", type=int, default=None, help="sentences and paragraphs of the bucket fit (default: all)")
+    p.add_argument("--bucket-k", nargs="+", default=None, metavar="B=K", type=parse_bucket_k,
+                   help="buckets that take their own k in place of --k, e.g. 64=24 (derive --bucket-k)")
 
 
 def _run_lengths(args) -> int:
@@ -114,7 +116,7 @@ def _run_lengths(args) -> int:
                          objective=args.objective,
                          max_heldout=args.max_heldout,
                          fit_windows=args.fit_windows, fit_inputs=args.fit_inputs, progress=not args.no_progress,
-                         command=shlex.join([*PROG.split(), *args.argv]))
+                         command=shlex.join([*PROG.split(), *args.argv]), bucket_k=dict(args.bucket_k or ()))
     print(f"Wrote {os.path.join(args.results, 'lengths.md')} in {result['total_seconds']} s")
     return 0
 

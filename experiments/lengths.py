@@ -36,7 +36,7 @@ from hf_partial_attention.analysis.corpus import default_texts, make_windows, py
 from hf_partial_attention.analysis.covariance import ScoreCovariance
 from hf_partial_attention.analysis.defaults import resolve_model
 from hf_partial_attention.analysis.inputs import TokenizedInputs, split_sentences, tokenize_inputs
-from hf_partial_attention.analysis.lengths import analyze_lengths, bucket_covariance_files, derive_lengths
+from hf_partial_attention.analysis.lengths import analyze_lengths, bucket_covariance_files, bucket_k_suffix, derive_lengths
 from hf_partial_attention.analysis.workflow import COVARIANCE_FILE, analyze, derive
 from hf_partial_attention.cost import bucket_savings, distribution_saving
 from hf_partial_attention.modeling_partial_bert import PartialBertModel
@@ -155,8 +155,11 @@ def _conditional_installer(model, buckets: PatternBuckets, reconstructors: dict)
 
 def run_lengths(out: str = "runs/lengths", results: str = "results/lengths", model: str | None = None, *,
                 ks=(8, 16), lengths=LENGTHS, objective: str = "paper", fit_windows: int = 320, heldout_windows: int = 64, fit_inputs: int | None = None,
-                max_heldout: int = 600, batch_size: int = 16, progress: bool = True, command: str | None = None) -> dict:
-    """Fit, convert and measure (see the module docstring); writes ``results``/lengths.json, lengths.md, figures."""
+                max_heldout: int = 600, batch_size: int = 16, progress: bool = True, command: str | None = None,
+                bucket_k: dict[int, int] | None = None) -> dict:
+    """Fit, convert and measure (see the module docstring); writes ``results``/lengths.json, lengths.md, figures.
+    ``bucket_k``: ``{b: k_b}``, buckets that take their own k in place of each k (`derive_lengths`)."""
+    bucket_k = {int(b): int(v) for b, v in (bucket_k or {}).items()}
     start = time.perf_counter()
     model_path, model_id = resolve_model(model)
     lengths = tuple(sorted(int(b) for b in lengths))
@@ -178,7 +181,8 @@ def run_lengths(out: str = "runs/lengths", results: str = "results/lengths", mod
     for k in ks:  # the zero-fill reference of derive_lengths' score errors
         AttentionPattern.load(os.path.join(windows_dir, "patterns", f"per_query_k{k}.safetensors")).save(
             os.path.join(buckets_dir, "patterns", f"per_query_k{k}.safetensors"))
-    derived = derive_lengths(buckets_dir, ks, objective=objective, progress=progress)  # the buckets' greedy objective
+    derived = derive_lengths(buckets_dir, ks, objective=objective, progress=progress,  # the buckets' greedy objective
+                             bucket_k=bucket_k)
     steps["buckets: analyze_lengths + derive_lengths"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -197,7 +201,8 @@ def run_lengths(out: str = "runs/lengths", results: str = "results/lengths", mod
     rows = []
     for k in ks:
         zero = AttentionPattern.load(os.path.join(windows_dir, "patterns", f"per_query_k{k}.safetensors"))
-        buckets = PatternBuckets.load(os.path.join(buckets_dir, "patterns", f"buckets_k{k}.safetensors"))
+        buckets = PatternBuckets.load(os.path.join(buckets_dir, "patterns",
+                                                   f"buckets_k{k}{bucket_k_suffix(bucket_k)}.safetensors"))
         arms = {"zero-fill": PartialBertModel.from_bert(original, zero, reconstruction="fixed").eval(),
                 "buckets": PartialBertModel.from_bert(original, buckets, reconstruction="fixed").eval(),
                 "conditional": PartialBertModel.from_bert(original, zero, reconstruction="fixed").eval(),
@@ -227,10 +232,13 @@ def run_lengths(out: str = "runs/lengths", results: str = "results/lengths", mod
     steps["held-out measurement"] = time.perf_counter() - t
     d_head = original.config.hidden_size // original.config.num_attention_heads
     real = [int(x) for tk in tokens.values() for x in tk.lengths]  # every held-out real input's length
-    saving = {str(k): {"buckets": distribution_saving(lengths, k, d_head, real),
+    lengths_k = {k: [bucket_k.get(b, k) for b in lengths] for k in ks}  # each bucket's k (min(k, b) in cost)
+    saving = {str(k): {"buckets": distribution_saving(lengths, lengths_k[k], d_head, real),
                        "zero_fill": distribution_saving([lengths[-1]], k, d_head, real),
-                       "per_bucket": {str(b): v for b, v in bucket_savings(lengths, k, d_head).items()}} for k in ks}
+                       "per_bucket": {str(b): v for b, v in bucket_savings(lengths, lengths_k[k], d_head).items()}}
+              for k in ks}
     result = {"command": command or "python -m experiments lengths", "model": model_id, "lengths": list(lengths), "ks": list(ks), "objective": objective,
+              "bucket_k": {str(b): v for b, v in sorted(bucket_k.items())},
               "fit": {"windows": fit_windows, "bucket_inputs": json.loads(json.dumps(
                   {row["length"]: row["fit_inputs"] for row in derived["ks"][str(ks[0])]["buckets"]}))},
               "score_errors": derived["ks"], "rows": rows, "head_dim": d_head, "saving": saving,

@@ -59,9 +59,15 @@ def render(result: dict) -> str:
                       f"k = {k}: buckets save {100 * v['buckets']:.1f} %, zero-fill {100 * v['zero_fill']:.1f} % "
                       f"(per bucket at T = b: " + ", ".join(f"{b}: {100 * x:.1f} %" for b, x in v["per_bucket"].items())
                       + ")" for k, v in result["saving"].items()) + ". A negative saving: more work than dense.", ""]
+    own = result.get("bucket_k") or {}
+    if own:
+        lines += ["A k of their own (`partial_lengths_k`, `derive --bucket-k`): " + ", ".join(
+            f"bucket {b} at k = {v}" for b, v in own.items()) + "; the other buckets (and zero-fill) at each k below.",
+            ""]
     for k in result["ks"]:
         goals = goal_rows(result, k)
-        lines += [f"## Goals at k = {k}", "",
+        at = "".join(f", bucket {b} at k = {v}" for b, v in own.items())
+        lines += [f"## Goals at k = {k}{at}", "",
                   "| inputs | bucket | 1 − cos | ≤ full windows' | / zero-fill | ≤ 0.5 × zero-fill (T 16–63) | Spearman | ≥ 0.95 (T 16–63) |",
                   "|---|---:|---:|---|---:|---|---:|---|"]
         for g in goals:
@@ -70,7 +76,7 @@ def render(result: dict) -> str:
             lines.append(f"| {g['inputs_kind']} | {g['bucket']} | {_f(g['one_minus_cos'])} | "
                          f"{'yes' if g['le_windows'] else 'no'} ({_f(g['windows'])}) | {_f(g['ratio_to_zero_fill'], 2)} | "
                          f"{half} | {_f(g['spearman'], 3)} | {sp} |")
-        lines += ["", f"## All arms at k = {k}", "",
+        lines += ["", f"## All arms at k = {k}{at}", "",
                   "| inputs | bucket | inputs | median T | arm | 1 − cos | Spearman | hidden, layers 1..L |",
                   "|---|---:|---:|---:|---|---:|---:|---|"]
         for r in sorted(_rows(result, k=k), key=lambda r: (r["inputs_kind"], r["bucket"], ARMS.index(r["arm"]))):

@@ -245,6 +245,34 @@ def test_convert_a_buckets_file(bucketed, tmp_path, sharp_bert_dir):
         torch.testing.assert_close(reloaded(input_ids=ids).last_hidden_state, fresh(input_ids=ids).last_hidden_state)
 
 
+def test_derive_and_convert_a_k_per_bucket(bucketed, tmp_path, sharp_bert_dir, capsys):
+    """``--bucket-k 20=6``: bucket 20 takes k = 6 (its own greedy at 6), the others --k; the checkpoint converted from it
+    holds partial_lengths_k and is of format 3; a bucket that is not one, or the longest, is refused."""
+    from hf_partial_attention.analysis.selection import select_pattern
+    from hf_partial_attention.analysis.workflow import convert
+    from hf_partial_attention.cli import main
+
+    out, _, _ = bucketed
+    assert main(["derive", out, "--k", "4", "--bucket-k", "20=6", "--no-evaluate", "--no-progress"]) == 0
+    assert "b=20 (k=6): not measured, b=32: not measured" in capsys.readouterr().out
+    path = os.path.join(out, "patterns", "buckets_k4_b20k6.safetensors")
+    loaded = PatternBuckets.load(path)
+    assert loaded.lengths_k == [4, 6, 4] and loaded.k == 4
+    for b, k in [(12, 4), (20, 6), (32, 4)]:
+        fresh = select_pattern(ScoreCovariance.load(os.path.join(out, f"covariance_len{b}.safetensors")), k)
+        assert torch.equal(loaded[b].indices, fresh.indices) and torch.equal(loaded[b].reconstruction,
+                                                                             fresh.reconstruction)
+    convert(path, str(tmp_path / "ckpt"), sharp_bert_dir, reconstruction="common")
+    config = json.load(open(tmp_path / "ckpt" / "config.json"))
+    assert (config["partial_lengths_k"], config["partial_format_version"]) == ([4, 6, 4], 3)
+    for bad in ({32: 6}, {16: 4}, {20: 21}):
+        with pytest.raises(ValueError, match="bucket_k="):
+            derive_lengths(out, [4], bucket_k=bad, evaluate=False, progress=False)
+    with pytest.raises(SystemExit):
+        main(["derive", out, "--k", "4", "--bucket-k", "20:6"])
+    assert "is not B=K" in capsys.readouterr().err
+
+
 def test_real_minilm_sentences(minilm_path, tmp_path):
     out = str(tmp_path / "minilm")
     summary = analyze_lengths(minilm_path, None, out, lengths=(16, 32), max_inputs=48, max_heldout=16,

@@ -71,3 +71,17 @@ def test_distribution_saving_by_hand():
     assert distribution_saving(lengths, k, d, []) == 0.0
     with pytest.raises(ValueError, match="an input of 33 tokens exceeds the longest bucket 32"):
         distribution_saving(lengths, k, d, [3, 33])
+    # a k per bucket (aligned with lengths): 8 at k = 8 runs exactly, 16 at k = 4
+    # T = 7 -> 392 either way; T = 12 -> bucket 16: 12·(4·8 + 12·4) = 960
+    per_bucket = 1 - (72 + 392 + 960 + 6528) / (72 + 392 + 1152 + 8192)
+    assert distribution_saving(lengths, [6, 4, 4, 8], d, [3, 7, 12, 32]) == pytest.approx(per_bucket)
+    with pytest.raises(ValueError, match="one k per bucket"):
+        distribution_saving(lengths, [6, 4], d, [3])
+
+
+def test_bucket_savings_per_bucket_k():
+    from hf_partial_attention.cost import bucket_savings, score_cost
+
+    assert bucket_savings([16, 64, 128], [16, 24, 16], 32) == {16: 0.0, 64: score_cost(64, 24, 32).saving,
+                                                               128: score_cost(128, 16, 32).saving}
+    assert bucket_savings([64], 24, 32)[64] == pytest.approx(1 - (24 * 32 + 40 * 24) / (64 * 32))  # 15.6 %

@@ -234,11 +234,13 @@ def test_demo_small(tmp_path, minilm_path, capsys):
 
 def test_lengths_small(tmp_path, minilm_path, capsys):
     """The tiny version of `make lengths`: every arm, kind and k measured, the goals table rendered, the figure drawn,
-    and the four arms give different embeddings (each runs its own P and R)."""
+    and the four arms give different embeddings (each runs its own P and R); bucket 64 at its own k (--bucket-k)."""
+    from hf_partial_attention.cost import score_cost
+
     results = str(tmp_path / "results")
     assert studies_cli.main(["lengths", "--out", str(tmp_path / "run"), "--results", results, "--k", "16",
                              "--fit-windows", "16", "--fit-inputs", "120", "--max-heldout", "24",
-                             "--no-progress"]) == 0
+                             "--bucket-k", "64=24", "--no-progress"]) == 0
     assert capsys.readouterr().out.startswith(f"Wrote {os.path.join(results, 'lengths.md')} in ")
     data = json.load(open(os.path.join(results, "lengths.json")))
     arms = {(r["arm"], r["inputs_kind"]) for r in data["rows"]}
@@ -251,7 +253,10 @@ def test_lengths_small(tmp_path, minilm_path, capsys):
             assert len(r["hidden_error"]) == 6 and 0 <= r["spearman"] <= 1
     assert len(set(by_arm.values())) == 4, by_arm
     text = open(os.path.join(results, "lengths.md")).read()
-    assert "## Goals at k = 16" in text and "sentence-transformers/all-MiniLM-L6-v2" in text
+    assert "## Goals at k = 16, bucket 64 at k = 24" in text and "sentence-transformers/all-MiniLM-L6-v2" in text
+    assert data["bucket_k"] == {"64": 24} and data["saving"]["16"]["per_bucket"]["64"] == score_cost(64, 24, 32).saving
+    assert data["saving"]["16"]["per_bucket"]["128"] == score_cost(128, 16, 32).saving
+    assert [r["k"] for r in data["score_errors"]["16"]["buckets"]] == [16, 16, 24, 16]
     assert minilm_path not in text and os.path.isfile(os.path.join(results, "figures", "one_minus_cos_vs_length.png"))
 
 

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import BertConfig, BertModel
 
@@ -17,6 +18,8 @@ TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=3, num_attention_he
 K = 6
 LENGTHS = [4, 8, 16, 32]  # 4 <= k: exact
 MODES = ("fixed", "common", "per_layer")
+# k per bucket: one k for all (format 2), or a k of each bucket's own (format 3; 16's above n's, 8's below)
+KS = {"uniform": {8: K, 16: K, 32: K}, "per_bucket": {8: 5, 16: 9, 32: K}}
 
 
 def _random_pattern(n, k, seed, bias=False):
@@ -26,21 +29,22 @@ def _random_pattern(n, k, seed, bias=False):
                             0.1 * torch.randn(n, n - k, generator=g) if bias else None)
 
 
-def _buckets(bias=False):
-    return PatternBuckets({b: _random_pattern(b, K, seed=b, bias=bias) for b in LENGTHS if b > K}, exact_lengths=[4])
+def _buckets(bias=False, ks="uniform"):
+    return PatternBuckets({b: _random_pattern(b, k, seed=b, bias=bias) for b, k in KS[ks].items()}, exact_lengths=[4])
 
 
-def _model(mode="common", bias=False, cls=PartialBertModel, dtype=torch.float64):
+def _model(mode="common", bias=False, cls=PartialBertModel, dtype=torch.float64, ks="uniform"):
     torch.manual_seed(0)
     config = PartialBertConfig(**TINY, partial_seq_len=32, partial_k=K, partial_lengths=LENGTHS, reconstruction=mode,
-                               partial_use_bias=bias)
-    model = cls(config, pattern=_buckets(bias)).to(dtype).eval()
+                               partial_use_bias=bias, partial_lengths_k=[4, *KS[ks].values()])
+    model = cls(config, pattern=_buckets(bias, ks)).to(dtype).eval()
     return model
 
 
 def _one_bucket_reference(model, b, dtype=torch.float64):
     """A one-bucket PartialBert of n = b with ``model``'s weights and its bucket-b P and R (per layer when R is)."""
-    config = PartialBertConfig(**TINY, partial_seq_len=b, partial_k=K, reconstruction=model.config.reconstruction,
+    config = PartialBertConfig(**TINY, partial_seq_len=b, partial_k=model.config.bucket_k(b),
+                               reconstruction=model.config.reconstruction,
                                partial_use_bias=model.config.partial_use_bias)
     ref = PartialBertModel(config, pattern=model.get_pattern(length=b)).to(dtype).eval()
     ref.load_state_dict({k: v for k, v in model.state_dict().items() if k in ref.state_dict()
@@ -69,21 +73,30 @@ def test_config_checks_the_buckets():
                        ([8, 8, 32], "increasing"), ([0, 32], "positive ints"), ([], "non-empty")]:
         with pytest.raises(ValueError, match=match):
             PartialBertConfig(**base, partial_lengths=bad)
+    assert config.partial_lengths_k == [4, K, K, K] and config.required_format_version == 2  # min(k, b) by default
+    per_bucket = PartialBertConfig(**base, partial_lengths=LENGTHS, partial_lengths_k=[4, 8, 9, K])
+    assert (per_bucket.partial_buckets, per_bucket.exact_lengths) == ([16], [4, 8])  # k = b: exact
+    assert [per_bucket.bucket_k(b) for b in (16, None)] == [9, K] and per_bucket.required_format_version == 3
+    for bad, match in [([4, K, K], "one k per bucket"), ([4, 9, K, K], r"in \[1, b\].*\(8, 9\)"),
+                       ([4, K, K, 7], "must end with partial_k=6"), ([4, K, 0, K], r"\(16, 0\)")]:
+        with pytest.raises(ValueError, match=match):
+            PartialBertConfig(**base, partial_lengths=LENGTHS, partial_lengths_k=bad)
 
 
+@pytest.mark.parametrize("ks", KS)
 @pytest.mark.parametrize("implementation", ["gather", "fused", "tiled"])
 @pytest.mark.parametrize("mode, bias", [("fixed", False), ("common", True), ("per_layer", False)])
-def test_each_sequence_runs_its_own_bucket(implementation, mode, bias):
-    """In one mixed batch, a sequence of length T equals a one-bucket model of n = the smallest bucket >= T (float64),
-    for every kernel and R mode; the exact bucket equals BERT."""
-    model = _model(mode, bias)
+def test_each_sequence_runs_its_own_bucket(implementation, mode, bias, ks):
+    """In one mixed batch, a sequence of length T equals a one-bucket model of n = the smallest bucket >= T and that
+    bucket's k (float64), for every kernel and R mode, one k or a k per bucket; the exact bucket equals BERT."""
+    model = _model(mode, bias, ks=ks)
     model.set_partial_implementation(implementation)
     ids, mask, lengths = _batch()
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask).last_hidden_state  # (4, 20, 32)
         for row, t in enumerate(lengths):
             bucket = model.get_patterns().bucket_for(t)
-            if bucket <= K:
+            if bucket in model.config.exact_lengths:
                 bert = BertModel(BertConfig(**TINY), add_pooling_layer=False).to(torch.float64).eval()
                 bert.load_state_dict(model.state_dict(), strict=False)
                 want = bert(input_ids=ids[row:row + 1, :t]).last_hidden_state
@@ -94,10 +107,11 @@ def test_each_sequence_runs_its_own_bucket(implementation, mode, bias):
             torch.testing.assert_close(out[row:row + 1, :t], want, atol=1e-12, rtol=0)
 
 
-def test_gradients_flow_to_each_sequences_bucket_only():
+@pytest.mark.parametrize("ks", KS)
+def test_gradients_flow_to_each_sequences_bucket_only(ks):
     """float64: the gradient of a mixed batch's loss w.r.t. each bucket's R equals that of its one-bucket reference on
     the sequences of that bucket; n's R gets none when no sequence is long enough for it."""
-    model = _model("common")
+    model = _model("common", ks=ks)
     model.train()
     ids, mask, lengths = _batch()
     keep = [0, 1, 2]  # lengths 3, 7, 12: buckets 4, 8, 16 (none in 32)
@@ -128,12 +142,15 @@ def test_output_attentions_are_each_buckets_maps_padded():
             assert not probs[row, :, :t, t:].any()  # padded keys get nothing
 
 
+@pytest.mark.parametrize("ks, version", [("uniform", 2), ("per_bucket", 3)])
 @pytest.mark.parametrize("mode", MODES)
-def test_checkpoint_keeps_every_bucket_and_refuses_missing_or_misshaped_ones(tmp_path, mode):
-    model = _model(mode, cls=PartialBertForMaskedLM, dtype=torch.float32)
+def test_checkpoint_keeps_every_bucket_and_refuses_missing_or_misshaped_ones(tmp_path, mode, ks, version):
+    """Every bucket's P and R come back; format 3 only where the buckets differ in k (format 2 readers read the rest)."""
+    model = _model(mode, cls=PartialBertForMaskedLM, dtype=torch.float32, ks=ks)
     model.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    assert config["partial_lengths"] == LENGTHS and config["partial_format_version"] == 2
+    assert config["partial_lengths"] == LENGTHS and config["partial_format_version"] == version
+    assert config["partial_lengths_k"] == [4, *KS[ks].values()]
     loaded = PartialBertForMaskedLM.from_pretrained(tmp_path)
     for b in (8, 16, 32):
         for layer in model.config.partial_layers:
@@ -161,6 +178,8 @@ def test_set_pattern_refuses_buckets_of_other_lengths():
         model.set_pattern(PatternBuckets({32: _random_pattern(32, K, 0)}, exact_lengths=[4]))
     with pytest.raises(ValueError, match="length buckets"):
         model.set_pattern(_random_pattern(32, K, 0))  # one bucket for a model of four
+    with pytest.raises(ValueError, match=r"a k per bucket of \[4, 5, 9, 6\].*partial_lengths_k=\[4, 6, 6, 6\]"):
+        model.set_pattern(_buckets(ks="per_bucket"))
     model.set_pattern(_buckets())  # the right ones install
 
 
@@ -178,10 +197,19 @@ def test_pattern_buckets_file_round_trip_and_single_pattern_files(tmp_path):
     single = _random_pattern(32, K, 1)
     single.save(tmp_path / "p.safetensors")
     assert PatternBuckets.load(tmp_path / "p.safetensors").lengths == [32]
-    with pytest.raises(ValueError, match="same k"):
-        PatternBuckets({16: _random_pattern(16, 5, 0), 32: _random_pattern(32, 6, 0)})
-    with pytest.raises(ValueError, match="exceed k"):
-        PatternBuckets({32: single}, exact_lengths=[8])
+    # a k per bucket: each bucket keeps its own, and the file says so (version 2 only then)
+    per_bucket = _buckets(ks="per_bucket")
+    assert (per_bucket.lengths_k, per_bucket.k, per_bucket.uniform_k) == ([4, 5, 9, K], K, False)
+    per_bucket.save(tmp_path / "kb.safetensors")
+    back = PatternBuckets.load(tmp_path / "kb.safetensors")
+    assert back.lengths_k == [4, 5, 9, K] and torch.equal(back[16].indices, per_bucket[16].indices)
+    versions = [json.loads(safe_open(tmp_path / f, "pt").metadata()["hf_partial_attention_buckets"])["format_version"]
+                for f in ("b.safetensors", "kb.safetensors")]
+    assert versions == ["1", "2"]
+    exact8 = PatternBuckets({32: single}, exact_lengths=[8])  # an exact bucket above n's k: its k is b
+    assert exact8.lengths_k == [8, K] and exact8[8] is None
+    with pytest.raises(ValueError, match="does not match the longest bucket's pattern"):
+        PatternBuckets({32: single}, k=K + 1)
 
 
 @pytest.mark.parametrize("t, bucket", [(16, 16), (20, 32)])

@@ -179,6 +179,15 @@ def _run_analyze(args) -> int:
     return 0
 
 
+def parse_bucket_k(text: str) -> tuple[int, int]:
+    """``"64=24"`` -> ``(64, 24)`` (argparse names the value when this raises)."""
+    try:
+        b, k = (int(v) for v in text.split("="))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not B=K (a bucket length and its k, e.g. 64=24)") from None
+    return b, k
+
+
 def _derive_args(p):
     from .analysis.selection import FAMILIES, OBJECTIVES
 
@@ -198,6 +207,9 @@ def _derive_args(p):
                         "although its score error is higher; compare them on your model with the repository's "
                         "`python -m experiments objectives`. "
                         "Files of another objective than paper are named <scope>_<objective>_k<k>")
+    p.add_argument("--bucket-k", nargs="+", default=None, metavar="B=K", type=parse_bucket_k,
+                   help="length buckets: a bucket that takes its own k instead of --k, e.g. 64=24 (partial_lengths_k; "
+                        "files buckets_k<k>_b<b>k<k_b>)")
     p.add_argument("--no-evaluate", action="store_true", help="skip the held-out measurement")
     p.add_argument("--no-baselines", action="store_true", help="skip the equal-cost baselines")
     p.add_argument("--batch-size", type=int, default=8, help="held-out windows per forward pass")
@@ -219,15 +231,19 @@ def _run_derive(args) -> int:
             if row["k"] in args.k:  # this run's; the report also lists the folder's earlier ones
                 print(f"k={row['k']}: {row['path']} (predicted error {fmt(row['predicted'])}, "
                       f"held-out {fmt(row.get('heldout'))})")
+    if args.bucket_k and not buckets:
+        raise ValueError(f"--bucket-k {args.bucket_k} needs length buckets: {args.dir!r} holds no "
+                         "covariance_len*.safetensors (run `analyze --inputs ...` into it first).")
     if buckets:
         if args.scope != "per_query":
             raise ValueError(f"--scope {args.scope} with length buckets: buckets hold per-query patterns; drop "
                              "--scope or derive from a folder without covariance_len*.safetensors.")
         result = derive_lengths(args.dir, args.k, family=args.family, objective=args.objective,
                                 evaluate=not args.no_evaluate, batch_size=args.batch_size,
-                                progress=not args.no_progress)
+                                progress=not args.no_progress, bucket_k=dict(args.bucket_k or ()))
         for entry in result["ks"].values():
-            errors = ", ".join(f"b={r['length']}: " + ("exact" if r["exact"] else fmt(r.get("heldout")))
+            errors = ", ".join(f"b={r['length']}" + (f" (k={r['k']})" if r["k"] != entry["k"] and not r["exact"] else "")
+                               + ": " + ("exact" if r["exact"] else fmt(r.get("heldout")))
                                for r in entry["buckets"])
             print(f"k={entry['k']}: {entry['path']} (held-out error per bucket {errors})")
     print(f"Report: {os.path.join(args.dir, 'report.md')}")

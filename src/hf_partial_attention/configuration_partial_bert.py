@@ -19,7 +19,9 @@ PARTIAL_IMPLEMENTATIONS = ("auto", *KERNEL_NAMES)
 # The layout of P and R in model.safetensors and of these fields; a checkpoint of a newer format is refused.
 # 1: hf-partial-attention 0.1.x and 0.2.x (0.1.0 wrote no version: read as 1): one P and R, for n positions.
 # 2: length buckets (`partial_lengths`): P and R per bucket, ``...partial_pattern_len{b}...`` beside n's.
-CHECKPOINT_FORMAT_VERSION = 2
+# 3: a k per bucket (`partial_lengths_k`): bucket b's P is (b, k_b). Written only by a checkpoint whose partial
+#    buckets differ in k (`required_format_version`), so that readers of format 2 keep reading every other one.
+CHECKPOINT_FORMAT_VERSION = 3
 # Runtime settings: like `attn_implementation`, never written to (nor read from) config.json.
 _NOT_SERIALIZED = ("partial_implementation",)
 
@@ -45,7 +47,12 @@ class PartialBertConfig(BertConfig):
             zero. Buckets with b <= `partial_k` run exactly. The largest must be `partial_seq_len`; defaults to
             `[partial_seq_len]` (one bucket: every input runs n's P and R, the behaviour of format 1).
         partial_k (`int`, defaults to 32):
-            k, the number of exactly computed scores per query (1 <= k <= n).
+            k, the number of exactly computed scores per query (1 <= k <= n): n's, and every bucket's unless
+            `partial_lengths_k` says otherwise.
+        partial_lengths_k (`list[int]`, *optional*):
+            The k of each bucket of `partial_lengths` (same order), for a bucket whose inputs need more (or fewer) exact
+            scores than n's. The last must be `partial_k`. A bucket with k_b = b runs exactly. Defaults to
+            `min(partial_k, b)` for every bucket b.
         reconstruction (`str`, defaults to `"common"`):
             How R is held: `"fixed"` (a buffer, never trained), `"common"` (one trainable tensor shared by
             all partial layers) or `"per_layer"` (one trainable tensor per partial layer).
@@ -93,6 +100,7 @@ class PartialBertConfig(BertConfig):
     partial_seq_len: int = 128
     partial_k: int = 32
     partial_lengths: list[int] | None = None
+    partial_lengths_k: list[int] | None = None
     reconstruction: str = "common"
     partial_layers: list[int] | None = None
     partial_use_bias: bool = False
@@ -112,6 +120,8 @@ class PartialBertConfig(BertConfig):
             self.partial_layers = sorted({int(layer) for layer in self.partial_layers})
         if self.partial_lengths is None:
             self.partial_lengths = [self.partial_seq_len]
+        if self.partial_lengths_k is None and isinstance(self.partial_lengths, (list, tuple)):
+            self.partial_lengths_k = [min(self.partial_k, b) if isinstance(b, int) else b for b in self.partial_lengths]
         self._check_partial_fields()
 
     def _check_partial_fields(self) -> None:
@@ -167,16 +177,40 @@ class PartialBertConfig(BertConfig):
             raise ValueError(f"partial_lengths={list(lengths)} must end with partial_seq_len={self.partial_seq_len} "
                              "(the longest bucket is n); add it or set partial_seq_len to the longest bucket.")
         self.partial_lengths = list(lengths)
+        ks = self.partial_lengths_k
+        if (not isinstance(ks, (list, tuple)) or len(ks) != len(lengths)
+                or not all(isinstance(k, int) and not isinstance(k, bool) for k in ks)):
+            raise ValueError(f"partial_lengths_k must be a list of ints, one k per bucket of partial_lengths="
+                             f"{list(lengths)}, got {ks!r}; omit it for partial_k in every bucket.")
+        bad = [(b, k) for b, k in zip(lengths, ks) if not 1 <= k <= b]
+        if bad:
+            raise ValueError(f"partial_lengths_k={list(ks)}: bucket b's k must be in [1, b], got (b, k) = {bad}; give "
+                             "k = b for a bucket that runs exactly.")
+        if ks[-1] != self.partial_k:
+            raise ValueError(f"partial_lengths_k={list(ks)} must end with partial_k={self.partial_k} (n's k); set "
+                             "partial_k to the longest bucket's k.")
+        self.partial_lengths_k = list(ks)
+
+    def bucket_k(self, length: int | None = None) -> int:
+        """k of bucket ``length`` (default n): the exact scores per query of its P."""
+        if length is None or length == self.partial_seq_len:
+            return self.partial_k
+        return self.partial_lengths_k[self.partial_lengths.index(length)]
 
     @property
     def partial_buckets(self) -> list[int]:
-        """The buckets below n that hold their own P and R (b > k); shorter ones run exactly."""
-        return [b for b in self.partial_lengths[:-1] if b > self.partial_k]
+        """The buckets below n that hold their own P and R (k_b < b); the others run exactly."""
+        return [b for b, k in zip(self.partial_lengths[:-1], self.partial_lengths_k) if k < b]
 
     @property
     def exact_lengths(self) -> list[int]:
-        """The buckets below n with b <= k, which run exact attention."""
-        return [b for b in self.partial_lengths[:-1] if b <= self.partial_k]
+        """The buckets below n with k_b = b, which run exact attention."""
+        return [b for b, k in zip(self.partial_lengths[:-1], self.partial_lengths_k) if k == b]
+
+    @property
+    def required_format_version(self) -> int:
+        """The oldest checkpoint format that holds these fields: 3 when partial buckets differ in k, else 2."""
+        return 3 if len({self.bucket_k(b) for b in (*self.partial_buckets, None)}) > 1 else 2
 
     def _check_implementation(self) -> None:
         if self.partial_implementation not in PARTIAL_IMPLEMENTATIONS:

@@ -99,7 +99,7 @@ def partial_config(source, pattern: AttentionPattern | PatternBuckets, overrides
     for drop in _NOT_BERT_FIELDS:
         fields.pop(drop, None)
     fields.update(partial_seq_len=pattern.seq_len, partial_k=pattern.k, partial_lengths=pattern.lengths,
-                  partial_use_bias=pattern.has_bias)
+                  partial_lengths_k=pattern.lengths_k, partial_use_bias=pattern.has_bias)
     fields.update(overrides)
     if isinstance(source.config._name_or_path, str) and source.config._name_or_path:
         fields.setdefault("partial_base_model", source.config._name_or_path)

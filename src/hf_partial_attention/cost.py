@@ -105,20 +105,31 @@ def forward_ratio(n: int, k: int, d_head: int, *, dense_reconstruction: bool = F
     return (exact + recon + n * d_head) / (2 * n * d_head)
 
 
-def bucket_savings(lengths, k: int, d_head: int) -> dict[int, float]:
-    """Length bucket b -> the saving of its scores per query and head: ``score_cost(b, k, d_h)``'s for b > k, 0 for
-    the buckets that run exactly (b <= k)."""
-    return {int(b): (score_cost(b, k, d_head).saving if b > k else 0.0) for b in lengths}
+def _bucket_ks(lengths, k) -> dict[int, int]:
+    """Bucket -> its k: ``k`` an int (every bucket's, as ``min(k, b)``) or one k per bucket of ``lengths``."""
+    lengths = [int(b) for b in lengths]
+    ks = [k] * len(lengths) if isinstance(k, int) else [int(v) for v in k]
+    if len(ks) != len(lengths):
+        raise ValueError(f"k must be an int or one k per bucket of {lengths}, got {k!r}.")
+    return {b: min(kb, b) for b, kb in zip(lengths, ks)}
 
 
-def distribution_saving(lengths, k: int, d_head: int, token_lengths) -> float:
+def bucket_savings(lengths, k, d_head: int) -> dict[int, float]:
+    """Length bucket b -> the saving of its scores per query and head: ``score_cost(b, k_b, d_h)``'s for k_b < b, 0
+    for the buckets that run exactly. ``k``: an int for every bucket, or one per bucket (``partial_lengths_k``)."""
+    return {b: (score_cost(b, kb, d_head).saving if kb < b else 0.0) for b, kb in _bucket_ks(lengths, k).items()}
+
+
+def distribution_saving(lengths, k, d_head: int, token_lengths) -> float:
     """The saving of QKᵀ multiply-adds over a set of inputs of ``token_lengths`` tokens, each run in its bucket (the
     smallest b >= T, as the model runs it) against dense attention at its own length T.
 
     An input of T < b tokens computes, per query, k·d_h exact and (b−k)·k reconstructed multiply-adds in bucket b
     (the reconstruction still fills b − k scores), against T·d_h for dense attention over its T keys; summed over
-    its T queries. Exact buckets cost what dense does. A negative value: the partial model computes more."""
-    lengths = sorted(int(b) for b in lengths)
+    its T queries. Exact buckets cost what dense does. A negative value: the partial model computes more. ``k``: an
+    int for every bucket, or one per bucket of ``lengths`` (``partial_lengths_k``)."""
+    ks = _bucket_ks(lengths, k)
+    lengths = sorted(ks)
     partial = dense = 0
     for t in token_lengths:
         t = int(t)
@@ -126,5 +137,6 @@ def distribution_saving(lengths, k: int, d_head: int, token_lengths) -> float:
         if b is None:
             raise ValueError(f"an input of {t} tokens exceeds the longest bucket {lengths[-1]}; truncate inputs.")
         dense += t * t * d_head
-        partial += t * t * d_head if b <= k else t * (k * d_head + (b - k) * k)
+        kb = ks[b]
+        partial += t * t * d_head if kb == b else t * (kb * d_head + (b - kb) * kb)
     return 1.0 - partial / dense if dense else 0.0

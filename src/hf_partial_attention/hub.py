@@ -28,7 +28,7 @@ from transformers import (
 from transformers.utils.hub import hf_api
 
 from . import model_card
-from .configuration_partial_bert import CHECKPOINT_FORMAT_VERSION, PartialBertConfig
+from .configuration_partial_bert import PartialBertConfig
 from .version import __version__
 from .modeling_partial_bert import (
     PartialBertForMaskedLM,
@@ -104,7 +104,7 @@ def save_pretrained(model, parent_save: Callable, save_directory, *args, write_m
     hub = {key: kwargs.pop(key) for key in ("repo_id", "commit_message", "commit_description", "create_pr",
                                             "private", "revision") if key in kwargs}
     model.config.auto_map = merged_auto_map(getattr(model.config, "auto_map", None))
-    model.config.partial_format_version = CHECKPOINT_FORMAT_VERSION
+    model.config.partial_format_version = model.config.required_format_version  # format 2 readers read uniform k
     model.config.partial_plugin_version = __version__
     readme = os.path.join(os.fspath(save_directory), "README.md")
     had_readme = os.path.exists(readme)

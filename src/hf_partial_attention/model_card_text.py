@@ -37,23 +37,24 @@ def _buckets_section(config, prefix: str, d_head: int) -> str:
     if len(lengths) == 1:
         return ""
     k, n = config.partial_k, config.partial_seq_len
-    savings = bucket_savings(lengths, k, d_head)
+    ks = list(getattr(config, "partial_lengths_k", None) or [min(k, b) for b in lengths])
+    savings = bucket_savings(lengths, ks, d_head)
     def names(b: int) -> str:
-        if b <= k and b != n:
-            return "exact (b ≤ k)"
+        if ks[lengths.index(b)] == b and b != n:
+            return "exact (k = b)"
         suffix = "" if b == n else f"_len{b}"
         if config.reconstruction == "per_layer":  # P in the pattern module, R in each partial layer
             return (f"`{prefix}encoder.partial_pattern{suffix}.indices`; R: "
                     f"`{prefix}encoder.layer.{{l}}.attention.self.reconstruction{suffix}`")
         return f"`{prefix}encoder.partial_pattern{suffix}`"
 
-    rows = "\n".join(f"| {b} | {names(b)} | {100 * savings[b]:.1f} % |" for b in lengths)
-    return f"""- **Length buckets** {lengths}: each bucket b holds its own P (b, k) and R (b, b − k, k), fitted on inputs of
-  that length; a sequence of T tokens runs the smallest bucket b ≥ T, chosen from its own attention mask, as if padded
-  to b. Buckets with b ≤ k = {k} run exact attention. Saving of QKᵀ per query and head in each bucket:
+    rows = "\n".join(f"| {b} | {kb} | {names(b)} | {100 * savings[b]:.1f} % |" for b, kb in zip(lengths, ks))
+    return f"""- **Length buckets** {lengths}: each bucket b holds its own P (b, k_b) and R (b, b − k_b, k_b), fitted on
+  inputs of that length; a sequence of T tokens runs the smallest bucket b ≥ T, chosen from its own attention mask, as
+  if padded to b. Buckets with k_b = b run exact attention. Saving of QKᵀ per query and head in each bucket:
 
-| bucket b | P and R | saving |
-|---:|---|---:|
+| bucket b | k_b | P and R | saving |
+|---:|---:|---|---:|
 {rows}
 """
 

@@ -311,8 +311,8 @@ class PartialBertPreTrainedModel(BertPreTrainedModel):
         modules = self._pattern_modules()
         if length not in modules:
             raise ValueError(f"length={length} is not a length bucket with a pattern; the buckets with P and R are "
-                             f"{sorted(modules)} (partial_lengths={self.config.partial_lengths}, k="
-                             f"{self.config.partial_k}: shorter ones run exactly).")
+                             f"{sorted(modules)} (partial_lengths={self.config.partial_lengths}, partial_lengths_k="
+                             f"{self.config.partial_lengths_k}: buckets with k = b run exactly).")
         suffix = bucket_suffix(self.config, length)
         owner, r_name = modules[length], "reconstruction"
         if self.config.reconstruction == "per_layer":

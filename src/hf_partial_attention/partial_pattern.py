@@ -35,7 +35,8 @@ def _local_pattern(n: int, k: int, correlation: float) -> AttentionPattern:
 def default_pattern(config: PartialBertConfig, length: int | None = None) -> AttentionPattern:
     """The pattern a model built from a config alone starts with in bucket ``length`` (default n):
     `AttentionPattern.local`; the last few are cached."""
-    return _local_pattern(length or config.partial_seq_len, config.partial_k, float(config.partial_default_correlation))
+    return _local_pattern(length or config.partial_seq_len, config.bucket_k(length),
+                          float(config.partial_default_correlation))
 
 
 def check_buckets(config: PartialBertConfig, pattern: AttentionPattern | PatternBuckets) -> PatternBuckets:
@@ -49,6 +50,10 @@ def check_buckets(config: PartialBertConfig, pattern: AttentionPattern | Pattern
         raise ValueError(f"pattern has length buckets {buckets.lengths} but the config has partial_lengths="
                          f"{config.partial_lengths}; build the config from the pattern (from_bert does) or pass "
                          "buckets of the config's lengths.")
+    if buckets.lengths_k != list(config.partial_lengths_k):
+        raise ValueError(f"pattern has a k per bucket of {buckets.lengths_k} but the config has partial_lengths_k="
+                         f"{config.partial_lengths_k} (buckets {config.partial_lengths}); build the config from the "
+                         "pattern (from_bert does) or pass buckets of the config's ks.")
     return buckets
 
 
@@ -71,7 +76,7 @@ def r_tensor(config: PartialBertConfig, trainable: bool, bias: bool,
              length: int | None = None) -> nn.Parameter | torch.Tensor:
     """R ``(b, b−k, k)`` (or its bias ``(b, b−k)``) of bucket ``length`` (default n) holding the initial pattern's
     values (`initial_for`)."""
-    n, k = length or config.partial_seq_len, config.partial_k
+    n, k = length or config.partial_seq_len, config.bucket_k(length)
     shape = (n, n - k) if bias else (n, n - k, k)
     if _on_meta_device():
         tensor = torch.empty(shape)
@@ -98,7 +103,7 @@ class PartialBertPattern(nn.Module):
     def __init__(self, config: PartialBertConfig, pattern: AttentionPattern | PatternBuckets | None = None,
                  length: int | None = None):
         super().__init__()
-        n, k = length or config.partial_seq_len, config.partial_k
+        n, k = length or config.partial_seq_len, config.bucket_k(length)
         self.length = n
         indices = (torch.empty(n, k, dtype=torch.long) if _on_meta_device()
                    else initial_for(config, pattern, length).indices.clone())

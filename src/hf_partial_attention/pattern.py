@@ -27,7 +27,7 @@ _EXPECTED = ("a pattern file written by `hf-partial-attention derive` (<out>/pat
 
 
 @contextlib.contextmanager
-def open_tagged_file(path: str | os.PathLike, meta_key: str, what: str, format_version: str,
+def open_tagged_file(path: str | os.PathLike, meta_key: str, what: str, format_version: str | tuple[str, ...],
                      expected: str | None = None) -> Iterator[tuple]:
     """Open a safetensors file whose JSON header sits under ``meta_key``; yields ``(header, handle)``.
 
@@ -55,10 +55,11 @@ def open_tagged_file(path: str | os.PathLike, meta_key: str, what: str, format_v
         except ValueError as err:
             raise ValueError(f"{path!r}: the {meta_key!r} header is not valid JSON ({err}); write the {what} "
                              "file again.") from err
-        found = str(header.get("format_version"))
-        if found != format_version:
+        found, readable = str(header.get("format_version")), (
+            (format_version,) if isinstance(format_version, str) else format_version)
+        if found not in readable:
             raise ValueError(f"{path!r} is a {what} file of format version {found}; this version of "
-                             f"hf-partial-attention reads version {format_version}. Upgrade the package "
+                             f"hf-partial-attention reads version {' or '.join(readable)}. Upgrade the package "
                              "(pip install -U hf-partial-attention) or write the file again with this one.")
         yield header, f
 

@@ -5,7 +5,8 @@ of that length; an input of T tokens runs the smallest bucket b >= T (`bucket_fo
 scoring zero (docs/method.md, "Length buckets"). A bucket with b <= k needs no pattern: it runs exactly.
 
 File format (``PATTERN_BUCKETS_FORMAT_VERSION``): tensors ``len{b}.indices``, ``len{b}.reconstruction`` and
-``len{b}.bias`` for each partial bucket, header ``{"format_version", "lengths", "k", "metadata"}``. `load` also
+``len{b}.bias`` for each partial bucket, header ``{"format_version", "lengths", "k", "lengths_k", "metadata"}``
+(each bucket's k is its tensors' own; version 2 only where buckets differ in k). `load` also
 reads a single-pattern file (`AttentionPattern.save`) as one bucket of its n.
 
 This file is part of the remote-code bundle (imports: torch, safetensors and siblings only).
@@ -25,7 +26,9 @@ from .pattern import AttentionPattern, open_tagged_file
 
 __all__ = ["PatternBuckets", "PATTERN_BUCKETS_FORMAT_VERSION", "check_lengths", "bucket_for", "is_single_pattern_file"]
 
-PATTERN_BUCKETS_FORMAT_VERSION = "1"
+# 1: one k for every bucket with a pattern; 2: a k per bucket (header "lengths_k"), written only when they differ.
+PATTERN_BUCKETS_FORMAT_VERSION = "2"
+_READ_VERSIONS = ("1", "2")
 _META_KEY = "hf_partial_attention_buckets"
 _PATTERN_META_KEY = "hf_partial_attention"
 _EXPECTED = ("a pattern file written by `hf-partial-attention derive` (<out>/patterns/per_query_k<k>.safetensors) "
@@ -55,17 +58,17 @@ def bucket_for(lengths: list[int], t: int) -> int:
 
 
 class PatternBuckets:
-    """Per-query patterns for a set of bucket lengths, all with the same k.
+    """Per-query patterns for a set of bucket lengths, each bucket with its own k (by default one k for all).
 
     Args:
-        patterns: ``{b: AttentionPattern}`` for every bucket with b > k (per-query, ``seq_len == b``, same k, all
-            with or all without bias).
-        exact_lengths: buckets with b <= k (no pattern: such inputs run exactly).
-        k: required when ``patterns`` is empty (only exact buckets), else read from the patterns.
+        patterns: ``{b: AttentionPattern}`` for every bucket that holds P and R (per-query, ``seq_len == b``, k < b
+            except for the longest bucket; all with or all without bias).
+        exact_lengths: buckets that run exactly (no pattern; their k is b).
+        k: n's k: required when ``patterns`` is empty, else checked against the longest bucket's pattern.
         metadata: JSON-serialisable facts about the set (source model, inputs, ...).
 
     Raises:
-        ValueError: patterns of another scope, length or k; a bucket given twice; an exact bucket above k.
+        ValueError: patterns of another scope or length; a bucket given twice; no pattern for the longest bucket.
         TypeError: a value that is not an `AttentionPattern`.
     """
 
@@ -78,37 +81,27 @@ class PatternBuckets:
             if p.scope != "per_query" or p.seq_len != b:
                 raise ValueError(f"patterns[{b}] must be a per-query pattern of seq_len {b}, got scope={p.scope!r}, "
                                  f"seq_len={p.seq_len}.")
-        ks = {p.k for p in patterns.values()}
-        if len(ks) > 1:
-            raise ValueError(f"every bucket must have the same k, got k={sorted(ks)} for buckets {sorted(patterns)}.")
-        if ks:
-            if k is not None and k not in ks:
-                raise ValueError(f"k={k} does not match the patterns' k={ks.pop()}.")
-            k = ks.pop()
-        if k is None or k < 1:
-            raise ValueError("k is required (a positive int) when no bucket has a pattern.")
         if len({p.bias is not None for p in patterns.values()}) > 1:
             raise ValueError("either every bucket's pattern has a bias or none has; derive them with the same --bias.")
         exact = check_lengths(exact_lengths, "exact_lengths") if list(exact_lengths) else []
-        above = [b for b in exact if b > k]
-        if above:
-            raise ValueError(f"exact_lengths {above} exceed k={k}: a bucket longer than k needs a pattern.")
         longest = max([*patterns, *exact], default=0)
-        partial_at_k = [b for b in patterns if b <= k and b != longest]
-        if partial_at_k:  # AttentionPattern refuses k > b; b == k < n is the exact pattern: run it exactly (n keeps
-            # its pattern whatever k is, as in format 1)
-            exact = sorted(set(exact) | set(partial_at_k))
-            patterns = {b: p for b, p in patterns.items() if b > k}
+        if longest not in patterns:
+            raise ValueError(f"the longest bucket ({longest}) needs a pattern (its P and R are n's); pass "
+                             f"AttentionPattern.exact({longest}) for exact attention there.")
+        n_k = patterns[longest].k
+        if k is not None and int(k) != n_k:
+            raise ValueError(f"k={k} does not match the longest bucket's pattern, k={n_k}.")
+        at_k = [b for b, p in patterns.items() if p.k == b and b != longest]
+        if at_k:  # b == k < n is the exact pattern: run it exactly (n keeps its pattern whatever k is, as in format 1)
+            exact = sorted(set(exact) | set(at_k))
+            patterns = {b: p for b, p in patterns.items() if b not in at_k}
         twice = sorted(set(exact) & set(patterns))
         if twice:
             raise ValueError(f"buckets {twice} are given both as exact and with a pattern.")
-        self.k = int(k)
+        self.k = int(n_k)
         self.patterns = dict(sorted(patterns.items()))
         self.exact_lengths = exact
         self.lengths = check_lengths([*exact, *self.patterns])
-        if self.lengths[-1] not in self.patterns:
-            raise ValueError(f"the longest bucket ({self.lengths[-1]}) needs a pattern (its P and R are n's); pass "
-                             f"AttentionPattern.exact({self.lengths[-1]}) for exact attention there.")
         self.metadata: dict[str, Any] = dict(metadata or {})
 
     # ------------------------------------------------------------------ properties
@@ -125,6 +118,21 @@ class PatternBuckets:
     def partial_lengths(self) -> list[int]:
         """The buckets that hold a pattern (b > k)."""
         return list(self.patterns)
+
+    def k_for(self, b: int) -> int:
+        """k of bucket ``b``: its pattern's, or b for a bucket that runs exactly."""
+        pattern = self[b]
+        return b if pattern is None else pattern.k
+
+    @property
+    def lengths_k(self) -> list[int]:
+        """The k of each bucket of `lengths` (``config.partial_lengths_k``)."""
+        return [self.k_for(b) for b in self.lengths]
+
+    @property
+    def uniform_k(self) -> bool:
+        """Whether every bucket with a pattern has n's k (what format 1 of the file, and checkpoint format 2, hold)."""
+        return all(p.k == self.k for p in self.patterns.values())
 
     def bucket_for(self, t: int) -> int:
         """The bucket an input of ``t`` tokens runs (the smallest b >= t)."""
@@ -164,8 +172,8 @@ class PatternBuckets:
             if p.bias is not None:
                 tensors[f"len{b}.bias"] = p.bias
             buckets[str(b)] = p.metadata
-        header = {"format_version": PATTERN_BUCKETS_FORMAT_VERSION, "lengths": self.lengths, "k": self.k,
-                  "exact_lengths": self.exact_lengths, "metadata": self.metadata, "bucket_metadata": buckets}
+        header = {"format_version": "1" if self.uniform_k else PATTERN_BUCKETS_FORMAT_VERSION, "lengths": self.lengths,
+                  "k": self.k, "lengths_k": self.lengths_k, "exact_lengths": self.exact_lengths, "metadata": self.metadata, "bucket_metadata": buckets}
         save_file(tensors, os.fspath(path), metadata={_META_KEY: json.dumps(header)})
 
     @classmethod
@@ -174,8 +182,7 @@ class PatternBuckets:
         path = os.fspath(path)
         if is_single_pattern_file(path):
             return cls.single(AttentionPattern.load(path))
-        with open_tagged_file(path, _META_KEY, "pattern", PATTERN_BUCKETS_FORMAT_VERSION,
-                              expected=_EXPECTED) as (header, f):
+        with open_tagged_file(path, _META_KEY, "pattern", _READ_VERSIONS, expected=_EXPECTED) as (header, f):
             tensors = {name: f.get_tensor(name) for name in f.keys()}
         try:
             lengths = check_lengths(header["lengths"], f"{path!r}: lengths")
@@ -195,7 +202,7 @@ class PatternBuckets:
             raise ValueError(f"{path!r} holds invalid pattern buckets: {err}. Pass {_EXPECTED}.") from err
 
     def __repr__(self) -> str:
-        return (f"PatternBuckets(lengths={self.lengths}, k={self.k}, exact={self.exact_lengths}, "
+        return (f"PatternBuckets(lengths={self.lengths}, k={self.lengths_k}, exact={self.exact_lengths}, "
                 f"bias={self.has_bias})")
 
 

@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -43,8 +44,8 @@ from .selection import select_patterns
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_LENGTHS", "default_lengths", "analyze_lengths", "derive_lengths", "bucket_covariance_files",
-           "HELDOUT_INPUTS_FILE"]
+__all__ = ["DEFAULT_LENGTHS", "default_lengths", "analyze_lengths", "derive_lengths", "bucket_k_suffix",
+           "bucket_covariance_files", "HELDOUT_INPUTS_FILE"]
 
 DEFAULT_LENGTHS = (16, 32, 64, 128)
 HELDOUT_INPUTS_FILE = "heldout_inputs.safetensors"
@@ -214,15 +215,22 @@ def _windows_reference(out: str, tag: str, k: int, centered: bool | None):
     return pattern, conditional
 
 
+def bucket_k_suffix(bucket_k: Mapping[int, int] | None) -> str:
+    """The file-name part of a per-bucket k: ``"_b64k24"`` for ``{64: 24}``, ``""`` for none."""
+    return "".join(f"_b{b}k{k}" for b, k in sorted((bucket_k or {}).items()))
+
+
 def derive_lengths(out: str, ks, *, family: str = "per_query", objective: str = "paper",
                    centered: bool | None = None, evaluate: bool = True, batch_size: int = 16, progress: bool = True,
-                   section: str = "derive_lengths") -> dict:
+                   section: str = "derive_lengths", bucket_k: Mapping[int, int] | None = None) -> dict:
     """For each k: P and R of every bucket of ``out`` (b > k; b <= k exact) in ``patterns/buckets_k{k}.safetensors``,
     each bucket's held-out error at real positions in its metadata (``heldout_normalized_error``), and, on the same
     inputs, the zero fill of the fixed-window pattern of n (``patterns/per_query_k{k}.safetensors``, when `derive`
     wrote one into ``out``) and the conditional R (`conditional`) of the n-window and of the bucket covariance.
 
-    ``family``, ``objective``, ``centered``: as in `workflow.derive` (each bucket's greedy)."""
+    ``family``, ``objective``, ``centered``: as in `workflow.derive` (each bucket's greedy). ``bucket_k``: ``{b: k_b}``,
+    a bucket (not the longest) that takes k_b instead of each k (``partial_lengths_k``); the files are then named
+    ``buckets_k{k}_b{b}k{k_b}``."""
     start = time.perf_counter()
     files = bucket_covariance_files(out)
     if not files:
@@ -232,11 +240,17 @@ def derive_lengths(out: str, ks, *, family: str = "per_query", objective: str = 
         raise ValueError(f"k must be positive ints, got {ks}.")
     covs = {b: ScoreCovariance.load(p) for b, p in files.items()}
     lengths = list(covs)
+    bucket_k = {int(b): int(k) for b, k in (bucket_k or {}).items()}
+    bad = {b: k for b, k in bucket_k.items() if b not in lengths[:-1] or not 1 <= k <= b}
+    if bad:
+        raise ValueError(f"bucket_k={bad}: each entry must be a bucket of {lengths[:-1]} (not the longest, whose k is "
+                         "--k) with its k in [1, b]; give e.g. {64: 24}.")
+    k_of = lambda b, k: bucket_k.get(b, k)  # noqa: E731
     meta = next(iter(covs.values())).metadata
     d_head = meta.get("head_dim")
     fitted: dict[int, dict[int, AttentionPattern]] = {}
     for b, cov in covs.items():
-        wanted = [k for k in ks if k < b]
+        wanted = sorted({k_of(b, k) for k in ks if k_of(b, k) < b})
         if wanted and (warning := fit_size_warning(cov.num_sequences, b)):
             logger.warning("Bucket %d: %s", b, warning)
         if wanted:
@@ -254,7 +268,7 @@ def derive_lengths(out: str, ks, *, family: str = "per_query", objective: str = 
                            int((~runs).sum()), lengths[-1])
         held_bucket = torch.tensor([bucket_for(lengths, int(t)) if ok else -1
                                     for t, ok in zip(held.lengths.tolist(), runs.tolist())], dtype=torch.long)
-        references = {k: _windows_reference(out, tag, k, centered) for k in ks}
+        references = {k: _windows_reference(out, tag, k, centered) for k in {*ks, *bucket_k.values()}}
         for b, patterns in fitted.items():
             index = torch.nonzero(held_bucket == b).flatten()
             if len(index):
@@ -266,27 +280,28 @@ def derive_lengths(out: str, ks, *, family: str = "per_query", objective: str = 
     for k in ks:
         rows = []
         for b, cov in covs.items():
-            pattern = fitted.get(b, {}).get(k)
-            row = {"length": b, "exact": pattern is None, "fit_inputs": cov.num_sequences,
+            kb = k_of(b, k)
+            pattern = fitted.get(b, {}).get(kb)
+            row = {"length": b, "k": min(kb, b), "exact": pattern is None, "fit_inputs": cov.num_sequences,
                    "median_length": cov.metadata.get("median_length"),
-                   "relative_cost": 1.0 if pattern is None or not d_head else score_cost(b, k, d_head).relative,
+                   "relative_cost": 1.0 if pattern is None or not d_head else score_cost(b, kb, d_head).relative,
                    "predicted": None if pattern is None else pattern.normalized_error}
             if measured or (held is not None and len(held) and pattern is not None):
                 row["heldout_inputs"] = int((held_bucket == b).sum())
-            if (b, k) in measured:
-                row.update(measured[(b, k)])
+            if (b, kb) in measured:
+                row.update(measured[(b, kb)])
                 pattern.metadata.update(heldout_normalized_error=row["heldout"],
                                         heldout_inputs=row["heldout_inputs"])
             rows.append(row)
-        buckets = PatternBuckets({b: p[k] for b, p in fitted.items() if k in p},
-                                 [b for b in lengths if b <= k], k=k,
+        buckets = PatternBuckets({b: p[k_of(b, k)] for b, p in fitted.items() if k_of(b, k) in p},
+                                 [b for b in lengths[:-1] if k_of(b, k) >= b], k=k,
                                  metadata={"source_model": meta.get("model", ""),
                                            "source_model_id": meta.get("model_id", ""), "kind": meta.get("kind"),
                                            "lengths": lengths, "family": family, "objective": objective,
                                            "num_inputs": {str(b): c.num_sequences for b, c in covs.items()}})
-        path = os.path.join(out, "patterns", f"buckets_k{k}.safetensors")
+        path = os.path.join(out, "patterns", f"buckets_k{k}{bucket_k_suffix(bucket_k)}.safetensors")
         buckets.save(path)
-        result["ks"][str(k)] = {"k": k, "path": path, "buckets": rows}
+        result["ks"][str(k)] = {"k": k, "lengths_k": buckets.lengths_k, "path": path, "buckets": rows}
     result["seconds"] = round(time.perf_counter() - start, 1)
     from .workflow import update_results
 

@@ -146,17 +146,18 @@ def _lengths(results: dict, base: str) -> list[str]:
     if d:
         dh = d.get("head_dim")
         out += [f"Greedy P (family {d.get('family')}, objective {d.get('objective')}) and optimal R per bucket; "
-                "buckets with b <= k run exactly. Held-out errors at real positions only (rows and keys < T, keys "
+                "buckets with k_b >= b run exactly. Held-out errors at real positions only (rows and keys < T, keys "
                 ">= T zero as the model runs), / the held-out variance there. Zero fill: the fixed-window pattern of "
                 "n applied to the T-token input; conditional: R_i(T) = C_US C_SS⁻¹ (S = P_i ∩ [0, T), "
                 "U = [0, T) \\ P_i) from the n-window covariance or the bucket's own. "
                 f"Took {d.get('seconds')} s.", ""]
         for key, entry in d["ks"].items():
-            rows = [[r["length"], "exact" if r["exact"] else r.get("relative_cost"), r["fit_inputs"],
+            rows = [[r["length"], r.get("k", min(int(key), r["length"])),
+                     "exact" if r["exact"] else r.get("relative_cost"), r["fit_inputs"],
                      r.get("heldout_inputs"), r.get("predicted"), r.get("heldout"), r.get("zero_fill_n"),
                      r.get("conditional_n"), r.get("conditional_bucket")] for r in entry["buckets"]]
             out += [f"**k = {key}** (`{os.path.relpath(entry['path'], base)}`):", "",
-                    markdown_table(["bucket b", f"cost / dense at b (d_h={dh})", "fit inputs", "held-out inputs",
+                    markdown_table(["bucket b", "k_b", f"cost / dense at b (d_h={dh})", "fit inputs", "held-out inputs",
                                     "predicted", "held-out", "zero fill of n", "conditional (n cov.)",
                                     "conditional (bucket cov.)"], rows), ""]
     return out
