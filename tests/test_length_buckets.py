@@ -212,11 +212,12 @@ def test_pattern_buckets_file_round_trip_and_single_pattern_files(tmp_path):
         PatternBuckets({32: single}, k=K + 1)
 
 
+@pytest.mark.parametrize("ks", KS)
 @pytest.mark.parametrize("t, bucket", [(16, 16), (20, 32)])
-def test_compile_fullgraph_and_export_run_the_bucket_of_the_padded_length(t, bucket):
+def test_compile_fullgraph_and_export_run_the_bucket_of_the_padded_length(t, bucket, ks):
     """One specialisation per bucket: under compile/export the batch runs the bucket of its padded length; for a
-    batch whose sequences share that bucket this is eager's output, bit for bit."""
-    model = _model("common", dtype=torch.float32)
+    batch whose sequences share that bucket this is eager's output, bit for bit (one k, or bucket 16 at its own)."""
+    model = _model("common", dtype=torch.float32, ks=ks)
     ids = torch.randint(1, 99, (2, t), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[1, t - 2:] = 0  # still in the same bucket
@@ -229,9 +230,10 @@ def test_compile_fullgraph_and_export_run_the_bucket_of_the_padded_length(t, buc
         assert torch.equal(exported.module()(input_ids=ids, attention_mask=mask).last_hidden_state, ref)
 
 
-def test_onnx_export_of_a_bucketed_model_runs_its_bucket_in_onnxruntime():
+@pytest.mark.parametrize("ks", KS)
+def test_onnx_export_of_a_bucketed_model_runs_its_bucket_in_onnxruntime(ks):
     """ONNX (dynamo exporter): one graph per bucket, of the padded length's bucket, run by onnxruntime."""
-    model = _model("common", dtype=torch.float32)
+    model = _model("common", dtype=torch.float32, ks=ks)
     ids = torch.randint(1, 99, (2, 12), generator=torch.Generator().manual_seed(1))  # bucket 16
     mask = torch.ones_like(ids)
     mask[1, 10:] = 0

@@ -32,8 +32,9 @@ def _minilm():
 
 
 def _st_buckets():
-    # bucket 16 gets another prior's R than n's: a 16-bucket input then reconstructs differently from zero-fill
-    return PatternBuckets({16: AttentionPattern.local(16, ST_K, correlation=0.5), 32: AttentionPattern.local(32, ST_K),
+    # bucket 16 gets another prior's R than n's: a 16-bucket input then reconstructs differently from zero-fill;
+    # bucket 32 has a k of its own (12: partial_lengths_k, checkpoint format 3)
+    return PatternBuckets({16: AttentionPattern.local(16, ST_K, correlation=0.5), 32: AttentionPattern.local(32, 12),
                            64: AttentionPattern.local(64, ST_K)}, exact_lengths=[8])
 
 
@@ -64,7 +65,9 @@ def test_sentence_transformers_encodes_a_mixed_batch_as_each_sentence_alone(st_f
     from sentence_transformers import SentenceTransformer
 
     model = SentenceTransformer(st_folders["buckets"], device="cpu", trust_remote_code=True)
-    assert model.max_seq_length == 64 and model[0].auto_model.config.partial_lengths == ST_LENGTHS
+    config = model[0].auto_model.config
+    assert model.max_seq_length == 64 and config.partial_lengths == ST_LENGTHS
+    assert config.partial_lengths_k == [8, 8, 12, 8] and config.partial_format_version == 3
     lengths = [len(ids) for ids in model.tokenizer(SENTENCES)["input_ids"]]
     assert lengths == [4, 8, 12, 14, 18, 32, 33, 54, 60]
     assert {model[0].auto_model.get_patterns().bucket_for(t) for t in lengths} == set(ST_LENGTHS)
@@ -206,17 +209,19 @@ def _random_pattern(n, k, seed):
     return AttentionPattern(idx, 0.3 * torch.randn(n, n - k, k, generator=g))
 
 
-def test_triton_runs_each_sequences_bucket_as_gather_does():
+@pytest.mark.parametrize("k16", [TRITON_K, 9])
+def test_triton_runs_each_sequences_bucket_as_gather_does(k16):
     """conftest sets TRITON_INTERPRET=1 before the kernel is imported: the kernel runs on CPU tensors. A mixed batch
-    (buckets 4 exact, 8, 16, 32) gives gather's outputs and the gradient of a short bucket's R."""
+    (buckets 4 exact, 8, 16, 32) gives gather's outputs and the gradient of a short bucket's R; bucket 16 at n's k
+    or at its own (partial_lengths_k)."""
     import triton  # noqa: F401  (a dev dependency, pinned in constraints.txt: missing, this fails)
 
     torch.manual_seed(0)
     lengths = [4, 8, 16, 32]
+    ks = {8: TRITON_K, 16: k16, 32: TRITON_K}
     config = PartialBertConfig(**TRITON_TINY, partial_seq_len=32, partial_k=TRITON_K, partial_lengths=lengths,
-                               reconstruction="common")
-    buckets = PatternBuckets({b: _random_pattern(b, TRITON_K, seed=b) for b in lengths if b > TRITON_K},
-                             exact_lengths=[4])
+                               partial_lengths_k=[4, *ks.values()], reconstruction="common")
+    buckets = PatternBuckets({b: _random_pattern(b, k, seed=b) for b, k in ks.items()}, exact_lengths=[4])
     model = PartialBertModel(config, pattern=buckets).eval()
     ids = torch.randint(1, 99, (4, 20), generator=torch.Generator().manual_seed(5))
     mask = torch.ones_like(ids)
@@ -232,7 +237,7 @@ def test_triton_runs_each_sequences_bucket_as_gather_does():
         (out * weights * mask[..., None]).sum().backward()
         outs[impl] = [out[i, :t].detach() for i, t in enumerate(seq)]
         grad = model.encoder.partial_pattern_len16.reconstruction.grad
-        grads[impl] = torch.zeros(16, 16 - TRITON_K, TRITON_K) if grad is None else grad.clone()
+        grads[impl] = torch.zeros(16, 16 - k16, k16) if grad is None else grad.clone()
     for row, (a, b) in enumerate(zip(outs["triton"], outs["gather"])):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m, row=row: f"row {row}: {m}")
     assert grads["gather"].abs().max() > 1e-3  # the bucket's R does get gradient
