@@ -3,7 +3,9 @@
 Real inputs are 10–75 tokens. A batch of them, padded to its longest member, runs in a one-bucket PartialBert
 (zero-fill: every sequence in n's P and R, cut to the batch's padded length) or in a bucketed one (each sequence in
 the smallest bucket >= its own length: sub-batches cut to their bucket). Issue 23's goal: the buckets cost no more
-than zero-fill. Every model has the same weights; timed side by side, round by round (`timing.interleaved_times`).
+than zero-fill. With ``bucket_k`` in the spec (``{b: k_b}``), a fifth model runs those buckets at their own k
+(``partial_lengths_k``: what `derive --bucket-k` makes). Every model has the same weights; timed side by side, round by
+round (`timing.interleaved_times`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ def mixed_batch(b: int, low: int, high: int, seed: int = 0) -> tuple[torch.Tenso
 
 
 def mixed_length_rows(spec: dict, repeats: int) -> list[dict]:
-    """Rows for ``spec``: ``layers, hidden, heads, b, n, k, lengths`` (the buckets) and ``t_range`` ([low, high])."""
+    """Rows for ``spec``: ``layers, hidden, heads, b, n, k, lengths`` (the buckets), ``t_range`` ([low, high]) and
+    optionally ``bucket_k`` (``{b: k_b}``)."""
     torch.manual_seed(0)
     n, k, heads = spec["n"], spec["k"], spec["heads"]
     cfg = dict(num_hidden_layers=spec["layers"], hidden_size=spec["hidden"], num_attention_heads=heads,
@@ -40,13 +43,20 @@ def mixed_length_rows(spec: dict, repeats: int) -> list[dict]:
     bert = BertModel(BertConfig(**cfg, attn_implementation="eager"))
     sdpa = BertModel(BertConfig(**cfg, attn_implementation="sdpa"))
     sdpa.load_state_dict(bert.state_dict())
-    buckets = PatternBuckets({b: AttentionPattern.local(b, k) for b in spec["lengths"] if b > k},
-                             exact_lengths=[b for b in spec["lengths"] if b <= k])
+    def buckets(own: dict) -> PatternBuckets:
+        ks = {b: min(int(own.get(b, own.get(str(b), k))), b) for b in spec["lengths"]}
+        return PatternBuckets({b: AttentionPattern.local(b, kb) for b, kb in ks.items() if kb < b or b == n},
+                              exact_lengths=[b for b, kb in ks.items() if kb == b and b != n])
+
     models = {"BertModel eager": bert, "BertModel sdpa": sdpa,
               "PartialBert zero-fill": PartialBertModel.from_bert(bert, AttentionPattern.local(n, k),
                                                                   reconstruction="fixed", attn_implementation="sdpa"),
-              "PartialBert buckets": PartialBertModel.from_bert(bert, buckets, reconstruction="fixed",
+              "PartialBert buckets": PartialBertModel.from_bert(bert, buckets({}), reconstruction="fixed",
                                                                 attn_implementation="sdpa")}
+    if spec.get("bucket_k"):
+        models["PartialBert buckets, own k"] = PartialBertModel.from_bert(bert, buckets(spec["bucket_k"]),
+                                                                         reconstruction="fixed",
+                                                                         attn_implementation="sdpa")
     ids, mask = mixed_batch(spec["b"], *spec["t_range"])
 
     def infer(model):
@@ -59,12 +69,14 @@ def mixed_length_rows(spec: dict, repeats: int) -> list[dict]:
 
     times = interleaved_times({name: infer(m) for name, m in models.items()}, repeats)
     rows = []
-    for name in models:
+    for name, model in models.items():
         eager, sdpa_r = paired_ratios(times, name, "BertModel eager"), paired_ratios(times, name, "BertModel sdpa")
         zero = paired_ratios(times, name, "PartialBert zero-fill")
         rows.append({"mode": "inference, mixed lengths", "model": name, "s": statistics.median(times[name]),
                      "round_s": times[name], "ratio": eager["median"], "sdpa_ratio": sdpa_r["median"],
                      "zero_fill_ratio": zero["median"], "zero_fill_ratio_range": [zero["low"], zero["high"]],
                      "rounds": repeats, "padded_length": int(ids.shape[1]),
-                     "input_lengths": mask.sum(1).tolist(), **spec})
+                     "input_lengths": mask.sum(1).tolist(),
+                     "lengths_k": model.config.partial_lengths_k if isinstance(model, PartialBertModel) else None,
+                     **spec})
     return rows

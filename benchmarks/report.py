@@ -211,12 +211,14 @@ def _mixed_lines(result: dict) -> list[str]:
     """The mixed-length rows' table (benchmarks/mixed.py)."""
     lines = ["", "## A batch of mixed lengths (inference; benchmarks/mixed.py)", "",
              "Inputs of lengths drawn uniformly in the range, padded to the longest. Zero-fill: one bucket "
-             "(n's P and R for every input); buckets: each input in the smallest bucket >= its length. Goal "
-             "(issue 23): buckets / zero-fill <= 1.", "",
+             "(n's P and R for every input); buckets: each input in the smallest bucket >= its length (own k: the "
+             "buckets' k of `partial_lengths_k`). Goal (issue 23): buckets / zero-fill <= 1.", "",
              "| layers | hidden | B | n | k | buckets | lengths | padded T | model | s | / eager | / SDPA | "
              "/ zero-fill | (range) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["mixed"]:
-        lines.append(f"| {r['layers']} | {r['hidden']} | {r['b']} | {r['n']} | {r['k']} | {r['lengths']} | "
+        own = r.get("lengths_k") and r["lengths_k"] != [min(r["k"], b) for b in r["lengths"]][-len(r["lengths_k"]):]
+        k = r["lengths_k"] if own else r["k"]
+        lines.append(f"| {r['layers']} | {r['hidden']} | {r['b']} | {r['n']} | {k} | {r['lengths']} | "
                      f"{r['t_range'][0]}–{r['t_range'][1]} | {r['padded_length']} | {r['model']} | {r['s']:.3f} | "
                      f"{r['ratio']:.2f} | {r['sdpa_ratio']:.2f} | {r['zero_fill_ratio']:.2f} | "
                      f"{_range(r, 'zero_fill_ratio_range')} |")

@@ -35,12 +35,13 @@ FULL = {"shapes": [dict(b=32, h=12, n=128, d=64, ks=[16, 32, 64]), dict(b=8, h=1
                    dict(layers=12, hidden=768, heads=12, b=8, n=512, k=32, modes=["inference"])],
         # A batch of real-input lengths (issue 23): MiniLM's shape (d_h = 32), buckets as the demo's checkpoint.
         "mixed": [dict(layers=6, hidden=384, heads=12, b=32, n=128, k=16, lengths=[16, 32, 64, 128],
-                       t_range=[10, 75])],
+                       t_range=[10, 75], bucket_k={64: 24})],
         "repeats": 7, "model_repeats": 5}
 QUICK = {"shapes": [dict(b=2, h=2, n=16, d=8, ks=[4, 8]), dict(b=1, h=2, n=32, d=8, ks=[4])],
          "models": [dict(layers=2, hidden=32, heads=4, b=2, n=16, k=4, modes=["inference", "training step"]),
                     dict(layers=2, hidden=32, heads=4, b=1, n=32, k=4, modes=["inference"])],
-         "mixed": [dict(layers=2, hidden=32, heads=4, b=4, n=32, k=4, lengths=[8, 16, 32], t_range=[3, 30])],
+         "mixed": [dict(layers=2, hidden=32, heads=4, b=4, n=32, k=4, lengths=[8, 16, 32], t_range=[3, 30],
+                        bucket_k={16: 6})],
          "repeats": 2, "model_repeats": 1}
 # The kernels timed on a CPU (triton: benchmarks/gpu.py); gather, the reference, only where small.
 IMPLEMENTATIONS = tuple(impl for impl in KERNEL_NAMES if impl != "triton")

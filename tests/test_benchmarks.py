@@ -73,10 +73,12 @@ def test_quick_benchmark_writes_tables_and_goals(tmp_path):
             assert r["ratio"] == pytest.approx(r["s"] / models["BertModel eager"]["s"], rel=1e-9)
             assert r["sdpa_ratio"] == pytest.approx(r["s"] / models["BertModel sdpa"]["s"], rel=1e-9)
 
-    # the mixed-length batch (benchmarks/mixed.py): the four models on the same batch, each over zero-fill by round
+    # the mixed-length batch (benchmarks/mixed.py): the five models on the same batch, each over zero-fill by round
     mixed = {r["model"]: r for r in saved["mixed"]}
-    assert len(saved["mixed"]) == 4 and set(mixed) == {"BertModel eager", "BertModel sdpa", "PartialBert zero-fill",
-                                                       "PartialBert buckets"}
+    assert len(saved["mixed"]) == 5 and set(mixed) == {"BertModel eager", "BertModel sdpa", "PartialBert zero-fill",
+                                                       "PartialBert buckets", "PartialBert buckets, own k"}
+    assert (mixed["PartialBert buckets"]["lengths_k"], mixed["PartialBert buckets, own k"]["lengths_k"],
+            mixed["PartialBert zero-fill"]["lengths_k"]) == ([4, 4, 4], [4, 6, 4], [4])
     zero = mixed["PartialBert zero-fill"]
     assert zero["zero_fill_ratio"] == 1.0 and zero["zero_fill_ratio_range"] == [1.0, 1.0]
     for r in mixed.values():
@@ -115,7 +117,8 @@ def test_quick_benchmark_writes_tables_and_goals(tmp_path):
     assert len(table) == len(att)
     assert "## A batch of mixed lengths (inference; benchmarks/mixed.py)" in lines
     for r in saved["mixed"]:
-        assert (f"| 2 | 32 | 4 | 32 | 4 | [8, 16, 32] | 3–30 | {r['padded_length']} | {r['model']} | {r['s']:.3f} | "
+        k = "[4, 6, 4]" if r["model"] == "PartialBert buckets, own k" else "4"
+        assert (f"| 2 | 32 | 4 | 32 | {k} | [8, 16, 32] | 3–30 | {r['padded_length']} | {r['model']} | {r['s']:.3f} | "
                 f"{r['ratio']:.2f} | {r['sdpa_ratio']:.2f} | {r['zero_fill_ratio']:.2f} |") in text
 
 
