@@ -33,6 +33,9 @@ def _demo_args(p):
     p.add_argument("--whole-sequences", type=int, default=640, help="windows of the whole-matrix analysis")
     p.add_argument("--bucket-inputs", type=int, default=None,
                    help="sentences and paragraphs to fit the length buckets on (default: all of the fit documents)")
+    p.add_argument("--bucket-k", nargs="*", default=None, metavar="B=K", type=parse_bucket_k,
+                   help="buckets of the checkpoint at their own k (default 64=24: results/lengths/fisher_k64_24; "
+                        "give --bucket-k alone for --convert-k in every bucket)")
 
 
 def _run_demo(args) -> int:
@@ -41,7 +44,8 @@ def _run_demo(args) -> int:
     results = run_demo(args.out, args.model, fit_sequences=args.fit_sequences,
                        heldout_sequences=args.heldout_sequences, ks=tuple(args.k), convert_k=args.convert_k,
                        whole_seq_len=args.whole_seq_len, whole_sequences=args.whole_sequences,
-                       bucket_inputs=args.bucket_inputs, progress=not args.no_progress)
+                       bucket_inputs=args.bucket_inputs, progress=not args.no_progress,
+                       bucket_k=None if args.bucket_k is None else dict(args.bucket_k))
     demo = results["demo"]
     print(f"Wrote {os.path.join(args.out, 'report.md')} in {demo['total_seconds']} s: patterns for k = "
           f"{', '.join(map(str, args.k))}, checkpoint {demo['convert']['checkpoint']} (k = {demo['convert']['k']})")

@@ -26,7 +26,7 @@ from hf_partial_attention.analysis.collect import collect_covariance, load_model
 from hf_partial_attention.analysis.corpus import default_texts, package_readmes, pydoc_paragraphs, split_heldout
 from hf_partial_attention.analysis.covariance import ScoreCovariance
 from hf_partial_attention.analysis.defaults import resolve_model
-from hf_partial_attention.analysis.lengths import analyze_lengths, derive_lengths
+from hf_partial_attention.analysis.lengths import analyze_lengths, bucket_k_suffix, derive_lengths
 from hf_partial_attention.analysis.embeddings import (
     embedding_cosines, mean_pooled_embeddings, summarize_cosines, text_batches, window_batches,
 )
@@ -42,7 +42,11 @@ from .lengths import LENGTHS, fit_documents  # the bucket study's fit inputs: th
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["run_demo"]
+__all__ = ["run_demo", "DEMO_BUCKET_K"]
+
+# Bucket 64 at k = 24 (the others at convert_k): at k = 16 its inputs (T = 33–64) keep a pairwise-similarity Spearman
+# of only 0.928–0.935, at 24 of 0.956–0.960, every other bucket unchanged (results/lengths/fisher_k64_24).
+DEMO_BUCKET_K = {64: 24}
 
 
 def _at(curve: torch.Tensor, ks=(1, 8, 32, 128, 512)) -> dict[str, float]:
@@ -75,7 +79,8 @@ def _whole_analysis(model, texts, out: str, n: int, sequences: int, heldout: int
     return load_results(out)
 
 
-def _embeddings(model_path: str, out: str, ks, convert_k: int, seq_len: int, batch_size: int, progress: bool):
+def _embeddings(model_path: str, out: str, ks, convert_k: int, seq_len: int, batch_size: int, progress: bool,
+                bucket_k: dict[int, int]):
     from transformers import AutoModel
 
     from hf_partial_attention.modeling_partial_bert import PartialBertModel
@@ -96,10 +101,12 @@ def _embeddings(model_path: str, out: str, ks, convert_k: int, seq_len: int, bat
                   for k in ks}
     candidates[f"band P + R, k={convert_k}"] = fit_pattern(cov, nearest_keys(cov.seq_len, convert_k), "per_query")
     checkpoint = os.path.join(out, "checkpoint")  # the length buckets of step 4
-    conv = convert(os.path.join(out, "patterns", f"buckets_k{convert_k}.safetensors"), checkpoint, model_path)
+    conv = convert(os.path.join(out, "patterns", f"buckets_k{convert_k}{bucket_k_suffix(bucket_k)}.safetensors"),
+                   checkpoint, model_path)
     rows = []
     models = {name: PartialBertModel.from_bert(original, p).eval() for name, p in candidates.items()}
-    models[f"checkpoint (AutoModel, length buckets {conv['lengths']}), k={convert_k}"] = (
+    own = "".join(f", bucket {b} at k={v}" for b, v in sorted(bucket_k.items()))
+    models[f"checkpoint (AutoModel, length buckets {conv['lengths']}), k={convert_k}{own}"] = (
         AutoModel.from_pretrained(checkpoint).eval())
     for name, model in models.items():
         for label, batches in inputs.items():
@@ -111,8 +118,10 @@ def _embeddings(model_path: str, out: str, ks, convert_k: int, seq_len: int, bat
 def run_demo(out: str = "runs/demo", model: str | None = None, *, seq_len: int = 128, fit_sequences: int = 320,
              heldout_sequences: int = 64, ks=(16, 24, 32, 48), convert_k: int = 16, whole_seq_len: int = 32,
              whole_sequences: int = 640, batch_size: int = 8, bucket_inputs: int | None = None,
-             progress: bool = True) -> dict:
-    """Run the demo end to end into ``out`` (report.md, figures/, patterns/, checkpoint/, whole_n*/)."""
+             progress: bool = True, bucket_k: dict[int, int] | None = None) -> dict:
+    """Run the demo end to end into ``out`` (report.md, figures/, patterns/, checkpoint/, whole_n*/).
+    ``bucket_k``: buckets of the checkpoint at their own k (default `DEMO_BUCKET_K`; ``{}`` for convert_k in all)."""
+    bucket_k = dict(DEMO_BUCKET_K if bucket_k is None else bucket_k)
     if convert_k not in ks:
         raise ValueError(f"convert_k={convert_k} must be one of ks={list(ks)} (the pattern is derived there).")
     start = time.perf_counter()
@@ -132,14 +141,15 @@ def run_demo(out: str = "runs/demo", model: str | None = None, *, seq_len: int =
                     max_inputs=bucket_inputs, max_heldout=bucket_inputs, batch_size=batch_size * 2, progress=progress)
     # The Fisher objective, errors weighted by the attention they move: at k = 16 it cuts the paper objective's
     # embedding error by a third to a half in every bucket (results/lengths/fisher_buckets).
-    derive_lengths(out, [convert_k], objective="fisher", batch_size=batch_size * 2, progress=progress)
+    derive_lengths(out, [convert_k], objective="fisher", batch_size=batch_size * 2, progress=progress,
+                   bucket_k=bucket_k)
     steps["length buckets (sentences and paragraphs)"] = time.perf_counter() - t
     t = time.perf_counter()
     whole = _whole_analysis(model, texts, os.path.join(out, f"whole_n{whole_seq_len}"), whole_seq_len,
                             whole_sequences, heldout_sequences * 2, batch_size, progress, model_id)
     steps[f"whole-matrix analysis at n={whole_seq_len}"] = time.perf_counter() - t
     t = time.perf_counter()
-    demo = _embeddings(model, out, ks, convert_k, seq_len, batch_size * 2, progress)
+    demo = _embeddings(model, out, ks, convert_k, seq_len, batch_size * 2, progress, bucket_k)
     steps["conversion and embeddings"] = time.perf_counter() - t
     demo["seconds"] = {name: round(s, 1) for name, s in steps.items()}
     demo["total_seconds"] = round(time.perf_counter() - start, 1)

@@ -229,7 +229,8 @@ def test_demo_small(tmp_path, minilm_path, capsys):
     assert os.path.isfile(os.path.join(out, "checkpoint", "config.json"))
     config = json.load(open(os.path.join(out, "checkpoint", "config.json")))
     assert config["partial_lengths"] == [16, 32, 64, 128]  # the checkpoint carries the length buckets
-    assert "Length buckets" in report
+    assert config["partial_lengths_k"] == [16, 16, 24, 16]  # bucket 64 at its own k (DEMO_BUCKET_K)
+    assert "Length buckets" in report and "length buckets [16, 32, 64, 128]), k=16, bucket 64 at k=24" in report
 
 
 def test_lengths_small(tmp_path, minilm_path, capsys):
