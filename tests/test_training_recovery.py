@@ -303,6 +303,30 @@ def test_every_buckets_r_gets_rs_learning_rate_and_trains_alone(tokenizer):
     assert not is_reconstruction_parameter("bert.encoder.layer.0.attention.self.query.weight")
 
 
+def test_a_bucket_with_its_own_k_trains_its_r(tokenizer, windows, tmp_path):
+    """A k per bucket (16 at k = 12, n at K): inputs of 14 tokens train bucket 16's R of shape (16, 4, 12), which then
+    reloads from the saved checkpoint with that shape; n's R gets no gradient from them."""
+    from hf_partial_attention.pattern_buckets import PatternBuckets
+
+    torch.manual_seed(0)
+    source = BertForMaskedLM(bert_config(tokenizer)).eval()
+    buckets = PatternBuckets({16: AttentionPattern.local(16, 12), N: AttentionPattern.local(N, K)})
+    student = PartialBertForMaskedLM.from_bert(source, buckets, reconstruction="common")
+    assert student.config.partial_lengths_k == [12, K]
+    short = windows.map(lambda row: {"input_ids": row["input_ids"][:13] + [tokenizer.sep_token_id],
+                                     "attention_mask": [1] * 14, "special_tokens_mask": [1] + [0] * 12 + [1]})
+    trainer = _trainer(tokenizer, short, str(tmp_path), "attention_transfer", model=student, max_steps=2,
+                       teacher_model=source)
+    before = {k: v.clone() for k, v in student.reconstruction_tensors().items()}
+    trainer.train()
+    after = student.reconstruction_tensors()
+    assert after["common.len16"].shape == (16, 4, 12) and not torch.equal(after["common.len16"], before["common.len16"])
+    assert torch.equal(after["common"], before["common"])
+    trainer.save_model(str(tmp_path / "saved"))
+    reloaded = PartialBertForMaskedLM.from_pretrained(str(tmp_path / "saved"))
+    assert torch.equal(reloaded.reconstruction_tensors()["common.len16"], after["common.len16"])
+
+
 def test_the_card_of_a_recovery_run_names_its_objective(tokenizer, windows, tmp_path):
     trainer = _trainer(tokenizer, windows, str(tmp_path), "attention_transfer", max_steps=1)
     trainer.train()
