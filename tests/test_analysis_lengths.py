@@ -249,7 +249,6 @@ def test_derive_and_convert_a_k_per_bucket(bucketed, tmp_path, sharp_bert_dir, c
     """``--bucket-k 20=6``: bucket 20 takes k = 6 (its own greedy at 6), the others --k; the checkpoint converted from it
     holds partial_lengths_k and is of format 3; a bucket that is not one, or the longest, is refused."""
     from hf_partial_attention.analysis.selection import select_pattern
-    from hf_partial_attention.analysis.workflow import convert
     from hf_partial_attention.cli import main
 
     out, _, _ = bucketed
@@ -262,7 +261,11 @@ def test_derive_and_convert_a_k_per_bucket(bucketed, tmp_path, sharp_bert_dir, c
         fresh = select_pattern(ScoreCovariance.load(os.path.join(out, f"covariance_len{b}.safetensors")), k)
         assert torch.equal(loaded[b].indices, fresh.indices) and torch.equal(loaded[b].reconstruction,
                                                                              fresh.reconstruction)
-    convert(path, str(tmp_path / "ckpt"), sharp_bert_dir, reconstruction="common")
+    capsys.readouterr()
+    assert main(["convert", path, "--out", str(tmp_path / "ckpt"), "--model", sharp_bert_dir,
+                 "--reconstruction", "common"]) == 0
+    # d_h = 8: 1 − (4·8 + 8·4) / (12·8), 1 − (6·8 + 14·6) / (20·8), 1 − (4·8 + 28·4) / (32·8)
+    assert "Length buckets (b: k_b, saving): 12: 4, 33.3 %, 20: 6, 17.5 %, 32: 4, 43.8 %" in capsys.readouterr().out
     config = json.load(open(tmp_path / "ckpt" / "config.json"))
     assert (config["partial_lengths_k"], config["partial_format_version"]) == ([4, 6, 4], 3)
     for bad in ({32: 6}, {16: 4}, {20: 21}):

@@ -262,7 +262,7 @@ def _convert_args(p):
 
 def _run_convert(args) -> int:
     from .analysis.workflow import convert
-    from .cost import score_cost
+    from .cost import bucket_savings, score_cost
 
     command = shlex.join(["hf-partial-attention", *getattr(args, "argv", [])])  # as typed, for the model card
     result = convert(args.pattern, args.out, args.model, reconstruction=args.reconstruction, command=command)
@@ -273,6 +273,10 @@ def _run_convert(args) -> int:
     print(f"Wrote checkpoint {args.out}: k = {result['k']} exact scores per query at n = {result['seq_len']}, "
           f"d_h = {d_head}: a saving of {100 * saving:.1f} % of QKᵀ multiply-adds; reloads as "
           f"{result.get('reloaded_class', '(not checked)')}")
+    if len(result["lengths"]) > 1:
+        savings = bucket_savings(result["lengths"], result["lengths_k"], d_head)
+        print("Length buckets (b: k_b, saving): " + ", ".join(
+            f"{b}: {kb}, {100 * savings[b]:.1f} %" for b, kb in zip(result["lengths"], result["lengths_k"])))
     return 0
 
 

@@ -380,14 +380,15 @@ def convert(pattern_path: str, out_dir: str, model: Any = None, *, reconstructio
     record = conversion_record(pattern, pattern_path, pattern_source_name(pattern) or name, command)
     record["converted_model"] = name
     if installed is buckets:
-        record.update(seq_len=buckets.seq_len, lengths=buckets.lengths, exact_lengths=buckets.exact_lengths,
+        record.update(seq_len=buckets.seq_len, lengths=buckets.lengths, lengths_k=buckets.lengths_k,
+                      exact_lengths=buckets.exact_lengths,
                       bucket_heldout_error={str(b): p.metadata.get("heldout_normalized_error")
                                             for b, p in buckets.patterns.items()})
     partial.config.partial_conversion = record
     partial.save_pretrained(out_dir, write_model_card=False)  # the card comes last, when the folder is complete
     result = {"checkpoint": out_dir, "pattern": pattern_path, "source_model": str(source),
               "source_model_id": name, "base_model": base_id, "k": pattern.k,
-              "seq_len": buckets.seq_len, "lengths": buckets.lengths,
+              "seq_len": buckets.seq_len, "lengths": buckets.lengths, "lengths_k": buckets.lengths_k,
               "partial_layers": list(partial.config.partial_layers), "warnings": warnings}
     if isinstance(source, (str, os.PathLike)):
         tokenizer = AutoTokenizer.from_pretrained(os.fspath(source))
