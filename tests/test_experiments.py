@@ -287,8 +287,9 @@ def test_recover_small(tmp_path, minilm_path, capsys):
     out, results = str(tmp_path / "run"), str(tmp_path / "results")
     assert studies_cli.main(["recover", "--out", out, "--results", results, "--steps", "2", "--batch-size", "8",
                              "--train-inputs", "48", "--fit-inputs", "120", "--max-heldout", "24",
-                             "--no-progress"]) == 0
+                             "--bucket-k", "64=20", "--no-progress"]) == 0
     assert "recovery.md" in capsys.readouterr().out
+    assert os.path.isfile(os.path.join(out, "buckets", "patterns", "buckets_k16_b64k20.safetensors"))
     data = json.load(open(os.path.join(results, "recovery.json")))
     assert data["lengths"] == [16, 32, 64, 128] and data["steps"] == 2
     rows = {(r["model"], r["inputs_kind"], r["bucket"]): r for r in data["rows"]}
@@ -298,6 +299,7 @@ def test_recover_small(tmp_path, minilm_path, capsys):
     folder = os.path.join(out, "recovered")
     tok = AutoTokenizer.from_pretrained(folder)
     saved = PartialBertModel.from_pretrained(folder, add_pooling_layer=False).eval()
+    assert saved.config.partial_lengths_k == [16, 16, 20, 16]  # bucket 64 at its own k (--bucket-k)
     original = BertModel.from_pretrained(minilm_path, add_pooling_layer=False).eval()
     again = measure(original, {"recovered": saved}, {"sentences": _heldout(tok, 128, 24)["sentences"]}, data["lengths"])
     again = {r["bucket"]: r for r in again}

@@ -44,8 +44,8 @@ class PartialBertConfig(BertConfig):
         partial_lengths (`list[int]`, *optional*):
             The length buckets: each holds its own P and R, fitted on inputs of that length, and a sequence of T tokens
             runs the smallest bucket b >= T (chosen from its own attention mask), as if padded to b with keys scoring
-            zero. Buckets with b <= `partial_k` run exactly. The largest must be `partial_seq_len`; defaults to
-            `[partial_seq_len]` (one bucket: every input runs n's P and R, the behaviour of format 1).
+            zero. Buckets with b <= their k (`partial_lengths_k`) run exactly. The largest must be `partial_seq_len`;
+            defaults to `[partial_seq_len]` (one bucket: every input runs n's P and R, the behaviour of format 1).
         partial_k (`int`, defaults to 32):
             k, the number of exactly computed scores per query (1 <= k <= n): n's, and every bucket's unless
             `partial_lengths_k` says otherwise.
