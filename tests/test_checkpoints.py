@@ -50,6 +50,9 @@ def test_a_checkpoint_with_p_of_another_shape_is_an_error(tmp_path):
     _saved(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "partial_k": 5}))
+    with pytest.raises(ValueError, match=r"partial_lengths_k=\[4\] must end with partial_k=5"):  # n's k twice
+        AutoModel.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "partial_k": 5, "partial_lengths_k": [5]}))
     with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):  # transformers' own refusal
         AutoModel.from_pretrained(tmp_path)
     with pytest.raises(ValueError, match="of the wrong shape.*encoder.partial_pattern.indices"):
