@@ -1,7 +1,8 @@
 """hf-partial-attention: attention scores computed at k positions per query, the rest reconstructed.
 
-After ``import hf_partial_attention`` the PartialBert config and heads are registered with
-``AutoConfig`` / ``AutoModel*``, so ``AutoModel.from_pretrained(folder)`` loads PartialBert checkpoints.
+After ``import hf_partial_attention`` the partial configs and heads of every supported encoder (PartialBert,
+PartialRoberta..., `architectures.ARCHITECTURES`) are registered with ``AutoConfig`` / ``AutoModel*``, so
+``AutoModel.from_pretrained(folder)`` loads their checkpoints; `partial_class_for` names the class of a model type.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from .modeling_partial_bert import (
     PartialBertModel,
     PartialBertPreTrainedModel,
 )
+from .architectures import UnsupportedModelError, supported_model_types
+from .modeling_partial_encoders import partial_class_for
 from .pattern import AttentionPattern
 from .version import __version__
 
@@ -31,5 +34,8 @@ __all__ = [
     "PartialBertForTokenClassification",
     "PartialBertForQuestionAnswering",
     "register",
+    "partial_class_for",
+    "supported_model_types",
+    "UnsupportedModelError",
     "__version__",
 ]

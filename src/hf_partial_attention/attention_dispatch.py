@@ -1,4 +1,4 @@
-"""Which kernel runs, and its registration with transformers' ``AttentionInterface``.
+"""Which kernel runs (its registration with transformers' ``AttentionInterface`` is `partial_layer`'s).
 
 Part of the remote-code bundle (imports: torch, transformers and siblings).
 
@@ -28,17 +28,15 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .attention_common import DerivedState, PartialTensors, PatternLayout, PatternStructure, needs_grad
 from .attention_fused import fused_attention
 from .attention_gather import gather_attention
 from .attention_tiled import tiled_attention
-from .configuration_partial_bert import KERNEL_NAMES, PARTIAL_IMPLEMENTATIONS
+from .configuration_partial import KERNEL_NAMES, PARTIAL_IMPLEMENTATIONS
 
 __all__ = ["TILED_MIN_LENGTH", "auto_kernel", "kernel_for", "kernel_function", "check_implementation",
-           "partial_attention_forward", "attention_function_name", "register_attention_functions"]
+           "partial_attention_forward", "attention_function_name"]
 
 # The shortest n at which `auto` runs `tiled` for rows sharing P and R (below it `fused` is as fast or faster).
 TILED_MIN_LENGTH = 256
@@ -128,38 +126,6 @@ def partial_attention_forward(
     return kernel_function(name)(module, query, key, value, attention_mask, scaling, dropout, partial=partial)
 
 
-# ---------------------------------------------------------------- transformers' attention dispatch
 def attention_function_name(implementation: str) -> str:
     """The `AttentionInterface` name of a setting: ``"partial_fused"``, ``"partial_auto"`` and so on."""
     return "partial_" + implementation
-
-
-def _interface_function(implementation: str) -> Callable:
-    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, need_weights=True,
-                  partial: PartialTensors | None = None, **kwargs):
-        # P and R belong to the layer: a partial layer passes them (or exposes them through `partial_tensors()`).
-        tensors = getattr(module, "partial_tensors", None)
-        if partial is None and tensors is None:
-            raise TypeError(
-                f"attention {attention_function_name(implementation)!r} runs only in PartialBert's partial layers "
-                f"(got {type(module).__name__}); set attn_implementation to 'sdpa' or 'eager' for exact layers."
-            )
-        partial = tensors() if partial is None else partial
-        name = kernel_for(implementation, partial, query, key, value, need_weights=need_weights,
-                          dropout=dropout if module.training else 0.0)
-        return kernel_function(name)(module, query, key, value, attention_mask,
-                                     module.scaling if scaling is None else scaling, dropout, partial=partial)
-
-    attention.__name__ = f"{attention_function_name(implementation)}_attention_forward"
-    return attention
-
-
-def register_attention_functions() -> None:
-    """Register every setting with transformers' `AttentionInterface` (and a mask builder for its name, so a mask
-    is never silently dropped); safe to call more than once."""
-    for name in PARTIAL_IMPLEMENTATIONS:  # every kernel, and "auto"
-        AttentionInterface.register(attention_function_name(name), _interface_function(name))
-        AttentionMaskInterface.register(attention_function_name(name), sdpa_mask)
-
-
-register_attention_functions()

@@ -254,7 +254,9 @@ def _convert_args(p):
     p.add_argument("pattern", help="pattern file (patterns/per_query_k32.safetensors) or length buckets "
                                    "(patterns/buckets_k16.safetensors)")
     p.add_argument("--out", required=True, help="checkpoint folder")
-    p.add_argument("--model", default=None, help="BERT model path or Hub id (default: the pattern's source_model)")
+    p.add_argument("--model", default=None, help="encoder path or Hub id (default: the pattern's source_model); "
+                                                 "BERT, RoBERTa, XLM-R, CamemBERT, ELECTRA, DistilBERT, ALBERT, "
+                                                 "ModernBERT, NomicBERT, GTE or EuroBERT")
     p.add_argument("--reconstruction", default="common", choices=["fixed", "common", "per_layer"],
                    help="R of the checkpoint: fixed (a buffer), common (one trainable R) or per_layer (one each)")
     common_arguments(p)
@@ -266,9 +268,7 @@ def _run_convert(args) -> int:
 
     command = shlex.join(["hf-partial-attention", *getattr(args, "argv", [])])  # as typed, for the model card
     result = convert(args.pattern, args.out, args.model, reconstruction=args.reconstruction, command=command)
-    with open(os.path.join(args.out, "config.json")) as f:
-        config = json.load(f)
-    d_head = config["hidden_size"] // config["num_attention_heads"]
+    d_head = result["head_dim"]
     saving = score_cost(result["seq_len"], result["k"], d_head).saving
     print(f"Wrote checkpoint {args.out}: k = {result['k']} exact scores per query at n = {result['seq_len']}, "
           f"d_h = {d_head}: a saving of {100 * saving:.1f} % of QKᵀ multiply-adds; reloads as "
@@ -284,7 +284,8 @@ register_command("analyze", "covariance of a model's attention scores on text, s
                  _analyze_args, _run_analyze)
 register_command("derive", "greedy patterns for several k from an analyze folder, held-out error, baselines",
                  _derive_args, _run_derive)
-register_command("convert", "PartialBert checkpoint from a pattern file", _convert_args, _run_convert)
+register_command("convert", "partial checkpoint (PartialBert, PartialRoberta, ...) from a pattern file", _convert_args,
+                 _run_convert)
 
 
 def build_parser() -> argparse.ArgumentParser:

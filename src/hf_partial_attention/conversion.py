@@ -1,6 +1,8 @@
-"""Converting a BERT-family checkpoint into PartialBert: the source load, the config and the weight copy.
+"""Converting a source checkpoint (BERT, RoBERTa, ModernBERT, ...) into its partial model: the source load, the config
+and the weight copy.
 
-`from_bert` runs these steps for any PartialBert class (`PartialBertPreTrainedModel.from_bert` is this function);
+`from_source` runs these steps for any partial class (``PartialRobertaModel.from_source``, and
+``PartialBertModel.from_bert``, are this function);
 the pattern goes to the model's constructor (``model_class(config, pattern=pattern)``), so that no default pattern
 is built for a model that gets another one. Part of the remote-code bundle (imports: torch, transformers and
 siblings only; the model class comes in as an argument, so this module sits below the modeling file).
@@ -13,35 +15,37 @@ import logging
 import os
 from typing import Any
 
-from transformers import BertConfig, BertPreTrainedModel
+from transformers import PreTrainedModel
 
-from .configuration_partial_bert import PartialBertConfig
+from .architectures import check_supported
+from .configuration_partial import PartialConfigMixin
 from .pattern import AttentionPattern
 from .pattern_buckets import PatternBuckets
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["from_bert", "PARTIAL_FIELDS", "load_source", "partial_config", "copy_weights"]
+__all__ = ["from_source", "from_bert", "PARTIAL_FIELDS", "load_source", "partial_config", "copy_weights"]
 
-# PartialBertConfig's own fields; every other keyword of from_bert is a BertConfig setting (num_labels, id2label,
+# The partial fields; every other keyword of from_source is a setting of the source's config (num_labels, id2label,
 # classifier_dropout, ...) that must also reach the source load, so that the source's head has the right shape.
-PARTIAL_FIELDS = frozenset({f.name for f in dataclasses.fields(PartialBertConfig)}
-                           - {f.name for f in dataclasses.fields(BertConfig)})
+PARTIAL_FIELDS = frozenset(f.name for f in dataclasses.fields(PartialConfigMixin))
 _LOAD_KWARGS = ("revision", "token", "dtype", "cache_dir", "local_files_only", "trust_remote_code")
 _NOT_BERT_FIELDS = ("model_type", "architectures", "auto_map", "transformers_version", "_name_or_path")
 
 
 
-def from_bert(model_class, bert_model_or_path, pattern: AttentionPattern | PatternBuckets, *, output_loading_info: bool = False,
-              revision: str | None = None, token: str | bool | None = None, dtype=None,
-              cache_dir: str | None = None, **config_overrides):
-    """Convert a BERT-family checkpoint (BERT, MiniLM, ...) into ``model_class`` (a PartialBert class), keeping
-    every weight, and install P and R. ``PartialBertForMaskedLM.from_bert(source, pattern)`` calls this.
+def from_source(model_class, bert_model_or_path, pattern: AttentionPattern | PatternBuckets, *,
+                output_loading_info: bool = False, revision: str | None = None, token: str | bool | None = None,
+                dtype=None, cache_dir: str | None = None, **config_overrides):
+    """Convert a source checkpoint of ``model_class``'s architecture (BERT, MiniLM, RoBERTa, ModernBERT, ...) into
+    ``model_class`` (a partial class), keeping every weight, and install P and R.
+    ``PartialBertForMaskedLM.from_bert(source, pattern)`` and ``PartialRobertaModel.from_source(...)`` call this.
 
     Args:
-        model_class: the PartialBert class to build (its ``_bert_class`` is the class the source is loaded as).
-        bert_model_or_path: a `BertPreTrainedModel` instance, or a path / Hub id loadable by the matching
-            `BertFor*` class (`BertModel` for `PartialBertModel`, and so on).
+        model_class: the partial class to build (its ``_source_class`` is the class the source is loaded as).
+        bert_model_or_path: a model instance of the source architecture, or a path / Hub id loadable by the
+            matching source class (`BertModel` for `PartialBertModel`, `RobertaForMaskedLM` for
+            `PartialRobertaForMaskedLM`, and so on). A source of another architecture is an error naming both.
         pattern: a per-query `AttentionPattern` (one bucket), or `PatternBuckets` (P and R per length bucket); n, k
             and the buckets (``partial_lengths``) come from it.
         output_loading_info: also return ``{"missing_keys", "unexpected_keys", "source"}``: the target weights
@@ -49,7 +53,7 @@ def from_bert(model_class, bert_model_or_path, pattern: AttentionPattern | Patte
             report.
         revision, token, dtype, cache_dir: passed to the source's ``from_pretrained``; the converted model takes
             the source's dtype.
-        **config_overrides: `PartialBertConfig` fields, e.g. ``reconstruction="per_layer"``,
+        **config_overrides: partial config fields (`PartialBertConfig`), e.g. ``reconstruction="per_layer"``,
             ``partial_layers=[0, 1]``, ``attn_implementation="eager"`` (for non-partial layers), and BERT
             settings of the head (``num_labels=3``, ``id2label=...``), which also reach the source load.
     """
@@ -57,9 +61,9 @@ def from_bert(model_class, bert_model_or_path, pattern: AttentionPattern | Patte
     attn_impl = config_overrides.pop("attn_implementation", None)
     settings = {k: v for k, v in config_overrides.items() if k not in PARTIAL_FIELDS}
     source, source_info = load_source(
-        model_class._bert_class, bert_model_or_path, settings,
+        model_class._source_class, bert_model_or_path, settings,
         {"revision": revision, "token": token, "dtype": dtype, "cache_dir": cache_dir})
-    config = partial_config(source, pattern, config_overrides)
+    config = partial_config(source, pattern, config_overrides, model_class.config_class)
     if attn_impl is not None:
         config._attn_implementation = attn_impl
     model = model_class(config, pattern=pattern)  # P and R go in at construction: the default is never built
@@ -71,29 +75,54 @@ def from_bert(model_class, bert_model_or_path, pattern: AttentionPattern | Patte
     return (model, {**report, "source": source_info}) if output_loading_info else model
 
 
-def load_source(bert_class, bert_model_or_path, settings: dict[str, Any], load_kwargs: dict[str, Any]):
-    """``(source model, its loading info)``: an instance as given, or ``bert_class.from_pretrained`` of a path/Hub id
-    with the head ``settings`` (num_labels, ...) and ``load_kwargs`` (revision, token, dtype, ...)."""
+def load_source(source_class, bert_model_or_path, settings: dict[str, Any], load_kwargs: dict[str, Any]):
+    """``(source model, its loading info)``: an instance as given, or ``source_class.from_pretrained`` of a path/Hub
+    id with the head ``settings`` (num_labels, ...) and ``load_kwargs`` (revision, token, dtype, ...). A source whose
+    ``model_type`` is not ``source_class``'s is refused (`architectures.check_supported` names what is supported)."""
     unknown = sorted(set(load_kwargs) - set(_LOAD_KWARGS))
     if unknown:
-        raise TypeError(f"from_bert got unknown loading arguments {unknown}; it takes {list(_LOAD_KWARGS)}.")
+        raise TypeError(f"from_source got unknown loading arguments {unknown}; it takes {list(_LOAD_KWARGS)}.")
     if isinstance(bert_model_or_path, (str, os.PathLike)):
-        return bert_class.from_pretrained(os.fspath(bert_model_or_path), output_loading_info=True,
-                                          **{k: v for k, v in load_kwargs.items() if v is not None}, **settings)
-    if not isinstance(bert_model_or_path, BertPreTrainedModel):
-        raise TypeError("bert_model_or_path must be a path, a Hub id or a BertPreTrainedModel, got "
+        from transformers import AutoConfig
+
+        kwargs = {k: v for k, v in load_kwargs.items() if v is not None}
+        source_config = AutoConfig.from_pretrained(os.fspath(bert_model_or_path), **{
+            k: v for k, v in kwargs.items() if k in ("revision", "token", "cache_dir", "trust_remote_code")})
+        _check_source_type(source_config, source_class)
+        return source_class.from_pretrained(os.fspath(bert_model_or_path), output_loading_info=True, **kwargs,
+                                            **settings)
+    if not isinstance(bert_model_or_path, PreTrainedModel):
+        raise TypeError("bert_model_or_path (the source) must be a path, a Hub id or a transformers model, got "
                         f"{type(bert_model_or_path).__name__}.")
+    _check_source_type(bert_model_or_path.config, source_class)
     given = {k: v for k, v in settings.items() if getattr(bert_model_or_path.config, k, v) != v}
     if given:
-        raise ValueError(f"from_bert was given {given} for a model instance whose config says otherwise; pass the "
+        raise ValueError(f"from_source was given {given} for a model instance whose config says otherwise; pass the "
                          "path or Hub id instead (the source is then loaded with these settings).")
     if any(v is not None for v in load_kwargs.values()):
         raise ValueError(f"{sorted(load_kwargs)} apply to loading a path or Hub id, not to a model instance.")
     return bert_model_or_path, {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": []}
 
 
-def partial_config(source, pattern: AttentionPattern | PatternBuckets, overrides: dict[str, Any]) -> PartialBertConfig:
-    """The source's BERT config with n, k, the buckets and the bias flag of ``pattern`` and the given overrides."""
+def _check_source_type(config, source_class) -> None:
+    """Refuse a source of another architecture than ``source_class``'s (a RoBERTa into PartialBert, ...): loading it
+    would map its weights onto the wrong modules, or start them afresh."""
+    expected = source_class.config_class.model_type
+    if config.model_type == "partial_" + expected.replace("-", "_"):  # a partial checkpoint of this architecture
+        return
+    check_supported(config)  # one line naming the model type and what is supported
+    if config.model_type != expected:
+        raise ValueError(f"the source is a {config.model_type!r} model, but {source_class.__name__} loads "
+                         f"{expected!r}; convert it with its own partial class (`hf_partial_attention.partial_class_for`"
+                         f"({config.model_type!r})) or `hf-partial-attention convert`, which picks it.")
+
+
+def partial_config(source, pattern: AttentionPattern | PatternBuckets, overrides: dict[str, Any],
+                   config_class=None):
+    """The source's config as ``config_class`` (default PartialBertConfig) with n, k, the buckets and the bias flag
+    of ``pattern`` and the given overrides."""
+    if config_class is None:
+        from .configuration_partial_bert import PartialBertConfig as config_class
     pattern = PatternBuckets.coerce(pattern)
     fields = source.config.to_dict()
     for drop in _NOT_BERT_FIELDS:
@@ -103,28 +132,33 @@ def partial_config(source, pattern: AttentionPattern | PatternBuckets, overrides
     fields.update(overrides)
     if isinstance(source.config._name_or_path, str) and source.config._name_or_path:
         fields.setdefault("partial_base_model", source.config._name_or_path)
-    return PartialBertConfig(**fields)
+    return config_class(**fields)
 
 
-def copy_weights(source: BertPreTrainedModel, target, partial_names: set[str]) -> dict[str, list[str]]:
-    """Copy every source weight into ``target`` (same names up to the ``bert.`` prefix).
+def copy_weights(source: PreTrainedModel, target, partial_names: set[str]) -> dict[str, list[str]]:
+    """Copy every source weight into ``target`` (same names up to the base model's prefix, ``bert.``, ...).
 
     Returns ``{"missing_keys": target tensors the source did not provide (new head weights; P and R excluded),
-    "unexpected_keys": source tensors with no place in the target}``. Source weights of the matching BERT class
+    "unexpected_keys": source tensors with no place in the target}``. Source weights of the matching source class
     that have no place are an error.
     """
     src_state = source.state_dict()
-    if not any(key.startswith("bert.") for key in src_state):  # a bare BertModel
-        src_state = {f"bert.{key}": value for key, value in src_state.items()}
-    if target.base_model_prefix not in target._modules:  # target is the bare PartialBertModel
-        src_state = {key.removeprefix("bert."): v for key, v in src_state.items() if key.startswith("bert.")}
+    prefix = target.base_model_prefix + "."
+    if source.base_model_prefix not in source._modules:  # a bare base model (BertModel, RobertaModel, ...)
+        src_state = {prefix + key: value for key, value in src_state.items()}
+    if target.base_model_prefix not in target._modules:  # target is the bare partial base model
+        src_state = {key.removeprefix(prefix): v for key, v in src_state.items() if key.startswith(prefix)}
     tgt_keys = set(target.state_dict())
     unexpected = sorted(set(src_state) - tgt_keys)
-    if unexpected and isinstance(source, type(target)._bert_class):
+    if unexpected and isinstance(source, type(target)._source_class):
         raise ValueError(f"Weights {unexpected[:5]} of the source have no place in {type(target).__name__}.")
     target.load_state_dict({key: value for key, value in src_state.items() if key in tgt_keys}, strict=False)
     missing = sorted(tgt_keys - set(src_state) - partial_names)
     if missing:
-        logger.warning("from_bert: %s were not in the source and keep their fresh initialisation (a new head); "
+        logger.warning("from_source: %s were not in the source and keep their fresh initialisation (a new head); "
                        "train them before use.", missing)
     return {"missing_keys": missing, "unexpected_keys": unexpected}
+
+
+# The name of 0.x, for PartialBert (``PartialBertModel.from_bert``).
+from_bert = from_source

@@ -1,4 +1,4 @@
-"""Hub packaging of PartialBert: Auto-class registration, ``auto_map``, the model card on save and on push.
+"""Hub packaging of every partial model (PartialBert and the other architectures): Auto-class registration, ``auto_map``, the model card on save and on push.
 
 `register()` (run once by ``import hf_partial_attention``) registers the config and every head with
 ``AutoConfig`` / ``AutoModel*``, marks them for ``trust_remote_code`` (so ``save_pretrained`` copies the modeling
@@ -28,7 +28,11 @@ from transformers import (
 from transformers.utils.hub import hf_api
 
 from . import model_card
+from .architectures import HEAD_SUFFIXES
 from .configuration_partial_bert import PartialBertConfig
+from .configuration_partial_encoders import PARTIAL_CONFIG_CLASSES
+from .modeling_partial import PartialModelMixin
+from .modeling_partial_encoders import PARTIAL_MODEL_CLASSES
 from .version import __version__
 from .modeling_partial_bert import (
     PartialBertForMaskedLM,
@@ -36,15 +40,21 @@ from .modeling_partial_bert import (
     PartialBertForSequenceClassification,
     PartialBertForTokenClassification,
     PartialBertModel,
-    PartialBertPreTrainedModel,
 )
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AUTO_CLASSES", "AUTO_MAP", "register", "merged_auto_map", "save_pretrained", "push_to_hub",
-           "upload_folder"]
+__all__ = ["AUTO_CLASSES", "AUTO_MAP", "AUTO_FACTORIES", "register", "auto_map_for", "merged_auto_map",
+           "save_pretrained", "push_to_hub", "upload_folder"]
 
-# Auto class -> (factory, PartialBert class).
+AUTO_FACTORIES = {
+    "AutoModel": AutoModel,
+    "AutoModelForMaskedLM": AutoModelForMaskedLM,
+    "AutoModelForSequenceClassification": AutoModelForSequenceClassification,
+    "AutoModelForTokenClassification": AutoModelForTokenClassification,
+    "AutoModelForQuestionAnswering": AutoModelForQuestionAnswering,
+}
+# PartialBert's: Auto class -> (factory, PartialBert class).
 AUTO_CLASSES = {
     "AutoModel": (AutoModel, PartialBertModel),
     "AutoModelForMaskedLM": (AutoModelForMaskedLM, PartialBertForMaskedLM),
@@ -52,25 +62,46 @@ AUTO_CLASSES = {
     "AutoModelForTokenClassification": (AutoModelForTokenClassification, PartialBertForTokenClassification),
     "AutoModelForQuestionAnswering": (AutoModelForQuestionAnswering, PartialBertForQuestionAnswering),
 }
-# Only the saved class and its config get an auto_map entry by default; listing every head lets any AutoModel*
-# class load a folder with trust_remote_code=True.
-AUTO_MAP = {"AutoConfig": "configuration_partial_bert.PartialBertConfig",
-            **{auto: f"modeling_partial_bert.{klass.__name__}" for auto, (_, klass) in AUTO_CLASSES.items()}}
+# Every architecture: (config class, {Auto class name: model class}).
+_ALL = [(PartialBertConfig, {auto: klass for auto, (_, klass) in AUTO_CLASSES.items()}),
+        *((PARTIAL_CONFIG_CLASSES[t], classes) for t, classes in PARTIAL_MODEL_CLASSES.items())]
+
+
+def _auto_map(config_class, classes: dict[str, type]) -> dict[str, str]:
+    # Only the saved class and its config get an auto_map entry by default; listing every head lets any AutoModel*
+    # class load a folder with trust_remote_code=True.
+    config_file = config_class.__module__.rsplit(".", 1)[-1]
+    return {"AutoConfig": f"{config_file}.{config_class.__name__}",
+            **{auto: f"{klass.__module__.rsplit('.', 1)[-1]}.{klass.__name__}" for auto, klass in classes.items()}}
+
+
+AUTO_MAP = _auto_map(*_ALL[0])  # PartialBert's
 
 
 def register() -> None:
-    """Register the config and every head with the Auto classes and for remote code; safe to call more than once."""
-    AutoConfig.register(PartialBertConfig.model_type, PartialBertConfig, exist_ok=True)
-    PartialBertConfig.register_for_auto_class()
-    for name, (factory, model_class) in AUTO_CLASSES.items():
-        factory.register(PartialBertConfig, model_class, exist_ok=True)
-        model_class.register_for_auto_class(name)
-    PartialBertPreTrainedModel._hub = _HubHooks
+    """Register every architecture's config and heads with the Auto classes and for remote code; safe to call more
+    than once."""
+    for config_class, classes in _ALL:
+        AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
+        config_class.register_for_auto_class()
+        for name, model_class in classes.items():
+            AUTO_FACTORIES[name].register(config_class, model_class, exist_ok=True)
+            model_class.register_for_auto_class(name)
+    PartialModelMixin._hub = _HubHooks
 
 
-def merged_auto_map(existing: dict[str, Any] | None) -> dict[str, Any]:
-    """``existing`` entries (a user's own Auto classes) kept, this plugin's entries added or updated."""
-    return {**(existing or {}), **AUTO_MAP}
+def auto_map_for(config) -> dict[str, str]:
+    """The ``auto_map`` of a partial config's checkpoint: its config class and every head of its architecture."""
+    for config_class, classes in _ALL:
+        if config.model_type == config_class.model_type:
+            return _auto_map(config_class, classes)
+    raise ValueError(f"{config.model_type!r} is not a partial model type.")
+
+
+def merged_auto_map(existing: dict[str, Any] | None, config=None) -> dict[str, Any]:
+    """``existing`` entries (a user's own Auto classes) kept, this plugin's entries (of ``config``'s architecture;
+    PartialBert's by default) added or updated."""
+    return {**(existing or {}), **(AUTO_MAP if config is None else auto_map_for(config))}
 
 
 def upload_folder(folder: str, repo_id: str, *, commit_message: str | None = None,
@@ -103,7 +134,7 @@ def save_pretrained(model, parent_save: Callable, save_directory, *args, write_m
     """
     hub = {key: kwargs.pop(key) for key in ("repo_id", "commit_message", "commit_description", "create_pr",
                                             "private", "revision") if key in kwargs}
-    model.config.auto_map = merged_auto_map(getattr(model.config, "auto_map", None))
+    model.config.auto_map = merged_auto_map(getattr(model.config, "auto_map", None), model.config)
     model.config.partial_format_version = model.config.required_format_version  # format 2 readers read uniform k
     model.config.partial_plugin_version = __version__
     readme = os.path.join(os.fspath(save_directory), "README.md")
@@ -137,7 +168,7 @@ def push_to_hub(model, repo_id: str, *, commit_message: str | None = None,
 
 
 class _HubHooks:
-    """What `PartialBertPreTrainedModel.save_pretrained` / ``push_to_hub`` call once the plugin is imported."""
+    """What `PartialModelMixin.save_pretrained` / ``push_to_hub`` call once the plugin is imported."""
 
     save_pretrained = staticmethod(save_pretrained)
     push_to_hub = staticmethod(push_to_hub)

@@ -106,6 +106,25 @@ def _base_line(hub_bases: list[str], local_bases: list[str], record: dict[str, A
     return ""
 
 
+# How the card names the source architecture.
+_ARCH_NAMES = {"bert": "BERT", "roberta": "RoBERTa", "xlm-roberta": "XLM-RoBERTa", "xlm_roberta": "XLM-RoBERTa",
+               "camembert": "CamemBERT", "electra": "ELECTRA", "distilbert": "DistilBERT", "albert": "ALBERT",
+               "modernbert": "ModernBERT", "nomic_bert": "NomicBERT", "gte": "GTE", "eurobert": "EuroBERT"}
+
+
+def _tensor_paths(model) -> tuple[str, str] | None:
+    """Where ``model``'s base holds its pattern modules and layer l's attention (`model_card_text._names`), or None
+    (BERT's layout) for a model without them."""
+    if not hasattr(model, "_partial_owner"):
+        return None
+    base = model._partial_base()
+    names = {id(module): name for name, module in base.named_modules()}
+    owner = names[id(model._partial_owner())]
+    layer_idx, attention = model._partial_arch.attention_modules(base)[0]
+    layer = names[id(attention)].replace(f".{layer_idx}.", ".{l}.", 1)
+    return (owner + "." if owner else ""), layer
+
+
 def _title(model_name: str | None, config, bases: list[str], record: dict[str, Any] | None) -> str:
     """The model's own name: given, else the folder it was loaded from, else its source's with k."""
     if model_name:
@@ -114,7 +133,7 @@ def _title(model_name: str | None, config, bases: list[str], record: dict[str, A
     if loaded and loaded != ".":
         return loaded
     source = (bases[0] if bases else (record or {}).get("source_model")) or ""
-    if source and getattr(config, "model_type", None) == "partial_bert":
+    if source and str(getattr(config, "model_type", "")).startswith("partial_"):
         return f"{os.path.basename(os.path.normpath(source))} with partial attention (k = {config.partial_k})"
     return "partial-bert"
 
@@ -170,8 +189,10 @@ def build_model_card(
     name = _title(model_name, config, hub_bases + local_bases, record)
     pipeline = _pipeline(model, sentence_transformers)
     results = _eval_results(eval_results)
-    partial = getattr(config, "model_type", None) == "partial_bert"
-    ours = CARD_TAGS if partial else ["bert", "partial-attention-baseline"]
+    partial = str(getattr(config, "model_type", "")).startswith("partial_")
+    source_type = str(getattr(config, "model_type", "bert")).removeprefix("partial_")
+    ours = ([source_type if t == "bert" else t for t in CARD_TAGS] if partial
+            else [source_type, "partial-attention-baseline"])
     card_tags = list(dict.fromkeys([*ours, *(SENTENCE_TRANSFORMERS_TAGS if sentence_transformers else []),
                                     pipeline, *(tags or [])]))
     data = ModelCardData(
@@ -182,7 +203,7 @@ def build_model_card(
     )
     if partial:
         prefix = f"{model.base_model_prefix}." if model.base_model_prefix in model._modules else ""
-        method = partial_section(config, prefix)
+        method = partial_section(config, prefix, _tensor_paths(model))
         source = pattern_source or (provenance_section(record) if record else "not recorded")
     else:
         method = ("## Exact attention\n\nThis is an exact-attention BERT, the baseline of a partial-attention "
@@ -198,7 +219,7 @@ def build_model_card(
     body = f"""
 # {name}
 
-A BERT{' with **partial attention**' if partial else ''} made with `hf-partial-attention`, a HuggingFace
+A {_ARCH_NAMES.get(source_type, source_type)}{' with **partial attention**' if partial else ''} made with `hf-partial-attention`, a HuggingFace
 Transformers plugin implementing Bhojanapalli et al. (2021), *{PAPER}* ({ARXIV}).
 {status}
 {_base_line(hub_bases, local_bases, record)}

@@ -31,7 +31,13 @@ def _exact_layers_phrase(layers: list[int], total: int) -> str:
     return f"layers {exact} stay exact; the paper keeps only the last layer exact"
 
 
-def _buckets_section(config, prefix: str, d_head: int) -> str:
+def _names(prefix: str, paths: tuple[str, str] | None) -> tuple[str, str]:
+    """(pattern owner's path with a trailing dot, layer l's attention module path with ``{l}``): BERT's by default."""
+    owner, layer = paths or ("encoder.", "encoder.layer.{l}.attention.self")
+    return prefix + owner, prefix + layer
+
+
+def _buckets_section(config, prefix: str, d_head: int, paths: tuple[str, str] | None = None) -> str:
     """The length buckets' table (empty for one bucket): each bucket's P and R names and its saving."""
     lengths = list(getattr(config, "partial_lengths", None) or [config.partial_seq_len])
     if len(lengths) == 1:
@@ -39,14 +45,15 @@ def _buckets_section(config, prefix: str, d_head: int) -> str:
     k, n = config.partial_k, config.partial_seq_len
     ks = list(getattr(config, "partial_lengths_k", None) or [min(k, b) for b in lengths])
     savings = bucket_savings(lengths, ks, d_head)
+    owner, layer = _names(prefix, paths)
+
     def names(b: int) -> str:
         if ks[lengths.index(b)] == b and b != n:
             return "exact (k = b)"
         suffix = "" if b == n else f"_len{b}"
         if config.reconstruction == "per_layer":  # P in the pattern module, R in each partial layer
-            return (f"`{prefix}encoder.partial_pattern{suffix}.indices`; R: "
-                    f"`{prefix}encoder.layer.{{l}}.attention.self.reconstruction{suffix}`")
-        return f"`{prefix}encoder.partial_pattern{suffix}`"
+            return f"`{owner}partial_pattern{suffix}.indices`; R: `{layer}.reconstruction{suffix}`"
+        return f"`{owner}partial_pattern{suffix}`"
 
     rows = "\n".join(f"| {b} | {kb} | {names(b)} | {100 * savings[b]:.1f} % |" for b, kb in zip(lengths, ks))
     return f"""- **Length buckets** {lengths}: each bucket b holds its own P (b, k_b) and R (b, b − k_b, k_b), fitted on
@@ -59,18 +66,20 @@ def _buckets_section(config, prefix: str, d_head: int) -> str:
 """
 
 
-def partial_section(config, prefix: str) -> str:
-    """P and R (names, shapes, R mode) and the attention cost of a PartialBert config."""
+def partial_section(config, prefix: str, paths: tuple[str, str] | None = None) -> str:
+    """P and R (names, shapes, R mode) and the attention cost of a partial config; ``paths``: where the model holds
+    the pattern modules and layer l's attention (`_names`; BERT's layout by default)."""
+    owner, layer_path = _names(prefix, paths)
     n, k = config.partial_seq_len, config.partial_k
     layers, total = list(config.partial_layers), config.num_hidden_layers
     d_head = config.hidden_size // config.num_attention_heads
     cost = score_cost(n, k, d_head).per_query(n)  # one query row: k·d_h exact, (n−k)·k reconstructed
     model_saving = cost.saving * len(layers) / total
     mode = {
-        "fixed": f"fixed: a buffer `{prefix}encoder.partial_pattern.reconstruction`, never trained",
-        "common": f"common: one trainable tensor `{prefix}encoder.partial_pattern.reconstruction` shared by all "
+        "fixed": f"fixed: a buffer `{owner}partial_pattern.reconstruction`, never trained",
+        "common": f"common: one trainable tensor `{owner}partial_pattern.reconstruction` shared by all "
                   "partial layers",
-        "per_layer": f"per layer: a trainable tensor `{prefix}encoder.layer.{{l}}.attention.self.reconstruction` "
+        "per_layer": f"per layer: a trainable tensor `{layer_path}.reconstruction` "
                      "for each partial layer l",
     }[config.reconstruction]
     bias = " plus a per-query bias b_i" if config.partial_use_bias else ""
@@ -81,11 +90,11 @@ pre-softmax scores `a_ij = q_i·k_j / sqrt(d_h)` only for the **k = {k}** keys j
 positions) and reconstructs the other n − k = {n - k} scores linearly, `a_(P̄_i) = R_i a_(P_i)`{bias}, before the
 padding mask and the softmax.
 
-- **P**: `{prefix}encoder.partial_pattern.indices`, an int64 buffer of shape (n, k) = ({n}, {k}), shared by all
+- **P**: `{owner}partial_pattern.indices`, an int64 buffer of shape (n, k) = ({n}, {k}), shared by all
   partial layers and heads; it never changes during training.
 - **R**: shape (n, n − k, k) = ({n}, {n - k}, {k}); {mode}.
 - Inputs must have at most n = {n} tokens; shorter inputs behave as if padded with zero scores.
-{_buckets_section(config, prefix, d_head)}
+{_buckets_section(config, prefix, d_head, paths)}
 ## Attention cost
 
 Multiply-adds of the scores QKᵀ per query and head: exact part `k·d_h`, reconstruction `(n − k)·k`, dense

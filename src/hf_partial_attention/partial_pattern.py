@@ -1,6 +1,6 @@
 """The module that holds P and R for the partial layers of an encoder, and the pattern a new model starts with.
 
-`PartialBertPattern` keeps P (``indices``), R when it is common or fixed (``reconstruction``), its bias, the
+`PartialPattern` keeps P (``indices``), R when it is common or fixed (``reconstruction``), its bias, the
 layout derived from P as non-persistent buffers (refreshed when P is installed or loaded), so that a compiled or
 exported forward reads plain tensors, and what the kernels derive from P and each R (`DerivedState`: the rows
 sharing P and R, W = [I | R] of a frozen R). Part of the remote-code bundle (imports: torch, transformers, siblings).
@@ -14,15 +14,15 @@ import torch
 from torch import nn
 from transformers import initialization as init
 
-from .configuration_partial_bert import PartialBertConfig
+from .configuration_partial import PartialConfigMixin
 from .attention_common import DerivedState, PartialTensors, PatternLayout, needs_grad, tie_rows
 from .pattern import AttentionPattern
 from .pattern_buckets import PatternBuckets
 
-__all__ = ["PartialBertPattern", "default_pattern", "initial_for", "check_buckets", "r_tensor", "init_bias", "bucket_suffix"]
+__all__ = ["PartialPattern", "PartialBertPattern", "default_pattern", "initial_for", "check_buckets", "r_tensor", "init_bias", "bucket_suffix"]
 
 
-def bucket_suffix(config: PartialBertConfig, length: int | None) -> str:
+def bucket_suffix(config: PartialConfigMixin, length: int | None) -> str:
     """The suffix of a bucket's tensor names: ``""`` for n (the names of format 1), ``"_len{b}"`` for b < n."""
     return "" if length is None or length == config.partial_seq_len else f"_len{length}"
 
@@ -32,14 +32,14 @@ def _local_pattern(n: int, k: int, correlation: float) -> AttentionPattern:
     return AttentionPattern.local(n, k, correlation)
 
 
-def default_pattern(config: PartialBertConfig, length: int | None = None) -> AttentionPattern:
+def default_pattern(config: PartialConfigMixin, length: int | None = None) -> AttentionPattern:
     """The pattern a model built from a config alone starts with in bucket ``length`` (default n):
     `AttentionPattern.local`; the last few are cached."""
     return _local_pattern(length or config.partial_seq_len, config.bucket_k(length),
                           float(config.partial_default_correlation))
 
 
-def check_buckets(config: PartialBertConfig, pattern: AttentionPattern | PatternBuckets) -> PatternBuckets:
+def check_buckets(config: PartialConfigMixin, pattern: AttentionPattern | PatternBuckets) -> PatternBuckets:
     """``pattern`` as buckets, checked against the config's n, k and buckets (a ValueError naming the fix)."""
     buckets = PatternBuckets.coerce(pattern)
     if (buckets.seq_len, buckets.k) != (config.partial_seq_len, config.partial_k):
@@ -57,7 +57,7 @@ def check_buckets(config: PartialBertConfig, pattern: AttentionPattern | Pattern
     return buckets
 
 
-def initial_for(config: PartialBertConfig, pattern: AttentionPattern | PatternBuckets | None = None,
+def initial_for(config: PartialConfigMixin, pattern: AttentionPattern | PatternBuckets | None = None,
                 length: int | None = None) -> AttentionPattern:
     """The pattern of bucket ``length`` (default n) a model under construction starts with: the one passed to its
     constructor (`from_bert` passes its own), else the default for the config."""
@@ -71,7 +71,7 @@ def _on_meta_device() -> bool:
     return torch.empty(0).device.type == "meta"
 
 
-def r_tensor(config: PartialBertConfig, trainable: bool, bias: bool,
+def r_tensor(config: PartialConfigMixin, trainable: bool, bias: bool,
              pattern: AttentionPattern | PatternBuckets | None = None,
              length: int | None = None) -> nn.Parameter | torch.Tensor:
     """R ``(b, b−k, k)`` (or its bias ``(b, b−k)``) of bucket ``length`` (default n) holding the initial pattern's
@@ -96,11 +96,11 @@ def init_bias(tensor: torch.Tensor, pattern: AttentionPattern) -> None:
         init.copy_(tensor, pattern.bias)
 
 
-class PartialBertPattern(nn.Module):
+class PartialPattern(nn.Module):
     """Holds P (and R unless R is per layer) of one length bucket (``length``, default n) for all partial layers of
     an encoder."""
 
-    def __init__(self, config: PartialBertConfig, pattern: AttentionPattern | PatternBuckets | None = None,
+    def __init__(self, config: PartialConfigMixin, pattern: AttentionPattern | PatternBuckets | None = None,
                  length: int | None = None):
         super().__init__()
         n, k = length or config.partial_seq_len, config.bucket_k(length)
@@ -165,3 +165,7 @@ class PartialBertPattern(nn.Module):
         if self.tie_shared_rows and needs_grad(reconstruction):
             reconstruction = tie_rows(reconstruction, layout.shared_rows)
         return PartialTensors(layout, reconstruction, bias, derived)
+
+
+# The name of 0.x (PartialBert's encoder held it); the module serves every architecture.
+PartialBertPattern = PartialPattern

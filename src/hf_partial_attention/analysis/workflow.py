@@ -326,12 +326,14 @@ def _evaluate(cov, patterns: dict, scope: str, held_path: str, with_baselines, b
 
 def convert(pattern_path: str, out_dir: str, model: Any = None, *, reconstruction: str = "common",
             verify: bool = True, command: str | None = None) -> dict:
-    """Write a PartialBert checkpoint (weights of ``model``, P and R of the pattern) and check it reloads
-    with ``AutoModel``. ``model`` defaults to the pattern's ``source_model``.
+    """Write a partial checkpoint (weights of ``model``, P and R of the pattern) and check it reloads with
+    ``AutoModel``. ``model`` defaults to the pattern's ``source_model``; its architecture picks the partial class
+    (`partial_class_for`: PartialBert for BERT, PartialRoberta for RoBERTa, ...), and a model partial attention cannot
+    run in (a decoder, DeBERTa-v2, MPNet, ...) is refused before anything is written (`UnsupportedModelError`).
 
     ``pattern_path`` is a single pattern (`AttentionPattern`, installed as it is) or length buckets
     (`PatternBuckets`, ``patterns/buckets_k<k>.safetensors`` of `lengths.derive_lengths`: passed whole to
-    ``PartialBertModel.from_bert``); the checks, the card's pattern facts and n are those of its longest bucket.
+    ``from_source``); the checks, the card's pattern facts and n are those of its longest bucket.
 
     The tokenizer is saved with ``model_max_length = n`` (pipelines with ``truncation=True`` then cut inputs to n);
     a sentence-transformers source also gets its modules, pooling and ``max_seq_length ≤ n`` (`sentence_folder`),
@@ -348,9 +350,10 @@ def convert(pattern_path: str, out_dir: str, model: Any = None, *, reconstructio
     from transformers import AutoModel, AutoTokenizer
 
     from ..model_card import conversion_record, write_model_card
-    from ..modeling_partial_bert import PartialBertModel
+    from ..architectures import check_supported
+    from ..modeling_partial_encoders import partial_class_for
     from ..sentence_folder import sentence_transformers_folder, write_sentence_transformers_files
-    from .convert_checks import (base_model_id, check_convertible, pattern_source_name, source_config,
+    from .convert_checks import (base_model_id, check_convertible, head_dim, pattern_source_name, source_config,
                                  source_warnings)
 
     if is_single_pattern_file(os.fspath(pattern_path)):
@@ -373,9 +376,10 @@ def convert(pattern_path: str, out_dir: str, model: Any = None, *, reconstructio
     base_id = base_model_id(pattern, model)
     name = base_id or display_name(source)
     config = source_config(source)
+    check_supported(config)  # one line naming the model type and what is supported; nothing is written
     warnings = check_convertible(pattern, pattern_path, config, name)
     warnings += source_warnings(pattern, pattern_path, model, config, name)
-    partial = PartialBertModel.from_bert(source, installed, reconstruction=reconstruction)
+    partial = partial_class_for(config.model_type).from_source(source, installed, reconstruction=reconstruction)
     partial.config.partial_base_model = base_id  # a Hub id or nothing: a local path names no Hub repo
     record = conversion_record(pattern, pattern_path, pattern_source_name(pattern) or name, command)
     record["converted_model"] = name
@@ -389,7 +393,8 @@ def convert(pattern_path: str, out_dir: str, model: Any = None, *, reconstructio
     result = {"checkpoint": out_dir, "pattern": pattern_path, "source_model": str(source),
               "source_model_id": name, "base_model": base_id, "k": pattern.k,
               "seq_len": buckets.seq_len, "lengths": buckets.lengths, "lengths_k": buckets.lengths_k,
-              "partial_layers": list(partial.config.partial_layers), "warnings": warnings}
+              "partial_layers": list(partial.config.partial_layers), "head_dim": head_dim(partial.config),
+              "model_type": config.model_type, "partial_class": type(partial).__name__, "warnings": warnings}
     if isinstance(source, (str, os.PathLike)):
         tokenizer = AutoTokenizer.from_pretrained(os.fspath(source))
         tokenizer.model_max_length = min(tokenizer.model_max_length, buckets.seq_len)

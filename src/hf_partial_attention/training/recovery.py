@@ -125,10 +125,10 @@ def is_reconstruction_parameter(name: str) -> bool:
 
 
 def _base_partial_model(model: nn.Module):
-    from ..modeling_partial_bert import PartialBertPreTrainedModel
+    from ..modeling_partial import PartialModelMixin
 
     for module in model.modules():
-        if isinstance(module, PartialBertPreTrainedModel):
+        if isinstance(module, PartialModelMixin):
             return module
     return None
 
@@ -143,17 +143,15 @@ def exact_teacher(model: nn.Module) -> nn.Module:
     Raises:
         TypeError: for a model that is not (or does not wrap) a PartialBert model; pass ``teacher_model`` then.
     """
-    from transformers import BertConfig
-
     base = _base_partial_model(model)
     if base is None or base is not model:
         what = "wraps a PartialBert model (peft?)" if base is not None else "is not a PartialBert model"
         raise TypeError(f"exact_teacher: {type(model).__name__} {what}; pass the exact model yourself "
                         "(PartialAttentionTrainer(teacher_model=BertForMaskedLM.from_pretrained(...))).")
     fields = {k: v for k, v in base.config.to_dict().items() if k not in PARTIAL_FIELDS and k not in _NOT_BERT_FIELDS}
-    config = BertConfig(**fields)
+    config = base._source_class.config_class(**fields)
     config._attn_implementation = "sdpa"
-    teacher = base._bert_class(config)
+    teacher = base._source_class(config)
     partial = set(base._partial_tensor_names())
     state = {k: v for k, v in base.state_dict().items() if k not in partial}
     missing, unexpected = teacher.load_state_dict(state, strict=False)
@@ -165,15 +163,21 @@ def exact_teacher(model: nn.Module) -> nn.Module:
 
 
 def attention_modules(model: nn.Module, layers=None) -> dict[int, nn.Module]:
-    """``{layer index: self-attention module}`` of a BERT-family model or one wrapped by peft / DDP, optionally
-    only ``layers``; found by their ``layer_idx`` so wrappers do not matter."""
-    from transformers.models.bert.modeling_bert import BertSelfAttention
+    """``{layer index: attention module}`` of a model of a supported architecture (partial or exact), or one wrapped
+    by peft / DDP, optionally only ``layers``; found through the architecture's table entry
+    (`architectures.Architecture.attention_modules`) from the innermost transformers model."""
+    from ..architectures import architecture_for
 
+    inner = _base_partial_model(model)
+    if inner is None:
+        inner = next((m for m in model.modules() if hasattr(m, "base_model_prefix") and hasattr(m, "config")), None)
+    if inner is None:
+        return {}
+    base = getattr(inner, inner.base_model_prefix, inner)
     found = {}
-    for module in model.modules():
-        if isinstance(module, BertSelfAttention) and module.layer_idx is not None:
-            if layers is None or module.layer_idx in layers:
-                found.setdefault(module.layer_idx, module)
+    for index, module in architecture_for(inner.config).attention_modules(base):
+        if layers is None or index in layers:
+            found.setdefault(index, module)
     return found
 
 
@@ -192,7 +196,7 @@ def freeze_for_attention_transfer(model: nn.Module, which: str) -> list[str]:
         base = _base_partial_model(model)
         layers = set(base.config.partial_layers) if base is not None else set()
         qk = {id(p) for i, m in attention_modules(model, layers).items()
-              for p in (*m.query.parameters(), *m.key.parameters())} if which == "query_key" else set()
+              for p in _query_key_parameters(m)} if which == "query_key" else set()
         for name, p in model.named_parameters():
             p.requires_grad_(is_reconstruction_parameter(name) or id(p) in qk)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -200,6 +204,16 @@ def freeze_for_attention_transfer(model: nn.Module, which: str) -> list[str]:
         raise ValueError(f"attention_transfer_parameters={which!r} leaves nothing to train (R is fixed: its mode is "
                          "'fixed'); use reconstruction='common' or 'per_layer', or 'query_key'.")
     return trainable
+
+
+def _query_key_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The query and key projections' parameters of an attention module (BERT's ``query`` / ``key``, DistilBERT's
+    ``q_lin`` / ``k_lin``, ``q_proj`` / ``k_proj``); a ValueError for a fused projection (ModernBERT's ``Wqkv``)."""
+    for q_name, k_name in (("query", "key"), ("q_lin", "k_lin"), ("q_proj", "k_proj")):
+        if hasattr(module, q_name) and hasattr(module, k_name):
+            return [*getattr(module, q_name).parameters(), *getattr(module, k_name).parameters()]
+    raise ValueError(f"attention_transfer_parameters='query_key' needs separate query and key projections; "
+                     f"{type(module).__name__} has none (a fused qkv projection): use 'reconstruction' or 'as_given'.")
 
 
 def mean_pooled_embedding(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

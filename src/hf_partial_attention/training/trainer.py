@@ -43,7 +43,7 @@ from transformers.trainer_pt_utils import LengthGroupedSampler
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, has_length
 
 from ..model_card import write_model_card
-from ..modeling_partial_bert import PartialBertPreTrainedModel
+from ..modeling_partial import PartialModelMixin
 from .losses import example_loss_sums, masked_only_mlm_loss, training_details
 from .recovery import is_reconstruction_parameter, recovery_losses, setup_recovery
 from .sampling import EpochLengthGroupedSampler, example_lengths
@@ -372,7 +372,7 @@ class PartialAttentionTrainer(Trainer):
         ``eval_results``: `huggingface_hub.EvalResult` objects or their keyword dicts, for the ``model-index``.
         """
         model = self.accelerator.unwrap_model(self.model)
-        if not isinstance(model, PartialBertPreTrainedModel):
+        if not isinstance(model, PartialModelMixin):
             return super().create_model_card(language=language, license=license, tags=tags, model_name=model_name,
                                              finetuned_from=finetuned_from, tasks=tasks, dataset_tags=dataset_tags,
                                              dataset=dataset, dataset_args=dataset_args)

@@ -1,0 +1,191 @@
+"""The encoders partial attention runs in: one table entry per architecture, all that is architecture-specific.
+
+An entry says where a model's attention modules are (`Architecture.attention_modules`: ``(layer, module)`` in layer
+order; a module that serves several layers, as in ALBERT, appears once per layer), which module owns the pattern
+modules (P, and R when it is common or fixed: ``<owner>.partial_pattern``), which layers are partial by default and
+which heads exist. Everything else (the attention functions, the pattern modules, length buckets, R modes, kernels,
+loading checks) is shared: `partial_layer`, `partial_pattern`, `modeling_partial`.
+
+Every entry's attention modules call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`` with q and k as the
+model scores them (after RoPE in ModernBERT, NomicBERT, GTE and EuroBERT), so P and R act on the scores the model
+uses. DeBERTa-v2, MPNet and decoders do not qualify (`check_supported` refuses them, naming what is supported).
+
+Part of the remote-code bundle (imports: transformers and siblings only).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Architecture", "ARCHITECTURES", "HEAD_SUFFIXES", "architecture_for", "check_supported",
+           "supported_model_types", "UnsupportedModelError"]
+
+# Auto class -> the suffix of the architecture's class for it (``RobertaForMaskedLM``, ...).
+HEAD_SUFFIXES = {
+    "AutoModel": "Model",
+    "AutoModelForMaskedLM": "ForMaskedLM",
+    "AutoModelForSequenceClassification": "ForSequenceClassification",
+    "AutoModelForTokenClassification": "ForTokenClassification",
+    "AutoModelForQuestionAnswering": "ForQuestionAnswering",
+}
+
+
+class UnsupportedModelError(ValueError):
+    """A model whose attention partial attention cannot run in (a decoder, or attention of its own)."""
+
+
+def _nested(module, path: str):
+    for name in filter(None, path.split(".")):
+        module = getattr(module, name)
+    return module
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """Where partial attention goes in one architecture.
+
+    Args:
+        model_type: the source's ``config.model_type`` (``"roberta"``).
+        module: transformers' module of the architecture (``"roberta"`` for ``transformers.models.roberta``).
+        prefix: the class-name prefix (``"Roberta"``: ``RobertaConfig``, ``RobertaModel``, ...).
+        layers: path from the base model to its list of layers; attention: path from a layer to its attention
+            module (for ALBERT, a callable of the base model giving ``(layer, module)`` pairs).
+        owner: path from the base model to the module that owns the pattern modules ("" for the base model).
+        heads: the Auto classes this architecture has a class for (of `HEAD_SUFFIXES`).
+        note: what is particular about it, for the docs and errors.
+    """
+
+    model_type: str
+    module: str
+    prefix: str
+    layers: str = "encoder.layer"
+    attention: str = "attention.self"
+    owner: str = "encoder"
+    heads: tuple[str, ...] = tuple(HEAD_SUFFIXES)
+    note: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def partial_model_type(self) -> str:
+        return "partial_" + self.model_type.replace("-", "_")
+
+    def source_class(self, auto_name: str = "AutoModel"):
+        """transformers' class of this architecture for ``auto_name`` (``RobertaForMaskedLM``)."""
+        return getattr(self.transformers_module(), self.prefix + HEAD_SUFFIXES[auto_name])
+
+    def config_class(self):
+        configuration = importlib.import_module(f"transformers.models.{self.module}.configuration_{self.module}")
+        return getattr(configuration, self.prefix + "Config")
+
+    def transformers_module(self):
+        return importlib.import_module(f"transformers.models.{self.module}.modeling_{self.module}")
+
+    def available(self) -> bool:
+        """Whether the installed transformers has this architecture."""
+        try:
+            self.config_class()
+            self.transformers_module()
+        except (ImportError, AttributeError):
+            return False
+        return True
+
+    def attention_modules(self, base_model) -> list[tuple[int, Any]]:
+        """``(layer index, attention module)`` for every layer of ``base_model``, in layer order."""
+        if self.model_type == "albert":
+            return _albert_attention(base_model)
+        return [(index, _nested(layer, self.attention)) for index, layer in
+                enumerate(_nested(base_model, self.layers))]
+
+    def owner_module(self, base_model):
+        """The module of ``base_model`` that holds the pattern modules."""
+        return _nested(base_model, self.owner)
+
+
+def _albert_attention(base_model) -> list[tuple[int, Any]]:
+    # ALBERT's layer i runs layer group int(i / (layers / groups)) (AlbertTransformer.forward): one group's modules
+    # serve every layer of that group.
+    config = base_model.config
+    per_group = config.num_hidden_layers / config.num_hidden_groups
+    groups = base_model.encoder.albert_layer_groups
+    return [(i, layer.attention) for i in range(config.num_hidden_layers)
+            for layer in groups[int(i / per_group)].albert_layers]
+
+
+_BERT_LIKE = "BERT's layout: encoder.layer.{i}.attention.self"
+ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
+    Architecture("bert", "bert", "Bert", note=_BERT_LIKE + " (PartialBert)"),
+    Architecture("roberta", "roberta", "Roberta", note=_BERT_LIKE),
+    Architecture("xlm-roberta", "xlm_roberta", "XLMRoberta", note=_BERT_LIKE),
+    Architecture("camembert", "camembert", "Camembert", note=_BERT_LIKE),
+    Architecture("electra", "electra", "Electra", note=_BERT_LIKE),
+    Architecture("distilbert", "distilbert", "DistilBert", layers="transformer.layer", attention="attention",
+                 owner="transformer", note="no layer_idx on its attention modules"),
+    Architecture("albert", "albert", "Albert", attention="", note=(
+        "one attention module serves every layer of a layer group: all of a group's layers are partial or none, "
+        "and R cannot be per layer; every layer is partial by default")),
+    Architecture("modernbert", "modernbert", "ModernBert", layers="layers", attention="attn", owner="", note=(
+        "rotary positions; alternating global and local (sliding-window) layers: the global layers but the last are "
+        "partial by default (a local layer already attends only to its window); a local layer made partial keeps "
+        "its window mask on exact and reconstructed scores")),
+    Architecture("nomic_bert", "nomic_bert", "NomicBert", layers="layers", attention="self_attn", owner="",
+                 heads=("AutoModel", "AutoModelForMaskedLM", "AutoModelForSequenceClassification",
+                        "AutoModelForTokenClassification"), note="rotary positions; no layer_idx"),
+    Architecture("gte", "gte", "Gte", layers="layers", attention="self_attn", owner="",
+                 heads=("AutoModel", "AutoModelForMaskedLM", "AutoModelForSequenceClassification",
+                        "AutoModelForTokenClassification"), note="rotary positions; no layer_idx"),
+    Architecture("eurobert", "eurobert", "EuroBert", layers="layers", attention="self_attn", owner="",
+                 heads=("AutoModel", "AutoModelForMaskedLM", "AutoModelForSequenceClassification",
+                        "AutoModelForTokenClassification"), note="rotary positions"),
+)}
+
+# Architectures whose attention transformers does not run through AttentionInterface (their own relative-position
+# attention): named in the refusal so that a user knows it is not an oversight.
+_OWN_ATTENTION = {"deberta", "deberta-v2", "mpnet", "funnel", "xlnet", "longformer", "big_bird", "reformer",
+                  "squeezebert", "convbert", "mobilebert", "layoutlm", "ernie_m"}
+
+
+def supported_model_types() -> list[str]:
+    """The source ``model_type`` values partial attention runs in, with the installed transformers."""
+    return [name for name, arch in ARCHITECTURES.items() if arch.available()]
+
+
+def architecture_for(config_or_type) -> Architecture:
+    """The entry of a source config (or ``model_type``); an `UnsupportedModelError` naming the model type, why, and
+    what is supported otherwise. A partial config maps to its source's entry."""
+    model_type = config_or_type if isinstance(config_or_type, str) else getattr(config_or_type, "model_type", None)
+    for arch in ARCHITECTURES.values():
+        if model_type == arch.partial_model_type:
+            return arch
+    check_supported(config_or_type)
+    return ARCHITECTURES[model_type]
+
+
+def check_supported(config_or_type) -> None:
+    """Raise `UnsupportedModelError` (one line) unless partial attention can run in this model."""
+    config = None if isinstance(config_or_type, str) else config_or_type
+    model_type = config_or_type if config is None else getattr(config, "model_type", None)
+    supported = ", ".join(supported_model_types())
+    if model_type in ARCHITECTURES and ARCHITECTURES[model_type].available():
+        if config is not None and (getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False)):
+            raise UnsupportedModelError(
+                f"model type {model_type!r} is configured as a decoder (is_decoder or add_cross_attention): partial "
+                "attention needs bidirectional (encoder) attention; load it as an encoder.")
+        return
+    if model_type in _OWN_ATTENTION:
+        why = "its attention (relative positions of its own) does not run through transformers' AttentionInterface"
+    elif model_type in ARCHITECTURES:
+        why = "the installed transformers does not have it"
+    elif config is not None and _is_decoder_only(config):
+        why = "it is a decoder (causal attention); partial attention is for bidirectional encoders"
+    else:
+        why = "it is not an encoder whose attention partial attention is known to run in"
+    raise UnsupportedModelError(f"cannot make model type {model_type!r} partial: {why}. Supported model types: "
+                                f"{supported}. `analyze` still reads its attention scores.")
+
+
+def _is_decoder_only(config) -> bool:
+    architectures = getattr(config, "architectures", None) or []
+    return bool(getattr(config, "is_decoder", False) or any("CausalLM" in a for a in architectures)
+                or getattr(config, "use_cache", False) and not getattr(config, "is_encoder_decoder", False))

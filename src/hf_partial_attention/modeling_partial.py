@@ -1,0 +1,261 @@
+"""What every partial model shares, whatever its architecture: installing partial attention, the pattern's tensors at
+construction and at loading (refusing a checkpoint whose P or R is missing or mis-shaped), pattern access, the kernel
+setting, conversion from a source checkpoint and the Hub hooks.
+
+`PartialModelMixin` goes first among the bases of a partial class: ``PartialBertPreTrainedModel(PartialModelMixin,
+BertPreTrainedModel)`` and the generated ``PartialRobertaModel(PartialModelMixin, RobertaModel)`` etc.
+(`modeling_partial_encoders`). Its ``post_init`` finds the architecture's attention modules through its table entry
+(``_partial_arch``, `architectures.Architecture`), gives their owner the pattern modules (one per length bucket) and
+makes each attention module partial or exact in place (`partial_layer`). Part of the remote-code bundle.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import ClassVar
+
+import torch
+from transformers import initialization as init
+
+from .architectures import Architecture
+from .attention_common import PatternLayout
+from .attention_dispatch import check_implementation
+from .conversion import from_source
+from .partial_layer import is_partial, make_exact, make_partial
+from .partial_pattern import PartialPattern, bucket_suffix, check_buckets, init_bias, initial_for
+from .pattern import AttentionPattern
+from .pattern_buckets import PatternBuckets
+
+__all__ = ["PartialModelMixin", "PARTIAL_NAME"]
+
+# P, R and their biases in a state dict: the pattern modules' tensors and each partial layer's own R (per_layer).
+PARTIAL_NAME = re.compile(r"\.partial_pattern(_len\d+)?\.|\.reconstruction(_bias)?(_len\d+)?$")
+
+
+class PartialModelMixin:
+    """Partial attention for a transformers model class of a supported architecture (see the module docstring)."""
+
+    _partial_arch: ClassVar[Architecture]
+    _source_class: ClassVar[type]  # the upstream class whose checkpoints map one-to-one onto this one
+    # Set by `hf_partial_attention.hub.register()` (auto_map, model card on save and push); None under remote
+    # code, where saving and pushing are transformers' own.
+    _hub: ClassVar[type | None] = None
+    # The pattern a model is being built with (its constructor's ``pattern``), read by `_init_weights` while the
+    # constructor runs and dropped once it returns, so the model holds no second copy of R.
+    _initial_pattern: AttentionPattern | PatternBuckets | None = None
+
+    def __init__(self, config, *args, pattern: AttentionPattern | PatternBuckets | None = None, **kwargs):
+        if pattern is not None:
+            self._initial_pattern = pattern
+        super().__init__(config, *args, **kwargs)
+
+    # ------------------------------------------------------------------ installation
+    def post_init(self):
+        """The source's ``__init__`` built the model; make its attention partial or exact, then its post-init."""
+        self._install_partial_attention(self._initial_pattern)
+        super().post_init()
+        self.__dict__.pop("_initial_pattern", None)  # now in P and R: no second copy of R is kept
+
+    def _install_partial_attention(self, pattern) -> None:
+        """Give the owner its pattern modules, one per length bucket with a pattern (starting from ``pattern``, else
+        the default), and make every attention module partial (``config.partial_layers``) or exact (idempotent)."""
+        config, base = self.config, self._partial_base()
+        owner = self._partial_arch.owner_module(base)
+        if "partial_pattern" in owner._modules:
+            return
+        if pattern is not None:
+            check_buckets(config, pattern)
+        for length in (None, *config.partial_buckets):
+            setattr(owner, "partial_pattern" + bucket_suffix(config, length), PartialPattern(config, pattern, length))
+        done = set()
+        for layer_idx, module in self._partial_arch.attention_modules(base):
+            if id(module) in done:  # a module serving several layers (ALBERT): its group is all partial or exact
+                continue
+            done.add(id(module))
+            module = self._partial_attention_module(base, layer_idx, module, pattern)
+            if getattr(module.config, "_partial_base", None) is not None:  # built partial or exact already
+                continue
+            if layer_idx in config.partial_layers:
+                make_partial(module, owner, layer_idx, config, pattern)
+            else:
+                make_exact(module, config)
+
+    def _partial_attention_module(self, base, layer_idx: int, module, pattern):
+        """The attention module of layer ``layer_idx``: ``module`` itself, made partial in place (PartialBert swaps in
+        classes of its own names)."""
+        return module
+
+    def _partial_base(self):
+        return getattr(self, self.base_model_prefix, self)
+
+    def _partial_owner(self):
+        """The module holding the pattern modules (``encoder`` in BERT's layout, the base model in ModernBERT's)."""
+        return self._partial_arch.owner_module(self._partial_base())
+
+    def _partial_attention(self, layer: int):
+        """Layer ``layer``'s attention module."""
+        return dict(self._partial_arch.attention_modules(self._partial_base()))[layer]
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, PartialPattern):
+            pattern = initial_for(self.config, self._initial_pattern, module.length)
+            init.copy_(module.indices, pattern.indices)
+            # The layout buffers are non-persistent: a model built on the meta device (big-model loading) gets them
+            # only here, derived from the P just installed.
+            layout = PatternLayout.from_indices(pattern.indices)
+            init.copy_(module.complement, layout.complement)
+            init.copy_(module.inverse_permutation, layout.inverse_permutation)
+            module.block_rows = layout.block_rows
+            if getattr(module, "reconstruction", None) is not None:
+                init.copy_(module.reconstruction, pattern.reconstruction)
+            if getattr(module, "reconstruction_bias", None) is not None:
+                init_bias(module.reconstruction_bias, pattern)
+        elif is_partial(module) and "reconstruction" in module._parameters:
+            for length in (None, *self.config.partial_buckets):
+                pattern = initial_for(self.config, self._initial_pattern, length)
+                suffix = bucket_suffix(self.config, length)
+                init.copy_(getattr(module, "reconstruction" + suffix), pattern.reconstruction)
+                if getattr(module, "reconstruction_bias" + suffix) is not None:
+                    init_bias(getattr(module, "reconstruction_bias" + suffix), pattern)
+
+    def set_partial_implementation(self, implementation: str) -> None:
+        """Switch the kernel of the partial layers at run time: ``"auto"``, ``"gather"``, ``"fused"``, ``"tiled"`` or
+        ``"triton"`` (all give the same numbers). Like ``attn_implementation`` it is a setting of
+        this process, never read from a checkpoint; exact layers keep ``config._attn_implementation``."""
+        check_implementation(implementation)
+        self.config.partial_implementation = implementation
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """`PreTrainedModel.from_pretrained`, refusing a checkpoint whose P or R is missing or of the wrong shape.
+
+        transformers would initialise such tensors afresh (the default pattern here) with only a generic note; a
+        model that silently runs another pattern than the one it was trained with is wrong, so it is an error.
+        """
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        model._check_loaded_pattern(info, args[0] if args else kwargs.get("pretrained_model_name_or_path"))
+        return (model, info) if want_info else model
+
+    def _partial_tensor_names(self) -> list[str]:
+        return [name for name in self.state_dict() if PARTIAL_NAME.search(f".{name}")]
+
+    def _check_loaded_pattern(self, info: dict, source) -> None:
+        names = set(self._partial_tensor_names())
+        mismatched = {entry[0] if isinstance(entry, tuple) else entry for entry in info.get("mismatched_keys", [])}
+        for kind, found in (("missing", names & set(info.get("missing_keys", []))),
+                            ("of the wrong shape", names & mismatched)):
+            if found:
+                raise ValueError(
+                    f"{source!s} has P/R tensors {kind}: {sorted(found)}. Loading would start them from the default "
+                    f"pattern and run a different model than the one saved. Load a folder written by "
+                    f"{type(self).__name__}.save_pretrained with the same partial_seq_len, partial_k and "
+                    "reconstruction, or convert a source checkpoint with from_source(path, pattern) (from_bert for "
+                    "PartialBert; `hf-partial-attention convert`).")
+        # P and R must also be a valid pattern (sorted, unique, in range, finite): AttentionPattern checks that.
+        for layer in self.config.partial_layers if self.config.reconstruction == "per_layer" else [None]:
+            try:
+                self.get_patterns(layer)
+            except ValueError as err:
+                raise ValueError(f"{source!s} holds an invalid P or R ({sorted(names)}): {err}") from err
+        for owner in self._pattern_modules().values():
+            owner.refresh_layout()
+
+    # ------------------------------------------------------------------ pattern access
+    def _pattern_modules(self) -> dict[int, PartialPattern]:
+        """Bucket length -> the owner's pattern module of that bucket (n first, then the shorter buckets)."""
+        owner = self._partial_owner()
+        return {length or self.config.partial_seq_len: getattr(owner, "partial_pattern" + bucket_suffix(self.config,
+                                                                                                       length))
+                for length in (None, *self.config.partial_buckets)}
+
+    def reconstruction_tensors(self) -> dict[str, torch.Tensor]:
+        """Name -> R tensor: ``{"common": R}`` / ``{"fixed": R}`` or ``{"layer.3": R_3, ...}`` (per_layer); a bucket
+        b < n adds ``"common.len{b}"`` / ``"layer.3.len{b}"``."""
+        owner = self._partial_owner()
+        out = {}
+        for length in (None, *self.config.partial_buckets):
+            suffix = bucket_suffix(self.config, length)
+            tag = suffix.replace("_", ".")
+            if self.config.reconstruction != "per_layer":
+                out[self.config.reconstruction + tag] = getattr(owner, "partial_pattern" + suffix).reconstruction
+            else:
+                out.update({f"layer.{l}{tag}": getattr(self._partial_attention(l), "reconstruction" + suffix)
+                            for l in self.config.partial_layers})
+        return out
+
+    def get_pattern(self, layer: int | None = None, length: int | None = None) -> AttentionPattern:
+        """The model's P and R in bucket ``length`` (default n; of `layer` when R is per layer, the first partial
+        layer by default). A bucket that runs exactly (b <= k) has no pattern: a ValueError."""
+        length = length or self.config.partial_seq_len
+        modules = self._pattern_modules()
+        if length not in modules:
+            raise ValueError(f"length={length} is not a length bucket with a pattern; the buckets with P and R are "
+                             f"{sorted(modules)} (partial_lengths={self.config.partial_lengths}, partial_lengths_k="
+                             f"{self.config.partial_lengths_k}: buckets with k = b run exactly).")
+        suffix = bucket_suffix(self.config, length)
+        owner, r_name = modules[length], "reconstruction"
+        if self.config.reconstruction == "per_layer":
+            layer = self.config.partial_layers[0] if layer is None else layer
+            if layer not in self.config.partial_layers:
+                raise ValueError(f"layer={layer} is not a partial layer; partial_layers={self.config.partial_layers}.")
+            owner, r_name = self._partial_attention(layer), "reconstruction" + suffix
+        return AttentionPattern(
+            modules[length].indices, getattr(owner, r_name),
+            getattr(owner, r_name.replace("reconstruction", "reconstruction_bias"), None),
+            metadata={"source_model": self.config._name_or_path or "", "reconstruction": self.config.reconstruction},
+        )
+
+    def get_patterns(self, layer: int | None = None) -> PatternBuckets:
+        """Every bucket's P and R (of `layer` when R is per layer) as `PatternBuckets`."""
+        return PatternBuckets({b: self.get_pattern(layer, b) for b in self._pattern_modules()},
+                              exact_lengths=self.config.exact_lengths, k=self.config.partial_k)
+
+    @torch.no_grad()
+    def set_pattern(self, pattern: AttentionPattern | PatternBuckets) -> None:
+        """Install P and R of every bucket (R into every partial layer's reconstruction tensors, whatever the mode).
+
+        An `AttentionPattern` is one bucket of n: for a model with one bucket (``partial_lengths == [n]``)."""
+        if not isinstance(pattern, (AttentionPattern, PatternBuckets)):
+            raise TypeError(f"pattern must be an AttentionPattern or PatternBuckets, got {type(pattern).__name__}.")
+        try:
+            buckets = check_buckets(self.config, pattern)
+        except ValueError as err:
+            raise ValueError(f"{err} Build the model with from_source(..., pattern).") from err
+        if buckets.has_bias != self.config.partial_use_bias:
+            raise ValueError(f"pattern {'has' if buckets.has_bias else 'has no'} bias but "
+                             f"config.partial_use_bias={self.config.partial_use_bias}.")
+        for length, module in self._pattern_modules().items():
+            bucket = buckets[length]
+            module.indices.copy_(bucket.indices)
+            module.refresh_layout()
+            suffix = bucket_suffix(self.config, length)
+            owners = ([(module, "")] if self.config.reconstruction != "per_layer"
+                      else [(self._partial_attention(l), suffix) for l in self.config.partial_layers])
+            for owner, tag in owners:
+                getattr(owner, "reconstruction" + tag).copy_(bucket.reconstruction)
+                if bucket.bias is not None:
+                    getattr(owner, "reconstruction_bias" + tag).copy_(bucket.bias)
+
+    # ------------------------------------------------------------------ hub
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """`PreTrainedModel.save_pretrained`; with the plugin imported, `hub.save_pretrained` also completes
+        ``auto_map`` and writes the model card (its ``write_model_card`` argument), also when pushing."""
+        hub = PartialModelMixin._hub
+        if hub is None:
+            kwargs.pop("write_model_card", None)
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        return hub.save_pretrained(self, super().save_pretrained, save_directory, *args, **kwargs)
+
+    def push_to_hub(self, *args, **kwargs):
+        """`PreTrainedModel.push_to_hub`; with the plugin imported, `hub.push_to_hub` uploads this project's card."""
+        hub = PartialModelMixin._hub
+        if hub is None:
+            return super().push_to_hub(*args, **kwargs)
+        return hub.push_to_hub(self, *args, **kwargs)
+
+    # ------------------------------------------------------------------ conversion
+    # `conversion.from_source` with this class: PartialRobertaForMaskedLM.from_source(source, pattern, ...)
+    from_source = classmethod(from_source)

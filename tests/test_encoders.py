@@ -1,0 +1,231 @@
+"""Partial attention in every supported encoder (`architectures.ARCHITECTURES`), on tiny random configs of
+transformers' own tester sizes (hidden 32, 3 layers, 4 heads, vocab 99): the shared mechanism, not BERT's alone."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModel
+
+import hf_partial_attention
+from hf_partial_attention import AttentionPattern, partial_class_for
+from hf_partial_attention.pattern_buckets import PatternBuckets
+from hf_partial_attention.architectures import ARCHITECTURES, architecture_for
+from hf_partial_attention.partial_layer import is_partial
+
+from test_hub import REMOTE
+
+N = 16  # the pattern's n; inputs are padded batches of at most N tokens
+TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37)
+SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def tiny_config(model_type: str):
+    """A tiny config of ``model_type`` (dropout off, so train-mode outputs compare too)."""
+    cls = AutoConfig.for_model(model_type).__class__
+    if model_type == "distilbert":
+        return cls(vocab_size=99, dim=32, n_layers=3, n_heads=4, hidden_dim=37, max_position_embeddings=64,
+                   dropout=0.0, attention_dropout=0.0, pad_token_id=0)
+    if model_type == "albert":
+        return cls(**TINY, embedding_size=16, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                   attention_probs_dropout_prob=0.0, **SPECIAL)
+    if model_type == "modernbert":  # window 8 < N: the local layers' window mask matters
+        return cls(**TINY, max_position_embeddings=64, local_attention=8, global_attn_every_n_layers=2,
+                   attention_dropout=0.0, embedding_dropout=0.0, mlp_dropout=0.0, cls_token_id=3,
+                   sep_token_id=4, mask_token_id=5, **SPECIAL)
+    if model_type in ("nomic_bert", "gte", "eurobert"):
+        config = cls(**TINY, max_position_embeddings=64, **SPECIAL)
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "attention_dropout", "mlp_dropout",
+                     "embedding_dropout"):
+            if hasattr(config, name):
+                setattr(config, name, 0.0)
+        return config
+    return cls(**TINY, max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+               **({"embedding_size": 32} if model_type == "electra" else {}), **SPECIAL)
+
+
+TYPES = list(ARCHITECTURES)
+
+
+def source_model(model_type: str, auto: str = "AutoModel"):
+    torch.manual_seed(0)
+    return architecture_for(model_type).source_class(auto)(tiny_config(model_type)).double().eval()
+
+
+def batch():
+    """A padded batch: sequence 0 of N tokens, sequence 1 of 9 (padding after), token ids >= 6."""
+    ids = torch.randint(6, 99, (2, N), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    ids[1, 9:] = 0
+    return ids, mask
+
+
+def all_layers(model_type):
+    """Every layer partial, for an equality check that covers every kind of layer (ModernBERT's local ones too)."""
+    return list(range(3))
+
+
+def fitted_pattern(k=5, seed=0, bias=False):
+    """A per-query pattern of n = N: the local pattern (the project's prior fit) with R moved off it, so that a kernel
+    mixing up rows or buckets shows."""
+    base = AttentionPattern.local(N, k)
+    g = torch.Generator().manual_seed(seed)
+    r = base.reconstruction + 0.05 * torch.randn(base.reconstruction.shape, generator=g, dtype=base.reconstruction.dtype)
+    b = 0.1 * torch.randn(N, N - k, generator=g) if bias else None
+    return AttentionPattern(base.indices, r, b)
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_every_key_exact_equals_the_source_in_float64(model_type):
+    """k = n (every score exact, R empty): the partial model is the source model, padded batch included."""
+    source = source_model(model_type)
+    cls = partial_class_for(model_type)
+    model = cls.from_source(source, AttentionPattern.exact(N), partial_layers=all_layers(model_type)).eval()
+    assert model.config.model_type == architecture_for(model_type).partial_model_type
+    modules = [m for _, m in model._partial_arch.attention_modules(model._partial_base())]
+    assert modules and all(is_partial(m) for m in modules)
+    ids, mask = batch()
+    with torch.no_grad():
+        ref = source(input_ids=ids, attention_mask=mask).last_hidden_state
+        for kernel in ("gather", "fused", "tiled"):
+            model.set_partial_implementation(kernel)
+            out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+            # at the real tokens: a padding query whose window holds only padding (ModernBERT's local layers) has
+            # no key to attend, and its output is the implementation's convention, in the source as here
+            real = mask.bool()
+            torch.testing.assert_close(out[real], ref[real], atol=1e-10, rtol=0, msg=f"{model_type} {kernel}")
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_a_padded_sequence_gets_what_it_gets_alone(model_type):
+    """With k < n, padding must not reach the reconstruction: sequence 1 padded in a batch equals it alone."""
+    model = partial_class_for(model_type).from_source(source_model(model_type), fitted_pattern()).eval()
+    ids, mask = batch()
+    with torch.no_grad():
+        padded = model(input_ids=ids, attention_mask=mask).last_hidden_state[1, :9]
+        alone = model(input_ids=ids[1:, :9], attention_mask=mask[1:, :9]).last_hidden_state[0]
+        exact = source_model(model_type)(input_ids=ids[1:, :9], attention_mask=mask[1:, :9]).last_hidden_state[0]
+    torch.testing.assert_close(padded, alone, atol=1e-10, rtol=0)
+    assert (alone - exact).abs().max() > 1e-6  # k < n: the pattern is in effect
+
+
+def _modes(model_type):
+    return ["fixed", "common"] + ([] if model_type == "albert" else ["per_layer"])
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_every_kernel_equals_the_reference_in_outputs_and_gradients(model_type):
+    """gather (the reference), fused and tiled (inference) on a fitted P and R, every R mode, with length buckets
+    [8, 16] and a bias: outputs and the gradients of q/k/v weights and R agree in float64."""
+    buckets = PatternBuckets({8: _bucket8(), N: fitted_pattern(bias=True)}, k=5)
+    ids, mask = batch()
+    for mode in _modes(model_type):
+        model = partial_class_for(model_type).from_source(source_model(model_type), buckets, reconstruction=mode)
+        model.train()  # dropout is 0: train mode runs the autograd kernels
+        results = {}
+        for kernel in ("gather", "fused"):
+            model.zero_grad()
+            model.set_partial_implementation(kernel)
+            out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+            (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).sum().backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            results[kernel] = out.detach(), grads
+        ref_out, ref_grads = results["gather"]
+        out, grads = results["fused"]
+        torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=0, msg=f"{model_type} {mode}")
+        assert set(grads) == set(ref_grads) and (mode == "fixed") != any("reconstruction" in n for n in grads)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, ref_grads[name], atol=1e-9, rtol=0, msg=f"{model_type} {mode} {name}")
+        model.eval().set_partial_implementation("tiled")
+        with torch.no_grad():
+            tiled = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        torch.testing.assert_close(tiled, ref_out, atol=1e-10, rtol=0)
+
+
+def _bucket8():
+    base = AttentionPattern.local(8, 3)
+    g = torch.Generator().manual_seed(2)
+    return AttentionPattern(base.indices, base.reconstruction + 0.05 * torch.randn(base.reconstruction.shape,
+                                                                                   generator=g, dtype=torch.float64),
+                            0.1 * torch.randn(8, 5, generator=g))
+
+
+def _reference(model, folder, ids, mask):
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask)[0]
+    partial = {k: v for k, v in model.state_dict().items() if "partial_pattern" in k or "reconstruction" in k}
+    torch.save({"ids": ids, "mask": mask.long(), "out": out, "partial": partial}, os.path.join(folder, "reference.pt"))
+
+
+@pytest.mark.parametrize("model_type", [t for t in TYPES if t != "bert"])  # PartialBert: test_hub.py
+def test_save_load_with_the_plugin_and_by_remote_code_without_it(model_type, tmp_path):
+    ids, mask = batch()
+    jobs = []
+    for auto, mode in (("AutoModel", "per_layer" if model_type != "albert" else "fixed"),
+                       ("AutoModelForMaskedLM", "common")):
+        model = partial_class_for(model_type, auto).from_source(source_model(model_type, auto), fitted_pattern(),
+                                                                  reconstruction=mode).float().eval()
+        folder = str(tmp_path / auto)
+        model.save_pretrained(folder)
+        factory = getattr(__import__("transformers"), auto)
+        loaded = factory.from_pretrained(folder).eval()
+        assert type(loaded) is type(model)
+        with torch.no_grad():
+            assert torch.equal(loaded(input_ids=ids, attention_mask=mask)[0], model(input_ids=ids, attention_mask=mask)[0])
+        _reference(model, folder, ids, mask)
+        jobs.append(f"{folder} {auto}")
+    env = dict(os.environ, HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-c", REMOTE, *jobs], capture_output=True, text=True, env=env, timeout=300,
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line.split("RESULT ", 1)[1] for line in proc.stdout.splitlines() if "RESULT " in line]
+    assert len(lines) == 2
+    for line in lines:
+        _, module, diff, same_r = line.split()
+        assert module == "transformers_modules" and float(diff) == 0.0 and same_r == "True", line
+
+
+@pytest.mark.parametrize("model_type", ["roberta", "modernbert", "distilbert", "albert"])
+def test_a_checkpoint_without_p_is_refused_naming_the_tensor(model_type, tmp_path):
+    model = partial_class_for(model_type).from_source(source_model(model_type), fitted_pattern())
+    model.save_pretrained(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    name = next(k for k in state if k.endswith("partial_pattern.indices"))
+    del state[name]
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"missing: \['{name}'\]"):
+        AutoModel.from_pretrained(tmp_path)
+
+
+def test_a_roberta_is_not_converted_into_partial_bert():
+    with pytest.raises(ValueError, match="'roberta' model, but BertModel loads 'bert'"):
+        hf_partial_attention.PartialBertModel.from_bert(source_model("roberta"), AttentionPattern.exact(N))
+
+
+def test_albert_refuses_r_per_layer_and_a_split_layer_group():
+    cls = partial_class_for("albert")
+    with pytest.raises(ValueError, match="per_layer.*share one attention module"):
+        cls.from_source(source_model("albert"), fitted_pattern(), reconstruction="per_layer")
+    with pytest.raises(ValueError, match="splits layers that share one attention module"):
+        cls.from_source(source_model("albert"), fitted_pattern(), partial_layers=[0, 1])
+    assert cls.from_source(source_model("albert"), fitted_pattern()).config.partial_layers == [0, 1, 2]
+
+
+def test_modernbert_makes_its_global_layers_but_the_last_partial_by_default():
+    model = partial_class_for("modernbert").from_source(source_model("modernbert"), fitted_pattern())
+    assert model.config.layer_types == ["full_attention", "sliding_attention", "full_attention"]
+    assert model.config.partial_layers == [0]  # layer 2 is global but last; layer 1 is local
+    assert [is_partial(layer.attn) for layer in model.layers] == [True, False, False]
+
+
+def test_output_attentions_gives_every_layers_map():
+    model = partial_class_for("roberta").from_source(source_model("roberta"), fitted_pattern()).eval()
+    ids, mask = batch()
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, output_attentions=True)
+    assert len(out.attentions) == 3 and all(a.shape == (2, 4, N, N) for a in out.attentions)
+    torch.testing.assert_close(out.attentions[0].sum(-1)[0], torch.ones(4, N, dtype=torch.float64))
