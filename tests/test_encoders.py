@@ -229,3 +229,23 @@ def test_output_attentions_gives_every_layers_map():
         out = model(input_ids=ids, attention_mask=mask, output_attentions=True)
     assert len(out.attentions) == 3 and all(a.shape == (2, 4, N, N) for a in out.attentions)
     torch.testing.assert_close(out.attentions[0].sum(-1)[0], torch.ones(4, N, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_export_with_a_dynamic_batch_and_length_up_to_n(model_type):
+    """torch.export with a dynamic batch and sequence length (<= n, n included) from a full-length padded example,
+    as for the source model; the program equals the eager model at other batch sizes and lengths."""
+    from torch.export import Dim
+
+    model = partial_class_for(model_type).from_source(source_model(model_type), fitted_pattern()).float().eval()
+    ids, mask = batch()
+    dims = {0: Dim("batch", min=1, max=8), 1: Dim("seq", min=2, max=N)}
+    with torch.no_grad():
+        program = torch.export.export(model, (), {"input_ids": ids, "attention_mask": mask},
+                                      dynamic_shapes={"input_ids": dims, "attention_mask": dims}).module()
+        for b, t in ((1, 7), (3, N), (2, 11)):
+            ids = torch.randint(6, 99, (b, t), generator=torch.Generator().manual_seed(t))
+            mask = torch.ones_like(ids)
+            mask[0, t - 2:] = 0
+            torch.testing.assert_close(program(input_ids=ids, attention_mask=mask).last_hidden_state,
+                                       model(input_ids=ids, attention_mask=mask).last_hidden_state, atol=1e-5, rtol=0)

@@ -22,7 +22,7 @@ from torch import nn
 from .reconstruction import complement_indices, inverse_permutation
 
 __all__ = ["PatternStructure", "MIN_SHARED_ROWS", "TILE_ELEMENTS", "PatternLayout", "PartialTensors", "DerivedState",
-           "block_rows", "shared_rows", "reconstruction_matrix", "bias_in_key_order", "check_length", "masked_keys",
+           "block_rows", "shared_rows", "reconstruction_matrix", "bias_in_key_order", "check_length", "full_length", "first_keys", "masked_keys",
            "masked_at_p", "gathered_scores", "structured_scores", "masked_exact_scores", "rows_first", "needs_grad",
            "softmax_in_place", "normalised_in_place", "tile_groups", "broadcast_slice", "tie_rows"]
 
@@ -188,6 +188,21 @@ class PartialTensors(NamedTuple):
         return self.derived.matrix(self.layout, r, dtype)
 
 
+def full_length(t, n: int) -> bool:
+    """Whether an input of ``t`` tokens fills the pattern's n, for the shortcuts that skip padding to n. A symbolic
+    length (``torch.export`` with a dynamic sequence dimension) takes the general path, which is also right at t = n
+    (it pads by zero positions), so the exported program serves every length up to n instead of specialising."""
+    return not isinstance(t, torch.SymInt) and t == n
+
+
+def first_keys(scores: torch.Tensor, t) -> torch.Tensor:
+    """``scores[..., :t]``, the first ``t`` keys; for a symbolic ``t`` (a dynamic exported length) as a fresh tensor
+    (index_select), since a slice's contiguity (t = n or not) would be a guard that specialises the length."""
+    if isinstance(t, torch.SymInt):
+        return scores.index_select(-1, torch.arange(t, device=scores.device))
+    return scores[..., :t]
+
+
 def check_length(t: int, n: int) -> None:
     """Refuse an input of ``t`` tokens longer than the pattern's ``n`` (P and R exist for n positions only)."""
     if t > n:
@@ -212,14 +227,14 @@ def masked_at_p(masked: torch.Tensor | None, indices: torch.Tensor, t: int) -> t
     ``(B|1, 1|H, T, T)``, True = masked, or None) and keys at positions >= T; None when there are none."""
     n, k = indices.shape
     if masked is None:
-        return None if t == n else (indices[:t] >= t)[None, None]  # (1, 1, T, k)
+        return None if full_length(t, n) else (indices[:t] >= t)[None, None]  # (1, 1, T, k)
     masked = nn.functional.pad(masked, (0, n - t), value=True)  # (B|1, 1|H, T, n)
     return masked.gather(-1, indices[:t].expand(*masked.shape[:2], t, k))
 
 
 def _padded_keys(key: torch.Tensor, n: int) -> torch.Tensor:
     t = key.shape[2]
-    return key if t == n else nn.functional.pad(key, (0, 0, 0, n - t))  # (B, H, n, D): zero keys beyond the input
+    return key if full_length(t, n) else nn.functional.pad(key, (0, 0, 0, n - t))  # (B, H, n, D): zero keys beyond T
 
 
 def gathered_scores(query: torch.Tensor, key: torch.Tensor, indices: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -241,7 +256,7 @@ def structured_scores(query: torch.Tensor, key: torch.Tensor, layout: PatternLay
         full = torch.matmul(query, key.transpose(-1, -2))  # (B, H, T, n); scaled after the selection (n·k, not n²)
         return full.gather(-1, layout.indices[:t].expand(b, h, t, k)) * scaling
     nb = n // rows
-    query = query if t == n else nn.functional.pad(query, (0, 0, 0, n - t))  # (B, H, n, D)
+    query = query if full_length(t, n) else nn.functional.pad(query, (0, 0, 0, n - t))  # (B, H, n, D)
     # index_select rather than key[:, :, indices[::rows]]: faster on CPU, and so is its backward (index_add).
     cols = key.index_select(2, layout.indices[::rows].flatten()).view(b, h, nb, k, d)  # (B, H, nb, k, D)
     exact = torch.matmul(query.view(b, h, nb, rows, d), cols.transpose(-1, -2)) * scaling  # (B, H, nb, rows, k)

@@ -11,8 +11,9 @@ convention and all giving the reference's numbers and gradients:
 - ``triton`` (`attention_triton`): one GPU kernel, the n×n scores never in memory.
 
 Whatever the setting, a call that asks for the attention map runs ``gather`` (as transformers runs eager attention
-for ``output_attentions``), ``tiled`` under autograd runs ``fused``, and under ``torch.export`` with autograd on the
-reference runs (an exported program keeps a kernel's forward ops, not its autograd Function, and replays them under
+for ``output_attentions``), ``tiled`` under autograd runs ``fused``, a dynamic (symbolic) batch or length of
+``torch.export(..., dynamic_shapes=...)`` runs the reference (its shapes follow the input's, where the fast kernels'
+tile sizes would specialise the length), and under ``torch.export`` with autograd on the reference runs (an exported program keeps a kernel's forward ops, not its autograd Function, and replays them under
 autograd, where the in-place ``out=`` ops refuse to run).
 
 ``"auto"`` (`auto_kernel`): ``triton`` on a CUDA device when triton is installed (head size a power of two >= 16,
@@ -70,7 +71,10 @@ def kernel_for(implementation: str, partial: PartialTensors, query: torch.Tensor
     """The kernel a call runs for the setting ``implementation`` (see the module docstring)."""
     check_implementation(implementation)
     grad = needs_grad(query, key, value, partial.reconstruction, partial.bias)
-    if need_weights or (grad and torch.compiler.is_exporting()):
+    # A dynamic (symbolic) batch or length, as torch.export with dynamic_shapes traces it: the reference, whose
+    # shapes follow the input's (the fast kernels' tile sizes would specialise the length to the example's).
+    dynamic = torch.compiler.is_exporting() and any(isinstance(size, torch.SymInt) for size in query.shape[:3])
+    if need_weights or dynamic or (grad and torch.compiler.is_exporting()):
         return "gather"
     if implementation == "auto":
         implementation = auto_kernel(partial.layout, query.device, query.shape[-1], grad, dropout)

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from .attention_common import (PartialTensors, PatternLayout, PatternStructure, bias_in_key_order, broadcast_slice,
-                               check_length, masked_at_p, masked_exact_scores, masked_keys, needs_grad,
+                               check_length, full_length, masked_at_p, masked_exact_scores, masked_keys, needs_grad,
                                normalised_in_place, rows_first, tile_groups)
 
 __all__ = ["fused_attention"]
@@ -40,7 +40,7 @@ def _scatter_to_complement(full: torch.Tensor, layout: PatternLayout, t: int, di
     ``(n, n−k)``: the entries at P̄_i, zero for rows and keys beyond the input."""
     n, k = layout.indices.shape
     comp = layout.complement  # (n, n-k)
-    if t < n:
+    if not full_length(t, n):
         padded = full.new_zeros((n, k, n) if dim_k else (n, n))
         padded[(slice(t), slice(None), slice(t)) if dim_k else (slice(t), slice(t))] = full
         full = padded

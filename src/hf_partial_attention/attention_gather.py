@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention_common import PartialTensors, masked_exact_scores
+from .attention_common import PartialTensors, first_keys, masked_exact_scores
 
 __all__ = ["gather_attention", "reconstruct_scores"]
 
@@ -52,7 +52,7 @@ def gather_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     exact, additive = masked_exact_scores(query, key, attention_mask, layout, scaling, structured=False)
     scores = reconstruct_scores(exact, reconstruction.to(exact.dtype), None if bias is None else bias.to(exact.dtype),
                                 layout.inverse_permutation)
-    scores = scores[..., :query.shape[2]]  # (B, H, T, T): reconstructed scores of keys beyond the input are dropped
+    scores = first_keys(scores, query.shape[2])  # (B, H, T, T): reconstructed scores of keys beyond the input are dropped
     if additive is not None:
         scores = scores + additive
     probs = nn.functional.softmax(scores, dim=-1)
