@@ -249,3 +249,19 @@ def test_export_with_a_dynamic_batch_and_length_up_to_n(model_type):
             mask[0, t - 2:] = 0
             torch.testing.assert_close(program(input_ids=ids, attention_mask=mask).last_hidden_state,
                                        model(input_ids=ids, attention_mask=mask).last_hidden_state, atol=1e-5, rtol=0)
+
+
+def test_the_real_minilm_through_the_generic_path_equals_from_bert(minilm_path):
+    """PartialBert is the BERT entry: `partial_class_for` + `from_source` and `PartialBertModel.from_bert` of the same
+    pattern give the same embeddings of the real MiniLM."""
+    from transformers import AutoTokenizer
+
+    pattern = AttentionPattern.local(128, 16)
+    generic = partial_class_for(AutoConfig.from_pretrained(minilm_path).model_type).from_source(minilm_path, pattern)
+    bert = hf_partial_attention.PartialBertModel.from_bert(minilm_path, pattern)
+    assert type(generic) is type(bert)
+    enc = AutoTokenizer.from_pretrained(minilm_path)(["The quick brown fox.", "Attention is low rank, the paper finds."],
+                                                     padding=True, return_tensors="pt")
+    with torch.no_grad():
+        diff = (generic.eval()(**enc).last_hidden_state - bert.eval()(**enc).last_hidden_state).abs().max()
+    assert float(diff) <= 1e-6

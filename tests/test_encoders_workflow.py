@@ -112,3 +112,92 @@ def test_convert_refuses_a_model_it_cannot_run_in_one_line_writing_nothing(kind,
     assert len(err.splitlines()) == 1 and f"model type {kind!r}" in err and why in err, err
     assert "roberta" in err and "modernbert" in err  # what is supported
     assert not out.exists()
+
+
+@pytest.mark.parametrize("model_type", ["roberta", "modernbert", "distilbert"])
+def test_recovery_by_attention_transfer_and_distillation_from_the_exact_twin(model_type, tmp_path):
+    """A converted masked LM recovers under `PartialAttentionTrainer` (its exact twin built from it): attention
+    transfer trains R only, and its loss falls; distillation then trains the rest; the teacher stays frozen."""
+    from test_encoders import fitted_pattern, source_model
+
+    from hf_partial_attention import partial_class_for
+    from hf_partial_attention.training.recovery import exact_teacher
+
+    source = source_model(model_type, "AutoModelForMaskedLM").float()
+    with torch.no_grad():  # peaked attention (a random init's is near uniform, where partial is already exact)
+        for name, p in source.named_parameters():
+            if any(part in name for part in (".query.", ".key.", ".q_lin.", ".k_lin.", ".Wqkv.")):
+                p.mul_(25.0)
+    def convert():
+        return partial_class_for(model_type, "AutoModelForMaskedLM").from_source(source, fitted_pattern(),
+                                                                                reconstruction="per_layer")
+
+    teacher = exact_teacher(convert())
+    assert type(teacher) is type(source)
+    ids = torch.randint(6, 99, (16, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(teacher(input_ids=ids[:2]).logits, source(input_ids=ids[:2]).logits)
+    windows = [{"input_ids": row, "attention_mask": torch.ones_like(row)} for row in ids]
+
+    class Collator:  # MLM labels: every 4th token, the rest ignored
+        def __call__(self, rows):
+            out = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+            out["labels"] = torch.where(torch.arange(16) % 4 == 0, out["input_ids"], -100)
+            return out
+
+    def run(objective, steps, **kw):
+        model = convert()  # attention transfer freezes all but R: each run starts from the conversion
+        args = PartialAttentionTrainingArguments(
+            output_dir=str(tmp_path / objective), max_steps=steps, per_device_train_batch_size=4, logging_steps=1,
+            learning_rate=1e-3, reconstruction_learning_rate=1e-2, use_cpu=True, report_to="none",
+            disable_tqdm=True, save_strategy="no", recovery_objective=objective, **kw)
+        trainer = PartialAttentionTrainer(model=model, args=args, train_dataset=windows, data_collator=Collator())
+        before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        trainer.train()
+        changed = {k for k, v in model.state_dict().items() if v.is_floating_point() and not torch.equal(v, before[k])}
+        return trainer, changed
+
+    trainer, changed = run("attention_transfer", 6, attention_transfer_parameters="reconstruction")
+    assert changed and all("reconstruction" in name for name in changed)
+    losses = [h["recovery/attention_transfer"] for h in trainer.state.log_history if "loss" in h]
+    assert losses[-1] < losses[0]
+    trainer, changed = run("attention_transfer,distill", 2)
+    assert any("reconstruction" not in name for name in changed)
+    assert not any(p.requires_grad for p in trainer.teacher_model.parameters())
+
+
+def test_attention_transfer_is_refused_for_albert_naming_the_alternative():
+    from test_encoders import fitted_pattern, source_model
+
+    from hf_partial_attention import partial_class_for
+    from hf_partial_attention.training.recovery import attention_modules
+
+    model = partial_class_for("albert").from_source(source_model("albert"), fitted_pattern())
+    with pytest.raises(ValueError, match="one attention module in several layers.*distill"):
+        attention_modules(model)
+
+
+def test_a_sentence_transformers_roberta_converts_with_its_pooling_and_normalisation(encoders, tmp_path):
+    """A sentence-transformers model on a RoBERTa: converted with k = n it embeds as the original (its mean pooling
+    and Normalize carried over); with k < n it loads and embeds unit vectors."""
+    from sentence_transformers import SentenceTransformer, models
+
+    from hf_partial_attention.analysis.workflow import convert
+
+    body = models.Transformer(encoders["roberta"], max_seq_length=16)
+    pooling = models.Pooling(body.get_word_embedding_dimension(), pooling_mode="mean")
+    original = SentenceTransformer(modules=[body, pooling, models.Normalize()], device="cpu")
+    st_dir = tmp_path / "st"
+    original.save(str(st_dir))
+    texts = default_texts()[20:23]
+    for name, pattern in (("exact", AttentionPattern.exact(16)), ("k5", AttentionPattern.local(16, 5))):
+        path = tmp_path / f"{name}.safetensors"
+        AttentionPattern(pattern.indices, pattern.reconstruction, metadata={"source_model": str(st_dir)}).save(path)
+        result = convert(str(path), str(tmp_path / name), reconstruction="fixed")
+        assert result["partial_class"] == "PartialRobertaModel" and result["sentence_transformers"]
+        converted = SentenceTransformer(str(tmp_path / name), device="cpu", trust_remote_code=True)
+        assert type(converted[0].auto_model).__name__ == "PartialRobertaModel"
+        emb = converted.encode(texts, convert_to_tensor=True)
+        torch.testing.assert_close(emb.norm(dim=-1), torch.ones(len(texts)), atol=1e-5, rtol=0)
+        if name == "exact":
+            torch.testing.assert_close(emb, original.encode(texts, convert_to_tensor=True), atol=1e-5, rtol=0)

@@ -178,6 +178,10 @@ def attention_modules(model: nn.Module, layers=None) -> dict[int, nn.Module]:
     for index, module in architecture_for(inner.config).attention_modules(base):
         if layers is None or index in layers:
             found.setdefault(index, module)
+    if len({id(m) for m in found.values()}) < len(found):  # ALBERT: one module serves several layers
+        raise ValueError(f"{inner.config.model_type!r} runs one attention module in several layers, so layer-local "
+                         "attention transfer cannot tell its layers apart; use recovery_objective='distill' (or "
+                         "'embedding').")
     return found
 
 
