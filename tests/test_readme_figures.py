@@ -1,6 +1,6 @@
-"""Every figure README.md quotes is read from a committed results file.
+"""Every figure README.md and docs/ quote is read from a committed results file.
 
-The convention (README.md, "What to expect"): a measured figure is the text of a Markdown link to the results file
+The convention (docs/results.md, the measurements the README's "Results" points to): a measured figure is the text of a Markdown link to the results file
 it comes from, and the link's title says where in that file:
 
 - a ``.json`` file: one JSON pointer per number in the link text, separated by ``;``. A pointer is ``/``-separated
@@ -27,6 +27,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+RESULTS = ROOT / "docs" / "results.md"  # the measurement-by-measurement page (the README's "What to expect" once)
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 
 # A Markdown link with a title: [text](path "title").
@@ -138,9 +139,9 @@ def check_figure(text: str, target: str, title: str) -> list[str]:
     return problems
 
 
-def test_readme_quotes_figures():
-    # The convention is in use: the figures of "What to expect" are links (not, say, all dropped by an edit).
-    assert len(figure_links(README)) >= 40
+def test_results_page_quotes_figures():
+    # The convention is in use: the figures of the results page are links (not, say, all dropped by an edit).
+    assert len(figure_links(RESULTS)) >= 40
 
 
 @pytest.mark.parametrize("path", [README, *DOCS], ids=lambda p: p.relative_to(ROOT).as_posix())
@@ -158,17 +159,19 @@ MEASUREMENT = re.compile(
 ALLOWED = re.compile(r"Python \d+\.\d+|torch \d+\.\d+(?:\.\d+)?|by more than \d+ %")
 
 
-def test_no_unlinked_measurements():
-    text = _strip_code(README.read_text(encoding="utf-8"))
-    text = LINK.sub(lambda m: "FIGURE" if (m.group(2).split("#")[0]).startswith(RESULT_DIRS) else m.group(0), text)
+@pytest.mark.parametrize("path", [README, RESULTS], ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_no_unlinked_measurements(path):
+    text = _strip_code(path.read_text(encoding="utf-8"))
+    text = LINK.sub(lambda m: "FIGURE" if (path.parent / m.group(2).split("#")[0]).resolve().relative_to(ROOT)
+                    .as_posix().startswith(RESULT_DIRS) else m.group(0), text)
     text = ALLOWED.sub("", text)
     unlinked = [(text.count("\n", 0, m.start()) + 1, m.group(0)) for m in MEASUREMENT.finditer(text)]
-    assert not unlinked, f"measurements in README.md without a results link: {unlinked}"
+    assert not unlinked, f"measurements in {path.name} without a results link: {unlinked}"
 
 
 def test_checker_catches_a_drifted_figure():
     # The check itself can fail: a figure one digit off its file, a wrong pointer, a missing quote.
-    line, text, target, title = next(f for f in figure_links(README) if f[2].endswith(".json") and "x" in f[1])
+    line, text, target, title = next(f for f in figure_links(RESULTS) if f[2].endswith(".json") and "x" in f[1])
     assert not check_figure(text, target, title)
     shown = _numbers(text)[0]
     drifted = text.replace(shown, shown[:-1] + str((int(shown[-1]) + 1) % 10), 1)
