@@ -249,7 +249,7 @@ def test_card_snippets_run_as_printed_on_converted_folders(derived, minilm_conve
 
 def test_readme_quickstart_writes_a_folder_its_card_loads(tiny_bert_dir, tmp_path, monkeypatch):
     readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    quick = re.search(r"## Quickstart\n\n```python\n(.*?)```", readme, flags=re.S).group(1)
+    quick = re.search(r"## PartialBert and the paper\n\n[^`]*```python\n(.*?)```", readme, flags=re.S).group(1)
     assert quick.count('"bert-base-uncased"') >= 1 and 'save_pretrained("pbert")' in quick
     monkeypatch.chdir(tmp_path)
     os.makedirs("runs/demo/patterns")

@@ -16,7 +16,6 @@ the installed package: ``python -m experiments`` in a checkout runs them.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shlex

@@ -28,7 +28,6 @@ from transformers import (
 from transformers.utils.hub import hf_api
 
 from . import model_card
-from .architectures import HEAD_SUFFIXES
 from .configuration_partial_bert import PartialBertConfig
 from .configuration_partial_encoders import PARTIAL_CONFIG_CLASSES
 from .modeling_partial import PartialModelMixin

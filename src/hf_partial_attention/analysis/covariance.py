@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 
 from ..cost import SCOPES
 from ..pattern import open_tagged_file
+from .memory import available_memory_bytes, estimate_bytes, gib as _gib
 
 logger = logging.getLogger(__name__)
 
@@ -41,33 +42,6 @@ _META_KEY = "hf_partial_attention_covariance"
 _FORMAT_VERSION = "1"  # one count per group (every row reached by every score matrix)
 _ROWS_FORMAT_VERSION = "2"  # with per-row counts (`update(..., lengths=...)`)
 _READ_VERSIONS = (_FORMAT_VERSION, _ROWS_FORMAT_VERSION)
-
-
-def estimate_bytes(seq_len: int, scopes, num_groups: int = 1) -> int:
-    """Bytes of float64 accumulators for ``num_groups`` groups at sequence length n."""
-    n = seq_len
-    per_group = n * n * 8
-    if "per_query" in scopes:
-        per_group += n ** 3 * 8
-    if "whole" in scopes:
-        per_group += n ** 4 * 8
-    return per_group * num_groups
-
-
-def available_memory_bytes() -> int:
-    """MemAvailable from /proc/meminfo (Linux), else total physical memory."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def _gib(num_bytes: float) -> str:
-    return f"{num_bytes / 2 ** 30:.2f} GiB"
 
 
 @dataclass

@@ -17,8 +17,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..cost import saving_warning, score_cost
-from ..pattern import AttentionPattern
-from ..pattern_buckets import PatternBuckets, is_single_pattern_file
 from . import plots, spectra
 from .baselines import build_methods
 from .collect import collect_covariance, display_name, hub_id, load_model_and_tokenizer, run_windows
@@ -28,6 +26,7 @@ from .distributed import process_info
 from .evaluation import ErrorMeter, LinearReconstructor
 from .fit_checks import MIN_WINDOWS_PER_POSITION, check_seq_len, fit_size_warning
 from .report import write_report
+from .convert import convert  # noqa: F401 (workflow.convert: analyze -> derive -> convert in one place)
 from .selection import error_curve, select_patterns
 
 logger = logging.getLogger(__name__)
@@ -322,94 +321,3 @@ def _evaluate(cov, patterns: dict, scope: str, held_path: str, with_baselines, b
     return {"windows": int(windows.shape[0]), "scope": scope, "score_matrices": meter.count,
             "total_variance": meter.total_variance,
             "train_total_variance": cov.total_variance(centered=True), "methods": rows}
-
-
-def convert(pattern_path: str, out_dir: str, model: Any = None, *, reconstruction: str = "common",
-            verify: bool = True, command: str | None = None) -> dict:
-    """Write a partial checkpoint (weights of ``model``, P and R of the pattern) and check it reloads with
-    ``AutoModel``. ``model`` defaults to the pattern's ``source_model``; its architecture picks the partial class
-    (`partial_class_for`: PartialBert for BERT, PartialRoberta for RoBERTa, ...), and a model partial attention cannot
-    run in (a decoder, DeBERTa-v2, MPNet, ...) is refused before anything is written (`UnsupportedModelError`).
-
-    ``pattern_path`` is a single pattern (`AttentionPattern`, installed as it is) or length buckets
-    (`PatternBuckets`, ``patterns/buckets_k<k>.safetensors`` of `lengths.derive_lengths`: passed whole to
-    ``from_source``); the checks, the card's pattern facts and n are those of its longest bucket.
-
-    The tokenizer is saved with ``model_max_length = n`` (pipelines with ``truncation=True`` then cut inputs to n);
-    a sentence-transformers source also gets its modules, pooling and ``max_seq_length ≤ n`` (`sentence_folder`),
-    so that ``SentenceTransformer(out_dir, trust_remote_code=True)`` loads the converted model.
-
-    The model card states where P and R came from (the pattern's method, source model, windows, predicted and
-    held-out errors), ``command`` (the command line that made the checkpoint, when given) and that the checkpoint
-    is converted, not retrained; the same record goes into ``config.partial_conversion`` for later cards. The
-    card's ``base_model`` is a Hub id (`convert_checks.base_model_id`) or left out.
-
-    Raises ValueError for a whole-matrix pattern, a file that is not a pattern, or a pattern for more positions
-    than the model has, and FileNotFoundError for a missing file. Logs a warning (also in ``result["warnings"]``)
-    when k saves no work at the model's d_h and when the pattern was derived on another model."""
-    from transformers import AutoModel, AutoTokenizer
-
-    from ..model_card import conversion_record, write_model_card
-    from ..architectures import check_supported
-    from ..modeling_partial_encoders import partial_class_for
-    from ..sentence_folder import sentence_transformers_folder, write_sentence_transformers_files
-    from .convert_checks import (base_model_id, check_convertible, head_dim, pattern_source_name, source_config,
-                                 source_warnings)
-
-    if is_single_pattern_file(os.fspath(pattern_path)):
-        single = AttentionPattern.load(pattern_path)
-        if single.scope != "per_query":
-            check_convertible(single, pattern_path, None, "")  # raises: whole-matrix patterns are for analysis
-        buckets = PatternBuckets.single(single)
-    else:
-        buckets = PatternBuckets.load(pattern_path)
-    if not buckets.patterns:
-        raise ValueError(f"{pattern_path!r} holds only exact buckets {buckets.lengths} (each b <= k = {buckets.k}): "
-                         "nothing to convert; derive with a smaller --k.")
-    # the longest bucket's pattern stands for the set in the checks and the card (it names the source and n)
-    pattern = buckets.patterns[buckets.partial_lengths[-1]]
-    installed = pattern if len(buckets.lengths) == 1 else buckets
-    source = model if model is not None else (pattern.metadata.get("source_model")
-                                              or buckets.metadata.get("source_model"))
-    if not source:
-        raise ValueError(f"{pattern_path!r} names no source_model; pass model=<path or Hub id of a BERT model>.")
-    base_id = base_model_id(pattern, model)
-    name = base_id or display_name(source)
-    config = source_config(source)
-    check_supported(config)  # one line naming the model type and what is supported; nothing is written
-    warnings = check_convertible(pattern, pattern_path, config, name)
-    warnings += source_warnings(pattern, pattern_path, model, config, name)
-    partial = partial_class_for(config.model_type).from_source(source, installed, reconstruction=reconstruction)
-    partial.config.partial_base_model = base_id  # a Hub id or nothing: a local path names no Hub repo
-    record = conversion_record(pattern, pattern_path, pattern_source_name(pattern) or name, command)
-    record["converted_model"] = name
-    if installed is buckets:
-        record.update(seq_len=buckets.seq_len, lengths=buckets.lengths, lengths_k=buckets.lengths_k,
-                      exact_lengths=buckets.exact_lengths,
-                      bucket_heldout_error={str(b): p.metadata.get("heldout_normalized_error")
-                                            for b, p in buckets.patterns.items()})
-    partial.config.partial_conversion = record
-    partial.save_pretrained(out_dir, write_model_card=False)  # the card comes last, when the folder is complete
-    result = {"checkpoint": out_dir, "pattern": pattern_path, "source_model": str(source),
-              "source_model_id": name, "base_model": base_id, "k": pattern.k,
-              "seq_len": buckets.seq_len, "lengths": buckets.lengths, "lengths_k": buckets.lengths_k,
-              "partial_layers": list(partial.config.partial_layers), "head_dim": head_dim(partial.config),
-              "model_type": config.model_type, "partial_class": type(partial).__name__, "warnings": warnings}
-    if isinstance(source, (str, os.PathLike)):
-        tokenizer = AutoTokenizer.from_pretrained(os.fspath(source))
-        tokenizer.model_max_length = min(tokenizer.model_max_length, buckets.seq_len)
-        tokenizer.save_pretrained(out_dir)
-        st_dir = sentence_transformers_folder(source)
-        if st_dir is not None:
-            result["sentence_transformers"] = write_sentence_transformers_files(st_dir, out_dir, buckets.seq_len)
-    short = os.path.basename(os.path.normpath(name))
-    result["card"] = write_model_card(partial, out_dir, overwrite=True, untrained_conversion=True,
-                                      model_name=f"{short} with partial attention (k = {pattern.k})")
-    if verify:
-        reloaded = AutoModel.from_pretrained(out_dir).eval()
-        ids = torch.randint(0, partial.config.vocab_size, (1, buckets.seq_len))
-        with torch.no_grad():
-            diff = (reloaded(input_ids=ids).last_hidden_state
-                    - partial.eval()(input_ids=ids).last_hidden_state).abs().max()
-        result.update(reloaded_class=type(reloaded).__name__, reload_max_abs_diff=float(diff))
-    return result
