@@ -11,7 +11,8 @@ from transformers.models.bert.modeling_bert import BertSelfAttention
 from transformers.models.big_bird.modeling_big_bird import BigBirdBlockSparseAttention, BigBirdModel
 from transformers.models.nystromformer.modeling_nystromformer import NystromformerSelfAttention
 
-from hf_partial_attention import AttentionPattern, PartialBertConfig, PartialBertModel
+from hf_partial_attention import AttentionPattern, PartialBertConfig, PartialBertModel, partial_class_for
+from hf_partial_attention.architectures import ARCHITECTURES
 from hf_partial_attention.cost import forward_ratio
 from hf_partial_attention.modeling_partial_bert import PartialBertPattern, PartialBertSelfAttention
 from hf_partial_attention.analysis.selection import DEFAULT_BLOCK_ROWS
@@ -138,20 +139,27 @@ def peer_modules(b: int, n: int, hidden: int, heads: int, k: int, seed: int = 0)
     }
 
 
-def base_models(layers: int, hidden: int, heads: int, n: int, k: int, seed: int = 0) -> dict:
-    """BertModel (eager and SDPA) and PartialBertModels with identical weights: every layer but the last partial,
-    the "shared" pattern (P and R shared by blocks of rows; R fixed: a trained R would get per-row gradients and stop
-    being shared, see README) and, for comparison,
-    the per-query nearest-keys pattern; ``partial_implementation="auto"``, SDPA in the exact last layer."""
+def base_models(layers: int, hidden: int, heads: int, n: int, k: int, seed: int = 0, arch: str = "bert") -> dict:
+    """The source model (eager and SDPA) and its partial models with identical weights: every layer but the last
+    partial, the "shared" pattern (P and R shared by blocks of rows; R fixed: a trained R would get per-row gradients
+    and stop being shared, see README) and, for BERT, for comparison, the per-query nearest-keys pattern;
+    ``partial_implementation="auto"``, SDPA in the exact last layer. ``arch``: a source ``model_type`` of
+    `architectures.ARCHITECTURES` (``"roberta"``: RobertaModel and PartialRobertaModel, named so)."""
     torch.manual_seed(seed)
+    entry = ARCHITECTURES[arch]
+    config_class, source_class = entry.config_class(), entry.source_class()
     cfg = dict(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads, intermediate_size=4 * hidden,
-               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=max(512, n))
-    bert = BertModel(BertConfig(**cfg, attn_implementation="eager"))
-    sdpa = BertModel(BertConfig(**cfg, attn_implementation="sdpa"))
-    sdpa.load_state_dict(bert.state_dict())
+               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+               max_position_embeddings=max(512, n) + (2 if arch != "bert" else 0))  # RoBERTa's positions start at 2
+    eager = source_class(config_class(**cfg, attn_implementation="eager"))
+    sdpa = source_class(config_class(**cfg, attn_implementation="sdpa"))
+    sdpa.load_state_dict(eager.state_dict())
     local = AttentionPattern.local(n, k)
     shared = AttentionPattern(pattern_indices("shared_blocks", n, k), shared_r(local.reconstruction, n))
-    models = {"BertModel eager": bert, "BertModel sdpa": sdpa}
-    for name, pattern in (("PartialBert shared", shared), ("PartialBert per_query", local)):
-        models[name] = PartialBertModel.from_bert(bert, pattern, reconstruction="fixed", attn_implementation="sdpa")
+    name = source_class.__name__
+    models = {f"{name} eager": eager, f"{name} sdpa": sdpa}
+    patterns = (("shared", shared), ("per_query", local)) if arch == "bert" else (("shared", shared),)
+    for kind, pattern in patterns:
+        models[f"Partial{entry.prefix} {kind}"] = partial_class_for(arch).from_source(
+            eager, pattern, reconstruction="fixed", attn_implementation="sdpa")
     return models

@@ -32,14 +32,19 @@ logger = logging.getLogger("bench")
 # The goals of issue 11 are read at these shapes (report.GOALS); ks include k >= d to show where the method loses.
 FULL = {"shapes": [dict(b=32, h=12, n=128, d=64, ks=[16, 32, 64]), dict(b=8, h=12, n=512, d=64, ks=[32, 64])],
         "models": [dict(layers=12, hidden=768, heads=12, b=32, n=128, k=16, modes=["inference", "training step"]),
-                   dict(layers=12, hidden=768, heads=12, b=8, n=512, k=32, modes=["inference"])],
+                   dict(layers=12, hidden=768, heads=12, b=8, n=512, k=32, modes=["inference"]),
+                   # RoBERTa-base's shape, through the same mechanism (issue 33): PartialRoberta beside RobertaModel
+                   dict(arch="roberta", layers=12, hidden=768, heads=12, b=32, n=128, k=16,
+                        modes=["inference", "training step"])],
         # A batch of real-input lengths (issue 23): MiniLM's shape (d_h = 32), buckets as the demo's checkpoint.
         "mixed": [dict(layers=6, hidden=384, heads=12, b=32, n=128, k=16, lengths=[16, 32, 64, 128],
                        t_range=[10, 75], bucket_k={64: 24})],
         "repeats": 7, "model_repeats": 5}
 QUICK = {"shapes": [dict(b=2, h=2, n=16, d=8, ks=[4, 8]), dict(b=1, h=2, n=32, d=8, ks=[4])],
          "models": [dict(layers=2, hidden=32, heads=4, b=2, n=16, k=4, modes=["inference", "training step"]),
-                    dict(layers=2, hidden=32, heads=4, b=1, n=32, k=4, modes=["inference"])],
+                    dict(layers=2, hidden=32, heads=4, b=1, n=32, k=4, modes=["inference"]),
+                    dict(arch="roberta", layers=2, hidden=32, heads=4, b=2, n=16, k=4,
+                         modes=["inference", "training step"])],
          "mixed": [dict(layers=2, hidden=32, heads=4, b=4, n=32, k=4, lengths=[8, 16, 32], t_range=[3, 30],
                         bucket_k={16: 6})],
          "repeats": 2, "model_repeats": 1}
@@ -119,11 +124,13 @@ def model_rows(spec: dict, repeats: int) -> list[dict]:
     """BertModel (eager, SDPA) and PartialBertModel (auto) side by side: inference forward, and a training step
     (forward, backward of the mean squared last hidden state, AdamW step). ``spec["models"]``, when given, names
     the models to time (of `cases.base_models`; both BertModels are needed as baselines)."""
-    models = base_models(spec["layers"], spec["hidden"], spec["heads"], spec["n"], spec["k"])
+    arch = spec.get("arch", "bert")
+    models = base_models(spec["layers"], spec["hidden"], spec["heads"], spec["n"], spec["k"], arch=arch)
+    base_eager, base_sdpa = list(models)[:2]  # the source model, eager and SDPA: the baselines
     chosen = spec.get("models", list(models))
-    if not {"BertModel eager", "BertModel sdpa"} <= set(chosen) <= set(models):
-        raise ValueError(f"spec['models'] = {chosen!r}: name models of {list(models)}, both BertModels included "
-                         "(they are the baselines)")
+    if not {base_eager, base_sdpa} <= set(chosen) <= set(models):
+        raise ValueError(f"spec['models'] = {chosen!r}: name models of {list(models)}, both {base_eager.split()[0]}s "
+                         "included (they are the baselines)")
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1000, 30000, (spec["b"], spec["n"]), generator=g)
     opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-5) for name, m in models.items()}
@@ -150,19 +157,19 @@ def model_rows(spec: dict, repeats: int) -> list[dict]:
     rows = []
     for mode in spec["modes"]:
         make = step if mode == "training step" else infer
-        names = [m for m in models if not (mode == "training step" and m == "PartialBert per_query")
+        names = [m for m in models if not (mode == "training step" and m.endswith(" per_query"))
                  and m in chosen]
         times = interleaved_times({name: make(name) for name in names}, repeats)
         for name in names:
             # Ratios round by round (each model timed right after the others), so that a slow round slows all.
-            eager, sdpa = paired_ratios(times, name, "BertModel eager"), paired_ratios(times, name, "BertModel sdpa")
+            eager, sdpa = paired_ratios(times, name, base_eager), paired_ratios(times, name, base_sdpa)
             # round_s: each round's seconds, in round order (so any other estimator can be computed from the JSON)
             rows.append({"mode": mode, "model": name, "s": statistics.median(times[name]), "round_s": times[name],
                          "ratio": eager["median"], "ratio_range": [eager["low"], eager["high"]],
                          "ratio_interval": eager["interval"], "sdpa_ratio": sdpa["median"],
                          "sdpa_ratio_range": [sdpa["low"], sdpa["high"]], "sdpa_ratio_interval": sdpa["interval"],
                          "interval_coverage": eager["coverage"], "rounds": repeats,
-                         **{key: spec[key] for key in ("layers", "hidden", "heads", "b", "n", "k")}})
+                         "arch": arch, **{key: spec[key] for key in ("layers", "hidden", "heads", "b", "n", "k")}})
     return rows
 
 

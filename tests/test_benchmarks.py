@@ -65,13 +65,15 @@ def test_quick_benchmark_writes_tables_and_goals(tmp_path):
     # the whole model: each model's seconds over BertModel eager's and SDPA's at the same shape and mode
     by_run = {}
     for r in saved["model"]:
-        by_run.setdefault((r["n"], r["mode"]), {})[r["model"]] = r
-    assert set(by_run) == {(16, "inference"), (16, "training step"), (32, "inference")}
-    for (n, mode), models in by_run.items():
-        assert {"BertModel eager", "BertModel sdpa", "PartialBert shared"} <= set(models)
+        by_run.setdefault((r["arch"], r["n"], r["mode"]), {})[r["model"]] = r
+    assert set(by_run) == {("bert", 16, "inference"), ("bert", 16, "training step"), ("bert", 32, "inference"),
+                           ("roberta", 16, "inference"), ("roberta", 16, "training step")}
+    for (arch, n, mode), models in by_run.items():
+        source, partial = {"bert": ("BertModel", "PartialBert"), "roberta": ("RobertaModel", "PartialRoberta")}[arch]
+        assert {f"{source} eager", f"{source} sdpa", f"{partial} shared"} <= set(models)
         for r in models.values():
-            assert r["ratio"] == pytest.approx(r["s"] / models["BertModel eager"]["s"], rel=1e-9)
-            assert r["sdpa_ratio"] == pytest.approx(r["s"] / models["BertModel sdpa"]["s"], rel=1e-9)
+            assert r["ratio"] == pytest.approx(r["s"] / models[f"{source} eager"]["s"], rel=1e-9)
+            assert r["sdpa_ratio"] == pytest.approx(r["s"] / models[f"{source} sdpa"]["s"], rel=1e-9)
 
     # the mixed-length batch (benchmarks/mixed.py): the five models on the same batch, each over zero-fill by round
     mixed = {r["model"]: r for r in saved["mixed"]}
@@ -98,7 +100,7 @@ def test_quick_benchmark_writes_tables_and_goals(tmp_path):
     slowest = goals["slowest configuration `auto` picks, any k < d / eager"]
     assert slowest["measured"] == max(r["ratio"] for r in att if r["auto"] and r["k"] < D)
     train = goals["model training step, n=16, k=4 / BertModel eager"]
-    assert train["measured"] == by_run[16, "training step"]["PartialBert shared"]["ratio"]
+    assert train["measured"] == by_run["bert", 16, "training step"]["PartialBert shared"]["ratio"]
     for g in saved["goals"]:
         assert g["met"] == (g["measured"] <= g["bound"])
 
@@ -288,7 +290,10 @@ def test_model_study_decides_each_goal_from_its_rounds(tmp_path):
     saved = json.loads((tmp_path / "model_study.json").read_text())
     assert saved == json.loads(json.dumps(result)) and saved["command"] == "python benchmarks/model_study.py --quick " \
         "--rounds 6"
-    rows = {(r["n"], r["mode"], r["model"]): r for r in saved["model"]}
+    roberta = [r for r in saved["model"] if r["arch"] == "roberta"]
+    assert {r["model"] for r in roberta} == {"RobertaModel eager", "RobertaModel sdpa", "PartialRoberta shared"}
+    assert {(r["n"], r["mode"]) for r in roberta} == {(16, "inference"), (16, "training step")}
+    rows = {(r["n"], r["mode"], r["model"]): r for r in saved["model"] if r["arch"] == "bert"}
     assert {key[2] for key in rows} == {"BertModel eager", "BertModel sdpa", "PartialBert shared"}
     assert {key[:2] for key in rows} == {(16, "inference"), (16, "training step"), (32, "inference")}
     text = (tmp_path / "model_study.md").read_text()
