@@ -2,8 +2,6 @@
 transformers' own tester sizes (hidden 32, 3 layers, 4 heads, vocab 99): the shared mechanism, not BERT's alone."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,7 +14,7 @@ from hf_partial_attention.pattern_buckets import PatternBuckets
 from hf_partial_attention.architectures import ARCHITECTURES, architecture_for
 from hf_partial_attention.partial_layer import is_partial
 
-from test_hub import REMOTE
+from test_hub import check_remote_loads
 
 N = 16  # the pattern's n; inputs are padded batches of at most N tokens
 TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37)
@@ -178,15 +176,7 @@ def test_save_load_with_the_plugin_and_by_remote_code_without_it(model_type, tmp
             assert torch.equal(loaded(input_ids=ids, attention_mask=mask)[0], model(input_ids=ids, attention_mask=mask)[0])
         _reference(model, folder, ids, mask)
         jobs.append(f"{folder} {auto}")
-    env = dict(os.environ, HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "-c", REMOTE, *jobs], capture_output=True, text=True, env=env, timeout=300,
-                          stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [line.split("RESULT ", 1)[1] for line in proc.stdout.splitlines() if "RESULT " in line]
-    assert len(lines) == 2
-    for line in lines:
-        _, module, diff, same_r = line.split()
-        assert module == "transformers_modules" and float(diff) == 0.0 and same_r == "True", line
+    check_remote_loads(jobs, tmp_path)
 
 
 @pytest.mark.parametrize("model_type", ["roberta", "modernbert", "distilbert", "albert"])

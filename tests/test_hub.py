@@ -119,12 +119,18 @@ def test_trust_remote_code_without_the_plugin(tmp_path):
         partial = {k: v for k, v in model.state_dict().items() if "partial_pattern" in k or "reconstruction" in k}
         torch.save({"ids": ids, "mask": mask, "out": out, "partial": partial}, folder / "reference.pt")
         jobs.append(f"{folder} {auto}")
+    check_remote_loads(jobs, tmp_path)
+
+
+def check_remote_loads(jobs: list[str], tmp_path) -> None:
+    """Run `REMOTE` on ``jobs`` ("folder AutoClass") in a process where the plugin cannot be imported: each folder
+    loads only with trust_remote_code, by the code saved beside it, with its reference outputs and P, R exactly."""
     env = dict(os.environ, HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1")
     proc = subprocess.run([sys.executable, "-c", REMOTE, *jobs], capture_output=True, text=True, env=env, timeout=300,
                           stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line.split("RESULT ", 1)[1] for line in proc.stdout.splitlines() if "RESULT " in line]
-    assert len(lines) == 3
+    assert len(lines) == len(jobs)
     for line in lines:
         _, module, diff, same_r = line.split()
         assert module == "transformers_modules" and float(diff) == 0.0 and same_r == "True", line
