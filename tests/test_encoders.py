@@ -1,6 +1,7 @@
 """Partial attention in every supported encoder (`architectures.ARCHITECTURES`), on tiny random configs of
 transformers' own tester sizes (hidden 32, 3 layers, 4 heads, vocab 99): the shared mechanism, not BERT's alone."""
 
+import functools
 import os
 
 import pytest
@@ -67,14 +68,20 @@ def all_layers(model_type):
     return list(range(3))
 
 
-def fitted_pattern(k=5, seed=0, bias=False):
-    """A per-query pattern of n = N: the local pattern (the project's prior fit) with R moved off it, so that a kernel
-    mixing up rows or buckets shows."""
-    base = AttentionPattern.local(N, k)
-    g = torch.Generator().manual_seed(seed)
-    r = base.reconstruction + 0.05 * torch.randn(base.reconstruction.shape, generator=g, dtype=base.reconstruction.dtype)
-    b = 0.1 * torch.randn(N, N - k, generator=g) if bias else None
-    return AttentionPattern(base.indices, r, b)
+@functools.lru_cache(maxsize=None)
+def fitted_pattern(model_type: str, n: int = N, k: int = 5, bias: bool = False) -> AttentionPattern:
+    """P and R fitted by the project's own analysis on the tiny ``model_type`` model: the covariance of its scores
+    over 64 random windows of n tokens (`collect_covariance`, what `analyze` runs), then greedy P and optimal R
+    (`select_pattern`, what `derive` runs). Cached: every test of one architecture uses the same fit."""
+    from hf_partial_attention.analysis import collect_covariance, select_pattern
+
+    windows = torch.randint(6, 99, (64, n), generator=torch.Generator().manual_seed(n))  # (S, n)
+    cov = collect_covariance(source_model(model_type).float(), windows, seq_len=n, progress=False,
+                             distributed=False)
+    pattern = select_pattern(cov, k, bias=bias)
+    assert pattern.indices.shape == (n, k)
+    return AttentionPattern(pattern.indices, pattern.reconstruction.double(),
+                            None if pattern.bias is None else pattern.bias.double())
 
 
 @pytest.mark.parametrize("model_type", TYPES)
@@ -101,7 +108,7 @@ def test_every_key_exact_equals_the_source_in_float64(model_type):
 @pytest.mark.parametrize("model_type", TYPES)
 def test_a_padded_sequence_gets_what_it_gets_alone(model_type):
     """With k < n, padding must not reach the reconstruction: sequence 1 padded in a batch equals it alone."""
-    model = partial_class_for(model_type).from_source(source_model(model_type), fitted_pattern()).eval()
+    model = partial_class_for(model_type).from_source(source_model(model_type), fitted_pattern(model_type)).eval()
     ids, mask = batch()
     with torch.no_grad():
         padded = model(input_ids=ids, attention_mask=mask).last_hidden_state[1, :9]
@@ -117,9 +124,10 @@ def _modes(model_type):
 
 @pytest.mark.parametrize("model_type", TYPES)
 def test_every_kernel_equals_the_reference_in_outputs_and_gradients(model_type):
-    """gather (the reference), fused and tiled (inference) on a fitted P and R, every R mode, with length buckets
-    [8, 16] and a bias: outputs and the gradients of q/k/v weights and R agree in float64."""
-    buckets = PatternBuckets({8: _bucket8(), N: fitted_pattern(bias=True)}, k=5)
+    """gather (the reference), fused and tiled (inference) on P and R fitted by the analysis, every R mode, with
+    length buckets [8, 16] and a bias: outputs and the gradients of q/k/v weights and R agree in float64."""
+    buckets = PatternBuckets({8: fitted_pattern(model_type, 8, 3, bias=True), N: fitted_pattern(model_type, bias=True)},
+                             k=5)
     ids, mask = batch()
     for mode in _modes(model_type):
         model = partial_class_for(model_type).from_source(source_model(model_type), buckets, reconstruction=mode)
@@ -144,14 +152,6 @@ def test_every_kernel_equals_the_reference_in_outputs_and_gradients(model_type):
         torch.testing.assert_close(tiled, ref_out, atol=1e-10, rtol=0)
 
 
-def _bucket8():
-    base = AttentionPattern.local(8, 3)
-    g = torch.Generator().manual_seed(2)
-    return AttentionPattern(base.indices, base.reconstruction + 0.05 * torch.randn(base.reconstruction.shape,
-                                                                                   generator=g, dtype=torch.float64),
-                            0.1 * torch.randn(8, 5, generator=g))
-
-
 def _reference(model, folder, ids, mask):
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask)[0]
@@ -165,7 +165,8 @@ def test_save_load_with_the_plugin_and_by_remote_code_without_it(model_type, tmp
     jobs = []
     for auto, mode in (("AutoModel", "per_layer" if model_type != "albert" else "fixed"),
                        ("AutoModelForMaskedLM", "common")):
-        model = partial_class_for(model_type, auto).from_source(source_model(model_type, auto), fitted_pattern(),
+        model = partial_class_for(model_type, auto).from_source(source_model(model_type, auto),
+                                                                  fitted_pattern(model_type),
                                                                   reconstruction=mode).float().eval()
         folder = str(tmp_path / auto)
         model.save_pretrained(folder)
@@ -173,7 +174,8 @@ def test_save_load_with_the_plugin_and_by_remote_code_without_it(model_type, tmp
         loaded = factory.from_pretrained(folder).eval()
         assert type(loaded) is type(model)
         with torch.no_grad():
-            assert torch.equal(loaded(input_ids=ids, attention_mask=mask)[0], model(input_ids=ids, attention_mask=mask)[0])
+            got, want = loaded(input_ids=ids, attention_mask=mask)[0], model(input_ids=ids, attention_mask=mask)[0]
+        assert torch.equal(got, want)
         _reference(model, folder, ids, mask)
         jobs.append(f"{folder} {auto}")
     check_remote_loads(jobs, tmp_path)
@@ -181,7 +183,7 @@ def test_save_load_with_the_plugin_and_by_remote_code_without_it(model_type, tmp
 
 @pytest.mark.parametrize("model_type", ["roberta", "modernbert", "distilbert", "albert"])
 def test_a_checkpoint_without_p_is_refused_naming_the_tensor(model_type, tmp_path):
-    model = partial_class_for(model_type).from_source(source_model(model_type), fitted_pattern())
+    model = partial_class_for(model_type).from_source(source_model(model_type), fitted_pattern(model_type))
     model.save_pretrained(tmp_path)
     state = load_file(tmp_path / "model.safetensors")
     name = next(k for k in state if k.endswith("partial_pattern.indices"))
@@ -199,21 +201,21 @@ def test_a_roberta_is_not_converted_into_partial_bert():
 def test_albert_refuses_r_per_layer_and_a_split_layer_group():
     cls = partial_class_for("albert")
     with pytest.raises(ValueError, match="per_layer.*share one attention module"):
-        cls.from_source(source_model("albert"), fitted_pattern(), reconstruction="per_layer")
+        cls.from_source(source_model("albert"), fitted_pattern("albert"), reconstruction="per_layer")
     with pytest.raises(ValueError, match="splits layers that share one attention module"):
-        cls.from_source(source_model("albert"), fitted_pattern(), partial_layers=[0, 1])
-    assert cls.from_source(source_model("albert"), fitted_pattern()).config.partial_layers == [0, 1, 2]
+        cls.from_source(source_model("albert"), fitted_pattern("albert"), partial_layers=[0, 1])
+    assert cls.from_source(source_model("albert"), fitted_pattern("albert")).config.partial_layers == [0, 1, 2]
 
 
 def test_modernbert_makes_its_global_layers_but_the_last_partial_by_default():
-    model = partial_class_for("modernbert").from_source(source_model("modernbert"), fitted_pattern())
+    model = partial_class_for("modernbert").from_source(source_model("modernbert"), fitted_pattern("modernbert"))
     assert model.config.layer_types == ["full_attention", "sliding_attention", "full_attention"]
     assert model.config.partial_layers == [0]  # layer 2 is global but last; layer 1 is local
     assert [is_partial(layer.attn) for layer in model.layers] == [True, False, False]
 
 
 def test_output_attentions_gives_every_layers_map():
-    model = partial_class_for("roberta").from_source(source_model("roberta"), fitted_pattern()).eval()
+    model = partial_class_for("roberta").from_source(source_model("roberta"), fitted_pattern("roberta")).eval()
     ids, mask = batch()
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask, output_attentions=True)
@@ -227,7 +229,8 @@ def test_export_with_a_dynamic_batch_and_length_up_to_n(model_type):
     as for the source model; the program equals the eager model at other batch sizes and lengths."""
     from torch.export import Dim
 
-    model = partial_class_for(model_type).from_source(source_model(model_type), fitted_pattern()).float().eval()
+    model = partial_class_for(model_type).from_source(source_model(model_type), fitted_pattern(model_type))
+    model = model.float().eval()
     ids, mask = batch()
     dims = {0: Dim("batch", min=1, max=8), 1: Dim("seq", min=2, max=N)}
     with torch.no_grad():
@@ -250,8 +253,38 @@ def test_the_real_minilm_through_the_generic_path_equals_from_bert(minilm_path):
     generic = partial_class_for(AutoConfig.from_pretrained(minilm_path).model_type).from_source(minilm_path, pattern)
     bert = hf_partial_attention.PartialBertModel.from_bert(minilm_path, pattern)
     assert type(generic) is type(bert)
-    enc = AutoTokenizer.from_pretrained(minilm_path)(["The quick brown fox.", "Attention is low rank, the paper finds."],
-                                                     padding=True, return_tensors="pt")
+    texts = ["The quick brown fox.", "Attention is low rank, the paper finds."]
+    enc = AutoTokenizer.from_pretrained(minilm_path)(texts, padding=True, return_tensors="pt")
     with torch.no_grad():
         diff = (generic.eval()(**enc).last_hidden_state - bert.eval()(**enc).last_hidden_state).abs().max()
     assert float(diff) <= 1e-6
+
+
+@pytest.mark.parametrize("model_type", ["roberta", "modernbert"])
+def test_the_triton_kernel_under_the_interpreter_equals_the_reference(model_type):
+    """The Triton kernel (conftest sets TRITON_INTERPRET=1: it runs on CPU tensors) through a RoBERTa and a ModernBERT
+    (rotary positions, local layers partial too): outputs and gradients equal the reference kernel's in float32."""
+    import triton  # noqa: F401  (a dev dependency: missing, this test fails instead of skipping)
+
+    config = tiny_config(model_type)
+    config.num_attention_heads = 2  # head_dim 16: the kernel's smallest tile
+    torch.manual_seed(0)
+    source = architecture_for(model_type).source_class("AutoModel")(config).eval()
+    model = partial_class_for(model_type).from_source(source, fitted_pattern(model_type, bias=True),
+                                                      partial_layers=all_layers(model_type), reconstruction="common")
+    model.train()  # dropout is 0
+    ids, mask = batch()
+    results = {}
+    for kernel in ("gather", "triton"):
+        model.zero_grad()
+        model.set_partial_implementation(kernel)
+        out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        # the loss reads real tokens only: a padding query with no key in its window is each kernel's convention
+        (out * torch.linspace(-1, 1, out.shape[-1]) * mask[..., None]).sum().backward()
+        results[kernel] = out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    (ref, ref_grads), (out, grads) = results["gather"], results["triton"]
+    real = mask.bool()
+    torch.testing.assert_close(out[real], ref[real], atol=2e-5, rtol=1e-4)
+    assert set(grads) == set(ref_grads) and any("reconstruction" in n for n in grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], atol=5e-5, rtol=1e-3, msg=name)

@@ -109,3 +109,34 @@ def test_trainer_push_uploads_the_project_card(hub, converted, tmp_path):
     text = hub[-1]["files"]["README.md"].decode()
     assert "PartialAttentionTrainer` for 1 steps" in text and card.data.datasets in ("pydoc-topics", ["pydoc-topics"])
     assert os.path.isfile(tmp_path / "run" / "README.md")
+
+
+@pytest.mark.parametrize("model_type, hub_id", [("roberta", "FacebookAI/roberta-base"),
+                                                ("modernbert", "answerdotai/ModernBERT-base")])
+def test_push_to_hub_of_a_converted_encoder_uploads_its_card_and_code(hub, model_type, hub_id):
+    """Another architecture pushes like PartialBert: the project's card with the source's Hub id as base_model and its
+    architecture in the tags, the config's auto_map naming files that are in the commit."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForMaskedLM
+
+    from hf_partial_attention import partial_class_for
+
+    sizes = {k: v for k, v in TINY.items() if not k.startswith("partial")}
+    torch.manual_seed(0)
+    source = AutoModelForMaskedLM.from_config(AutoConfig.for_model(model_type, **sizes, max_position_embeddings=40,
+                                                                   pad_token_id=0))
+    source.config._name_or_path = hub_id  # as if loaded by Hub id
+    model = partial_class_for(model_type, "AutoModelForMaskedLM").from_source(source, AttentionPattern.local(16, 4))
+    model.push_to_hub("me/partial-encoder")
+    files = hub[-1]["files"]
+    card = ModelCard(files["README.md"].decode())
+    assert card.data.base_model == hub_id
+    assert {"partial-attention", "custom_code", model_type} <= set(card.data.tags)
+    assert "**k = 4**" in files["README.md"].decode()
+    config = json.loads(files["config.json"])
+    assert config["model_type"] == f"partial_{model_type}"
+    assert config["auto_map"]["AutoModelForMaskedLM"].endswith("." + type(model).__name__)
+    for reference in config["auto_map"].values():
+        assert reference.split(".")[0] + ".py" in files, reference
+    assert "model.safetensors" in files
