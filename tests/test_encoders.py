@@ -288,3 +288,28 @@ def test_the_triton_kernel_under_the_interpreter_equals_the_reference(model_type
     assert set(grads) == set(ref_grads) and any("reconstruction" in n for n in grads)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, ref_grads[name], atol=5e-5, rtol=1e-3, msg=name)
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_attention_dropout_drops_as_the_source_does(model_type):
+    """Attention dropout in training: with k = n, the reference kernel drops the same probabilities as the source's
+    eager attention from the same seed (the dropout the architecture hands the attention function reaches it)."""
+    config = tiny_config(model_type)
+    for name in ("attention_probs_dropout_prob", "attention_dropout"):
+        if hasattr(config, name):
+            setattr(config, name, 0.5)
+    torch.manual_seed(0)
+    source = architecture_for(model_type).source_class("AutoModel")(config).double()
+    source.set_attn_implementation("eager")
+    model = partial_class_for(model_type).from_source(source, AttentionPattern.exact(N),
+                                                      partial_layers=all_layers(model_type))
+    model.set_partial_implementation("gather")
+    ids = batch()[0]  # unpadded: eager ModernBERT gives NaN at padding queries whose window is all padding
+    outputs = []
+    for module, training in ((source, True), (model, True), (source, False)):
+        torch.manual_seed(5)
+        outputs.append(module.train(training)(input_ids=ids).last_hidden_state)
+    dropped, ours, undropped = outputs
+    # EuroBERT's eager softmax runs in float32 (1e-7); a different draw moves the outputs by 1e-2
+    torch.testing.assert_close(ours, dropped, atol=1e-5, rtol=0)
+    assert (dropped - undropped).abs().max() > 1e-2  # dropout is in effect
