@@ -201,3 +201,35 @@ def test_a_sentence_transformers_roberta_converts_with_its_pooling_and_normalisa
         torch.testing.assert_close(emb.norm(dim=-1), torch.ones(len(texts)), atol=1e-5, rtol=0)
         if name == "exact":
             torch.testing.assert_close(emb, original.encode(texts, convert_to_tensor=True), atol=1e-5, rtol=0)
+
+
+def test_length_buckets_with_a_k_per_bucket_on_a_modernbert(encoders, tmp_path, capsys):
+    """``analyze --inputs sentences --lengths`` → ``derive --bucket-k`` → ``convert`` on a ModernBERT: the checkpoint
+    holds each bucket's own k and P, and a short input runs its bucket's P and R as the buckets file gives them."""
+    from hf_partial_attention import partial_class_for
+    from hf_partial_attention.pattern_buckets import PatternBuckets
+
+    source = encoders["modernbert"]
+    text = tmp_path / "text.txt"
+    text.write_text("\n\n".join(default_texts()[:40]), encoding="utf-8")
+    run = str(tmp_path / "run")
+    assert cli.main(["analyze", "--model", source, "--inputs", "sentences", "--text-file", str(text), "--lengths",
+                     "12", "24", "--out", run, "--no-progress"]) == 0
+    assert cli.main(["derive", run, "--k", "4", "--bucket-k", "12=6", "--no-evaluate", "--no-progress"]) == 0
+    path = os.path.join(run, "patterns", "buckets_k4_b12k6.safetensors")
+    buckets = PatternBuckets.load(path)
+    assert buckets.lengths_k == [6, 4]
+    ckpt = str(tmp_path / "ckpt")
+    assert cli.main(["convert", path, "--out", ckpt, "--model", source, "--reconstruction", "common"]) == 0
+    model = AutoModel.from_pretrained(ckpt).double().eval()  # float64: the random model's scores are near uniform
+    assert type(model).__name__ == "PartialModernBertModel"
+    assert (model.config.partial_lengths, model.config.partial_lengths_k) == ([12, 24], [6, 4])
+    fresh = partial_class_for("modernbert").from_source(source, buckets, reconstruction="common").double().eval()
+    exact = AutoModel.from_pretrained(source).double().eval()
+    longest = partial_class_for("modernbert").from_source(source, buckets[24], reconstruction="common").double().eval()
+    ids = torch.randint(1000, 2000, (1, 10), generator=torch.Generator().manual_seed(0))  # runs bucket 12
+    with torch.no_grad():
+        out = model(input_ids=ids).last_hidden_state
+        torch.testing.assert_close(out, fresh(input_ids=ids).last_hidden_state, atol=1e-12, rtol=0)
+        assert (out - exact(input_ids=ids).last_hidden_state).abs().max() > 1e-7  # k_12 = 6 < 10: P in effect
+        assert (out - longest(input_ids=ids).last_hidden_state).abs().max() > 1e-7  # bucket 12's, not n = 24's
