@@ -20,17 +20,15 @@ version 2; files without them (version 1) read with the one count of every row, 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from ..cost import SCOPES
-from ..pattern import open_tagged_file
+from .covariance_file import key_name as _key_name, name_key as _name_key, read_file, write_file
 from .memory import available_memory_bytes, estimate_bytes, gib as _gib
 
 logger = logging.getLogger(__name__)
@@ -38,10 +36,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["ScoreCovariance", "GRANULARITIES", "estimate_bytes", "available_memory_bytes"]
 
 GRANULARITIES = ("pooled", "layer", "head")
-_META_KEY = "hf_partial_attention_covariance"
-_FORMAT_VERSION = "1"  # one count per group (every row reached by every score matrix)
-_ROWS_FORMAT_VERSION = "2"  # with per-row counts (`update(..., lengths=...)`)
-_READ_VERSIONS = (_FORMAT_VERSION, _ROWS_FORMAT_VERSION)
 
 
 @dataclass
@@ -360,56 +354,23 @@ class ScoreCovariance:
     # ------------------------------------------------------------------ io
     def save(self, path: str | os.PathLike) -> None:
         """Write the accumulators (safetensors, float64) and their counts; `load` restores them exactly."""
-        version = _ROWS_FORMAT_VERSION if self.row_counts else _FORMAT_VERSION  # version 1 files stay as they were
-        header = {"format_version": version, "seq_len": self.seq_len, "scopes": list(self.scopes),
-                  "granularity": self.granularity, "centered": self.centered, "counts": self.counts(),
-                  "num_sequences": self.num_sequences, "metadata": self.metadata}
-        tmp = os.fspath(path) + ".tmp"
-        save_file({k: v.contiguous() for k, v in self.tensors().items()}, tmp, metadata={_META_KEY: json.dumps(header)})
-        os.replace(tmp, os.fspath(path))  # atomic: an interrupted save never leaves a half-written file
+        header = {"seq_len": self.seq_len, "scopes": list(self.scopes), "granularity": self.granularity,
+                  "centered": self.centered, "counts": self.counts(), "num_sequences": self.num_sequences,
+                  "metadata": self.metadata}
+        write_file(path, header, self.tensors(), self.row_counts)
 
     @classmethod
     def load(cls, path: str | os.PathLike, max_memory_bytes: int | None = None) -> "ScoreCovariance":
         """Read a file written by `save` (format 1: one count per group; format 2: with per-row counts)."""
-        with open_tagged_file(path, _META_KEY, "ScoreCovariance", _file_version(path)) as (header, f):
-            cov = cls(header["seq_len"], header["scopes"], header["granularity"], header["centered"],
-                      max_memory_bytes=max_memory_bytes, metadata=header.get("metadata", {}))
-            cov.num_sequences = int(header.get("num_sequences", 0))
-            cov.row_counts = str(header["format_version"]) == _ROWS_FORMAT_VERSION
-            for name, count in header["counts"].items():
-                cov._groups[_name_key(name)] = _Moments(
-                    int(count), f.get_tensor(f"{name}.sum"),
-                    f.get_tensor(f"{name}.per_query") if "per_query" in cov.scopes else None,
-                    f.get_tensor(f"{name}.whole") if "whole" in cov.scopes else None,
-                    f.get_tensor(f"{name}.rows") if cov.row_counts else None)
+        header, groups = read_file(path)
+        cov = cls(header["seq_len"], header["scopes"], header["granularity"], header["centered"],
+                  max_memory_bytes=max_memory_bytes, metadata=header.get("metadata", {}))
+        cov.num_sequences = int(header.get("num_sequences", 0))
+        cov.row_counts = header["row_counts"]
+        for key, (count, total, per_query, whole, rows) in groups.items():
+            cov._groups[key] = _Moments(count, total, per_query, whole, rows)
         return cov
 
     def __repr__(self) -> str:
         return (f"ScoreCovariance(seq_len={self.seq_len}, scopes={self.scopes}, granularity={self.granularity!r}, "
                 f"centered={self.centered}, count={self.count}, num_sequences={self.num_sequences})")
-
-
-def _file_version(path) -> str:
-    """The format version a covariance file declares when this code reads it, else the current one (so that
-    `open_tagged_file` names the mismatch or the wrong file)."""
-    try:
-        from safetensors import safe_open
-
-        with safe_open(os.fspath(path), framework="pt") as f:
-            found = str(json.loads((f.metadata() or {})[_META_KEY]).get("format_version"))
-    except Exception:  # noqa: BLE001 - missing, not safetensors, no header: open_tagged_file says which
-        return _ROWS_FORMAT_VERSION
-    return found if found in _READ_VERSIONS else _ROWS_FORMAT_VERSION
-
-
-def _key_name(key: tuple[int, ...]) -> str:
-    if not key:
-        return "pooled"
-    return f"L{key[0]}" if len(key) == 1 else f"L{key[0]}.H{key[1]}"
-
-
-def _name_key(name: str) -> tuple[int, ...]:
-    if name == "pooled":
-        return ()
-    parts = name.split(".")
-    return tuple(int(p[1:]) for p in parts)
