@@ -118,9 +118,10 @@ def test_convert_refuses_a_model_it_cannot_run_in_one_line_writing_nothing(kind,
 def test_recovery_by_attention_transfer_and_distillation_from_the_exact_twin(model_type, tmp_path):
     """A converted masked LM recovers under `PartialAttentionTrainer` (its exact twin built from it): attention
     transfer trains R only, and its loss falls; distillation then trains the rest; the teacher stays frozen."""
-    from test_encoders import fitted_pattern, source_model
+    from test_encoders import source_model
 
-    from hf_partial_attention import partial_class_for
+    from hf_partial_attention import AttentionPattern, partial_class_for
+    from hf_partial_attention.analysis import collect_covariance, select_pattern
     from hf_partial_attention.training.recovery import exact_teacher
 
     source = source_model(model_type, "AutoModelForMaskedLM").float()
@@ -128,8 +129,15 @@ def test_recovery_by_attention_transfer_and_distillation_from_the_exact_twin(mod
         for name, p in source.named_parameters():
             if any(part in name for part in (".query.", ".key.", ".q_lin.", ".k_lin.", ".Wqkv.")):
                 p.mul_(25.0)
+    # P and R from the analysis of this peaked model, as `analyze` + `derive` would fit them, then R moved off its
+    # least-squares optimum (as a pattern fitted on other text would be) so that the transfer has something to recover
+    windows = torch.randint(6, 99, (64, 16), generator=torch.Generator().manual_seed(1))  # (S, n)
+    fit = select_pattern(collect_covariance(source, windows, seq_len=16, progress=False, distributed=False), 5)
+    noise = 0.05 * torch.randn(fit.reconstruction.shape, generator=torch.Generator().manual_seed(2))
+    pattern = AttentionPattern(fit.indices, fit.reconstruction + noise.to(fit.reconstruction.dtype))
+
     def convert():
-        return partial_class_for(model_type, "AutoModelForMaskedLM").from_source(source, fitted_pattern(),
+        return partial_class_for(model_type, "AutoModelForMaskedLM").from_source(source, pattern,
                                                                                 reconstruction="per_layer")
 
     teacher = exact_teacher(convert())
@@ -147,8 +155,9 @@ def test_recovery_by_attention_transfer_and_distillation_from_the_exact_twin(mod
 
     def run(objective, steps, **kw):
         model = convert()  # attention transfer freezes all but R: each run starts from the conversion
+        # one batch of all 16 windows: every step's loss is on the same data, so first and last compare
         args = PartialAttentionTrainingArguments(
-            output_dir=str(tmp_path / objective), max_steps=steps, per_device_train_batch_size=4, logging_steps=1,
+            output_dir=str(tmp_path / objective), max_steps=steps, per_device_train_batch_size=16, logging_steps=1,
             learning_rate=1e-3, reconstruction_learning_rate=1e-2, use_cpu=True, report_to="none",
             disable_tqdm=True, save_strategy="no", recovery_objective=objective, **kw)
         trainer = PartialAttentionTrainer(model=model, args=args, train_dataset=windows, data_collator=Collator())
@@ -172,7 +181,7 @@ def test_attention_transfer_is_refused_for_albert_naming_the_alternative():
     from hf_partial_attention import partial_class_for
     from hf_partial_attention.training.recovery import attention_modules
 
-    model = partial_class_for("albert").from_source(source_model("albert"), fitted_pattern())
+    model = partial_class_for("albert").from_source(source_model("albert"), fitted_pattern("albert"))
     with pytest.raises(ValueError, match="one attention module in several layers.*distill"):
         attention_modules(model)
 
