@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# transformers' common model tests, from the sdist of the installed version (tests/fetch_transformers_tests.py)
+COMMON_TESTS := $(VENV)/transformers_common/transformers_tests/TRANSFORMERS_VERSION
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
@@ -19,10 +21,13 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev,demo]"
 	touch $(STAMP)
 
-test: setup
+$(COMMON_TESTS): $(STAMP)
+	$(PY) tests/fetch_transformers_tests.py
+
+test: setup $(COMMON_TESTS)
 	$(PY) -m pytest -q
 
-test-fast: setup
+test-fast: setup $(COMMON_TESTS)
 	$(PY) -m pytest -q -m "not slow"
 
 # The studies live in experiments/ (not in the installed package), run by `python -m experiments <study>`.

@@ -96,6 +96,20 @@ class PartialModelMixin:
         """Layer ``layer``'s attention module."""
         return dict(self._partial_arch.attention_modules(self._partial_base()))[layer]
 
+    def initialize_weights(self):
+        # transformers initialises a sub-model's modules with the sub-model's own `_init_weights`. The base model of a
+        # generated head (``PartialRobertaForMaskedLM.roberta``) is the source's class, which knows no P and R: left
+        # to it, a model built on the meta device (`to_empty` + `init_weights`) would run uninitialised indices. Route
+        # its modules through this model's `_init_weights` while the initialisation runs.
+        base = self._partial_base()
+        if base is self or isinstance(base, PartialModelMixin):
+            return super().initialize_weights()
+        base._init_weights = self._init_weights  # an instance attribute shadows the class's method
+        try:
+            return super().initialize_weights()
+        finally:
+            del base._init_weights
+
     def _init_weights(self, module):
         super()._init_weights(module)
         if isinstance(module, PartialPattern):
