@@ -36,7 +36,7 @@ def test_save_pretrained_writes_auto_map_and_code(tmp_path):
     assert bundle == {"modeling_partial_bert.py", "configuration_partial_bert.py", "pattern.py", "reconstruction.py",
                       "cost.py", "conversion.py", "partial_pattern.py", "attention_common.py",
                       "attention_gather.py", "attention_fused.py", "attention_tiled.py", "attention_triton.py", "attention_dispatch.py",
-                      "attention_lengths.py", "pattern_buckets.py", "configuration_partial.py", "modeling_partial.py",
+                      "attention_lengths.py", "pattern_buckets.py", "pattern_layers.py", "configuration_partial.py", "modeling_partial.py",
                       "architectures.py", "partial_layer.py"}, bundle
     assert "partial_implementation" not in json.loads((tmp_path / "config.json").read_text())
 
@@ -141,7 +141,7 @@ def test_config_records_and_checks_the_checkpoint_format(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["partial_format_version"] == 2 and config["partial_plugin_version"] == hf_partial_attention.__version__
     assert config["partial_lengths"] == [config["partial_seq_len"]]  # one bucket by default
-    (tmp_path / "config.json").write_text(json.dumps({**config, "partial_format_version": 4,
+    (tmp_path / "config.json").write_text(json.dumps({**config, "partial_format_version": 5,
                                                       "partial_plugin_version": "9.0.0"}))
     with pytest.raises(ValueError, match="written by hf-partial-attention 9.0.0.*pip install -U"):
         AutoModel.from_pretrained(tmp_path)

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 RECONSTRUCTION_MODES = ("fixed", "common", "per_layer")
+# One P and R for every partial layer (the paper's), or each layer its own (`pattern_layers.LayerPatterns`).
+GRANULARITIES = ("pooled", "layer")
 # The kernels (`attention_dispatch.kernel_function`: one module `attention_<name>.py` each), and the settings of
 # `partial_implementation`: the kernels plus "auto". Named here, without importing a kernel, so a config is checked
 # early.
@@ -23,7 +25,9 @@ PARTIAL_IMPLEMENTATIONS = ("auto", *KERNEL_NAMES)
 # 3: a k per bucket (`partial_lengths_k`): bucket b's P is (b, k_b). Written only by a checkpoint whose partial
 #    buckets differ in k (`required_format_version`), so that readers of format 2 keep reading every other one.
 #    Checkpoints of architectures other than BERT (`configuration_partial_encoders`) start at format 2.
-CHECKPOINT_FORMAT_VERSION = 3
+# 4: P and R per layer (`partial_granularity="layer"`): ``...partial_pattern_layer{l}...``. Written only by such a
+#    checkpoint; a pooled one keeps the oldest format that holds it.
+CHECKPOINT_FORMAT_VERSION = 4
 # Runtime settings: like `attn_implementation`, never written to (nor read from) config.json.
 _NOT_SERIALIZED = ("partial_implementation",)
 
@@ -42,6 +46,7 @@ class PartialConfigMixin:
     partial_lengths_k: list[int] | None = None
     reconstruction: str = "common"
     partial_layers: list[int] | None = None
+    partial_granularity: str = "pooled"
     partial_use_bias: bool = False
     partial_tie_shared_rows: bool = False
     partial_default_correlation: float = 0.9
@@ -63,6 +68,10 @@ class PartialConfigMixin:
         groups = self.shared_layer_groups()
         if not groups:
             return
+        if self.partial_granularity == "layer" and self.partial_layers:
+            raise ValueError(
+                f"partial_granularity='layer' is not available for {self.model_type}: its layers {groups} share one "
+                "attention module each, which runs one P; use partial_granularity='pooled'.")
         if self.reconstruction == "per_layer" and self.partial_layers:
             raise ValueError(
                 f"reconstruction='per_layer' is not available for {self.model_type}: its layers {groups} share one "
@@ -112,6 +121,13 @@ class PartialConfigMixin:
             raise ValueError(
                 f"reconstruction must be one of {RECONSTRUCTION_MODES}, got {self.reconstruction!r}."
             )
+        if self.partial_granularity not in GRANULARITIES:
+            raise ValueError(f"partial_granularity must be one of {GRANULARITIES}, got {self.partial_granularity!r}.")
+        if self.partial_granularity == "layer" and self.reconstruction == "common":
+            raise ValueError(
+                "reconstruction='common' (one R for every layer) has no meaning with partial_granularity='layer': "
+                "each layer has its own P, and an R maps the scores of its own P; use reconstruction='per_layer' "
+                "(each layer's R trainable) or 'fixed'.")
         self._check_implementation()
         bad = [layer for layer in self.partial_layers if not 0 <= layer < self.num_hidden_layers]
         if bad:
@@ -176,7 +192,10 @@ class PartialConfigMixin:
 
     @property
     def required_format_version(self) -> int:
-        """The oldest checkpoint format that holds these fields: 3 when partial buckets differ in k, else 2."""
+        """The oldest checkpoint format that holds these fields: 4 for P and R per layer, 3 when partial buckets
+        differ in k, else 2."""
+        if self.partial_granularity != "pooled":
+            return 4
         return 3 if len({self.bucket_k(b) for b in (*self.partial_buckets, None)}) > 1 else 2
 
     def _check_implementation(self) -> None:

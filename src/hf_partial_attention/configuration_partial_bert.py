@@ -46,6 +46,11 @@ class PartialBertConfig(PartialConfigMixin, BertConfig):
             all partial layers) or `"per_layer"` (one trainable tensor per partial layer).
         partial_layers (`list[int]`, *optional*):
             Layers that use partial attention. Defaults to every layer but the last (the paper's setting).
+        partial_granularity (`str`, defaults to `"pooled"`):
+            `"pooled"`: one P (and, unless `reconstruction="per_layer"`, one R) for every partial layer, the paper's
+            setting. `"layer"`: each partial layer has its own P and R (`LayerPatterns`, from `hf-partial-attention
+            derive --granularity layer`), at the same k; R is then `"fixed"` or `"per_layer"` (trainable), and
+            checkpoints are of format 4.
         partial_use_bias (`bool`, defaults to `False`):
             Add a per-query bias b_i (n x (n-k)) to the reconstructed scores (centred fit of R).
         partial_tie_shared_rows (`bool`, defaults to `False`):

@@ -21,6 +21,7 @@ from .architectures import check_supported
 from .configuration_partial import PartialConfigMixin
 from .pattern import AttentionPattern
 from .pattern_buckets import PatternBuckets
+from .pattern_layers import LayerPatterns
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ _NOT_BERT_FIELDS = ("model_type", "architectures", "auto_map", "transformers_ver
 
 
 
-def from_source(model_class, bert_model_or_path, pattern: AttentionPattern | PatternBuckets, *,
+def from_source(model_class, bert_model_or_path, pattern: AttentionPattern | PatternBuckets | LayerPatterns, *,
                 output_loading_info: bool = False, revision: str | None = None, token: str | bool | None = None,
                 dtype=None, cache_dir: str | None = None, **config_overrides):
     """Convert a source checkpoint of ``model_class``'s architecture (BERT, MiniLM, RoBERTa, ModernBERT, ...) into
@@ -46,8 +47,9 @@ def from_source(model_class, bert_model_or_path, pattern: AttentionPattern | Pat
         bert_model_or_path: a model instance of the source architecture, or a path / Hub id loadable by the
             matching source class (`BertModel` for `PartialBertModel`, `RobertaForMaskedLM` for
             `PartialRobertaForMaskedLM`, and so on). A source of another architecture is an error naming both.
-        pattern: a per-query `AttentionPattern` (one bucket), or `PatternBuckets` (P and R per length bucket); n, k
-            and the buckets (``partial_lengths``) come from it.
+        pattern: a per-query `AttentionPattern` (one bucket), `PatternBuckets` (P and R per length bucket) or
+            `LayerPatterns` (P and R per layer: ``partial_granularity="layer"``); n, k and the buckets
+            (``partial_lengths``) come from it.
         output_loading_info: also return ``{"missing_keys", "unexpected_keys", "source"}``: the target weights
             the source did not provide (a new head), source weights without a place, and the source load's own
             report.
@@ -57,7 +59,8 @@ def from_source(model_class, bert_model_or_path, pattern: AttentionPattern | Pat
             ``partial_layers=[0, 1]``, ``attn_implementation="eager"`` (for non-partial layers), and BERT
             settings of the head (``num_labels=3``, ``id2label=...``), which also reach the source load.
     """
-    pattern = PatternBuckets.coerce(pattern)  # a TypeError / ValueError naming what was given
+    if not isinstance(pattern, LayerPatterns):
+        pattern = PatternBuckets.coerce(pattern)  # a TypeError / ValueError naming what was given
     attn_impl = config_overrides.pop("attn_implementation", None)
     settings = {k: v for k, v in config_overrides.items() if k not in PARTIAL_FIELDS}
     source, source_info = load_source(
@@ -117,18 +120,23 @@ def _check_source_type(config, source_class) -> None:
                          f"({config.model_type!r})) or `hf-partial-attention convert`, which picks it.")
 
 
-def partial_config(source, pattern: AttentionPattern | PatternBuckets, overrides: dict[str, Any],
+def partial_config(source, pattern: AttentionPattern | PatternBuckets | LayerPatterns, overrides: dict[str, Any],
                    config_class=None):
     """The source's config as ``config_class`` (default PartialBertConfig) with n, k, the buckets and the bias flag
-    of ``pattern`` and the given overrides."""
+    of ``pattern`` (and, for `LayerPatterns`, ``partial_granularity="layer"`` and R per layer unless
+    ``reconstruction="fixed"`` is asked for) and the given overrides."""
     if config_class is None:
         from .configuration_partial_bert import PartialBertConfig as config_class
-    pattern = PatternBuckets.coerce(pattern)
+    if not isinstance(pattern, LayerPatterns):
+        pattern = PatternBuckets.coerce(pattern)
     fields = source.config.to_dict()
     for drop in _NOT_BERT_FIELDS:
         fields.pop(drop, None)
     fields.update(partial_seq_len=pattern.seq_len, partial_k=pattern.k, partial_lengths=pattern.lengths,
                   partial_lengths_k=pattern.lengths_k, partial_use_bias=pattern.has_bias)
+    if isinstance(pattern, LayerPatterns):
+        # each layer its own P, so its own R: trainable per layer unless the caller fixes it
+        fields.update(partial_granularity="layer", reconstruction="per_layer")
     fields.update(overrides)
     if isinstance(source.config._name_or_path, str) and source.config._name_or_path:
         fields.setdefault("partial_base_model", source.config._name_or_path)

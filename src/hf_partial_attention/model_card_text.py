@@ -83,6 +83,14 @@ def partial_section(config, prefix: str, paths: tuple[str, str] | None = None) -
                      "for each partial layer l",
     }[config.reconstruction]
     bias = " plus a per-query bias b_i" if config.partial_use_bias else ""
+    p_line = (f"`{owner}partial_pattern.indices`, an int64 buffer of shape (n, k) = ({n}, {k}), shared by all\n"
+              "  partial layers and heads; it never changes during training.")
+    if getattr(config, "partial_granularity", "pooled") == "layer":  # each layer its own P and R (format 4)
+        held = "trainable" if config.reconstruction == "per_layer" else "a fixed buffer"
+        mode = f"each partial layer l its own, `{owner}partial_pattern_layer{{l}}.reconstruction` ({held})"
+        p_line = (f"`{owner}partial_pattern_layer{{l}}.indices` for each partial layer l, an int64 buffer of shape "
+                  f"(n, k) = ({n}, {k}),\n  fitted on that layer's own covariance (`derive --granularity layer`) "
+                  "and shared by its heads; it never changes during training.")
     return f"""## Partial attention: P and R
 
 In layers {layers} (of {total}; {_exact_layers_phrase(layers, total)}), query i computes the exact
@@ -90,8 +98,7 @@ pre-softmax scores `a_ij = q_i·k_j / sqrt(d_h)` only for the **k = {k}** keys j
 positions) and reconstructs the other n − k = {n - k} scores linearly, `a_(P̄_i) = R_i a_(P_i)`{bias}, before the
 padding mask and the softmax.
 
-- **P**: `{owner}partial_pattern.indices`, an int64 buffer of shape (n, k) = ({n}, {k}), shared by all
-  partial layers and heads; it never changes during training.
+- **P**: {p_line}
 - **R**: shape (n, n − k, k) = ({n}, {n - k}, {k}); {mode}.
 - Inputs must have at most n = {n} tokens; shorter inputs behave as if padded with zero scores.
 {_buckets_section(config, prefix, d_head, paths)}

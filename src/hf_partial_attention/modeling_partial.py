@@ -22,14 +22,16 @@ from .attention_common import PatternLayout
 from .attention_dispatch import check_implementation
 from .conversion import from_source
 from .partial_layer import is_partial, make_exact, make_partial
-from .partial_pattern import PartialPattern, bucket_suffix, check_buckets, init_bias, initial_for
+from .partial_pattern import (PartialPattern, bucket_suffix, check_buckets, check_layers, init_bias, initial_for,
+                              pattern_module_name)
 from .pattern import AttentionPattern
 from .pattern_buckets import PatternBuckets
+from .pattern_layers import LayerPatterns
 
 __all__ = ["PartialModelMixin", "PARTIAL_NAME"]
 
 # P, R and their biases in a state dict: the pattern modules' tensors and each partial layer's own R (per_layer).
-PARTIAL_NAME = re.compile(r"\.partial_pattern(_len\d+)?\.|\.reconstruction(_bias)?(_len\d+)?$")
+PARTIAL_NAME = re.compile(r"\.partial_pattern(_layer\d+)?(_len\d+)?\.|\.reconstruction(_bias)?(_len\d+)?$")
 
 
 class PartialModelMixin:
@@ -61,12 +63,17 @@ class PartialModelMixin:
         the default), and make every attention module partial (``config.partial_layers``) or exact (idempotent)."""
         config, base = self.config, self._partial_base()
         owner = self._partial_arch.owner_module(base)
-        if "partial_pattern" in owner._modules:
+        layers = config.partial_layers if config.partial_granularity == "layer" else [None]
+        if not layers or pattern_module_name(config, None, layers[0]) in owner._modules:
             return
         if pattern is not None:
-            check_buckets(config, pattern)
-        for length in (None, *config.partial_buckets):
-            setattr(owner, "partial_pattern" + bucket_suffix(config, length), PartialPattern(config, pattern, length))
+            check_layers(config, pattern)
+            for layer in layers:
+                check_buckets(config, pattern[layer] if isinstance(pattern, LayerPatterns) else pattern)
+        for layer in layers:
+            for length in (None, *config.partial_buckets):
+                module = PartialPattern(config, pattern, length, layer)
+                setattr(owner, pattern_module_name(config, length, layer), module)
         done = set()
         for layer_idx, module in self._partial_arch.attention_modules(base):
             if id(module) in done:  # a module serving several layers (ALBERT): its group is all partial or exact
@@ -113,7 +120,7 @@ class PartialModelMixin:
     def _init_weights(self, module):
         super()._init_weights(module)
         if isinstance(module, PartialPattern):
-            pattern = initial_for(self.config, self._initial_pattern, module.length)
+            pattern = initial_for(self.config, self._initial_pattern, module.length, module.layer)
             init.copy_(module.indices, pattern.indices)
             # The layout buffers are non-persistent: a model built on the meta device (big-model loading) gets them
             # only here, derived from the P just installed.
@@ -169,21 +176,36 @@ class PartialModelMixin:
                     "reconstruction, or convert a source checkpoint with from_source(path, pattern) (from_bert for "
                     "PartialBert; `hf-partial-attention convert`).")
         # P and R must also be a valid pattern (sorted, unique, in range, finite): AttentionPattern checks that.
-        for layer in self.config.partial_layers if self.config.reconstruction == "per_layer" else [None]:
+        for layer in self._pattern_layers():
             try:
                 self.get_patterns(layer)
             except ValueError as err:
                 raise ValueError(f"{source!s} holds an invalid P or R ({sorted(names)}): {err}") from err
-        for owner in self._pattern_modules().values():
-            owner.refresh_layout()
+            for owner in self._pattern_modules(layer).values():
+                owner.refresh_layout()
 
     # ------------------------------------------------------------------ pattern access
-    def _pattern_modules(self) -> dict[int, PartialPattern]:
-        """Bucket length -> the owner's pattern module of that bucket (n first, then the shorter buckets)."""
-        owner = self._partial_owner()
-        return {length or self.config.partial_seq_len: getattr(owner, "partial_pattern" + bucket_suffix(self.config,
-                                                                                                       length))
-                for length in (None, *self.config.partial_buckets)}
+    def _pattern_layers(self) -> list[int | None]:
+        """The layers with a P and R of their own (per_layer R or per-layer P), else ``[None]``."""
+        config = self.config
+        if config.reconstruction == "per_layer" or config.partial_granularity == "layer":
+            return list(config.partial_layers)
+        return [None]
+
+    def _pattern_modules(self, layer: int | None = None) -> dict[int, PartialPattern]:
+        """Bucket length -> the owner's pattern module of that bucket (n first, then the shorter buckets); of
+        ``layer`` (default: the first partial layer) when each layer has its own P."""
+        owner, config = self._partial_owner(), self.config
+        if config.partial_granularity == "layer":
+            layer = self._check_layer(layer)
+        return {length or config.partial_seq_len: getattr(owner, pattern_module_name(config, length, layer))
+                for length in (None, *config.partial_buckets)}
+
+    def _check_layer(self, layer: int | None) -> int:
+        layer = self.config.partial_layers[0] if layer is None else layer
+        if layer not in self.config.partial_layers:
+            raise ValueError(f"layer={layer} is not a partial layer; partial_layers={self.config.partial_layers}.")
+        return layer
 
     def reconstruction_tensors(self) -> dict[str, torch.Tensor]:
         """Name -> R tensor: ``{"common": R}`` / ``{"fixed": R}`` or ``{"layer.3": R_3, ...}`` (per_layer); a bucket
@@ -193,7 +215,10 @@ class PartialModelMixin:
         for length in (None, *self.config.partial_buckets):
             suffix = bucket_suffix(self.config, length)
             tag = suffix.replace("_", ".")
-            if self.config.reconstruction != "per_layer":
+            if self.config.partial_granularity == "layer":  # each layer's module holds its R
+                out.update({f"layer.{l}{tag}": self._pattern_modules(l)[length or self.config.partial_seq_len]
+                            .reconstruction for l in self.config.partial_layers})
+            elif self.config.reconstruction != "per_layer":
                 out[self.config.reconstruction + tag] = getattr(owner, "partial_pattern" + suffix).reconstruction
             else:
                 out.update({f"layer.{l}{tag}": getattr(self._partial_attention(l), "reconstruction" + suffix)
@@ -201,21 +226,18 @@ class PartialModelMixin:
         return out
 
     def get_pattern(self, layer: int | None = None, length: int | None = None) -> AttentionPattern:
-        """The model's P and R in bucket ``length`` (default n; of `layer` when R is per layer, the first partial
-        layer by default). A bucket that runs exactly (b <= k) has no pattern: a ValueError."""
+        """The model's P and R in bucket ``length`` (default n; of `layer` when R or P is per layer, the first
+        partial layer by default). A bucket that runs exactly (b <= k) has no pattern: a ValueError."""
         length = length or self.config.partial_seq_len
-        modules = self._pattern_modules()
+        modules = self._pattern_modules(layer)
         if length not in modules:
             raise ValueError(f"length={length} is not a length bucket with a pattern; the buckets with P and R are "
                              f"{sorted(modules)} (partial_lengths={self.config.partial_lengths}, partial_lengths_k="
                              f"{self.config.partial_lengths_k}: buckets with k = b run exactly).")
         suffix = bucket_suffix(self.config, length)
         owner, r_name = modules[length], "reconstruction"
-        if self.config.reconstruction == "per_layer":
-            layer = self.config.partial_layers[0] if layer is None else layer
-            if layer not in self.config.partial_layers:
-                raise ValueError(f"layer={layer} is not a partial layer; partial_layers={self.config.partial_layers}.")
-            owner, r_name = self._partial_attention(layer), "reconstruction" + suffix
+        if self.config.reconstruction == "per_layer" and self.config.partial_granularity == "pooled":
+            owner, r_name = self._partial_attention(self._check_layer(layer)), "reconstruction" + suffix
         return AttentionPattern(
             modules[length].indices, getattr(owner, r_name),
             getattr(owner, r_name.replace("reconstruction", "reconstruction_bias"), None),
@@ -223,17 +245,35 @@ class PartialModelMixin:
         )
 
     def get_patterns(self, layer: int | None = None) -> PatternBuckets:
-        """Every bucket's P and R (of `layer` when R is per layer) as `PatternBuckets`."""
-        return PatternBuckets({b: self.get_pattern(layer, b) for b in self._pattern_modules()},
+        """Every bucket's P and R (of `layer` when R or P is per layer) as `PatternBuckets`."""
+        return PatternBuckets({b: self.get_pattern(layer, b) for b in self._pattern_modules(layer)},
                               exact_lengths=self.config.exact_lengths, k=self.config.partial_k)
 
+    def get_layer_patterns(self) -> LayerPatterns:
+        """Every partial layer's P and R, every bucket, as `LayerPatterns` (what `set_pattern` takes back)."""
+        return LayerPatterns({layer: self.get_patterns(layer) for layer in self.config.partial_layers})
+
     @torch.no_grad()
-    def set_pattern(self, pattern: AttentionPattern | PatternBuckets) -> None:
+    def set_pattern(self, pattern: AttentionPattern | PatternBuckets | LayerPatterns) -> None:
         """Install P and R of every bucket (R into every partial layer's reconstruction tensors, whatever the mode).
 
-        An `AttentionPattern` is one bucket of n: for a model with one bucket (``partial_lengths == [n]``)."""
-        if not isinstance(pattern, (AttentionPattern, PatternBuckets)):
-            raise TypeError(f"pattern must be an AttentionPattern or PatternBuckets, got {type(pattern).__name__}.")
+        An `AttentionPattern` is one bucket of n: for a model with one bucket (``partial_lengths == [n]``). A
+        model with P and R per layer (``partial_granularity="layer"``) takes `LayerPatterns` holding every partial
+        layer."""
+        if not isinstance(pattern, (AttentionPattern, PatternBuckets, LayerPatterns)):
+            raise TypeError(f"pattern must be an AttentionPattern, PatternBuckets or LayerPatterns, got "
+                            f"{type(pattern).__name__}.")
+        try:
+            check_layers(self.config, pattern)
+        except ValueError as err:
+            raise ValueError(f"{err} Build the model with from_source(..., pattern).") from err
+        if isinstance(pattern, LayerPatterns):
+            for layer in self.config.partial_layers:
+                self._set_buckets(pattern[layer], layer)
+        else:
+            self._set_buckets(pattern, None)
+
+    def _set_buckets(self, pattern: AttentionPattern | PatternBuckets, layer: int | None) -> None:
         try:
             buckets = check_buckets(self.config, pattern)
         except ValueError as err:
@@ -241,12 +281,12 @@ class PartialModelMixin:
         if buckets.has_bias != self.config.partial_use_bias:
             raise ValueError(f"pattern {'has' if buckets.has_bias else 'has no'} bias but "
                              f"config.partial_use_bias={self.config.partial_use_bias}.")
-        for length, module in self._pattern_modules().items():
+        for length, module in self._pattern_modules(layer).items():
             bucket = buckets[length]
             module.indices.copy_(bucket.indices)
             module.refresh_layout()
             suffix = bucket_suffix(self.config, length)
-            owners = ([(module, "")] if self.config.reconstruction != "per_layer"
+            owners = ([(module, "")] if layer is not None or self.config.reconstruction != "per_layer"
                       else [(self._partial_attention(l), suffix) for l in self.config.partial_layers])
             for owner, tag in owners:
                 getattr(owner, "reconstruction" + tag).copy_(bucket.reconstruction)

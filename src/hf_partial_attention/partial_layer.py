@@ -26,7 +26,7 @@ from .attention_common import PartialTensors
 from .attention_dispatch import attention_function_name, kernel_for, kernel_function
 from .attention_lengths import bucketed_attention, exact_attention
 from .configuration_partial import PARTIAL_IMPLEMENTATIONS
-from .partial_pattern import bucket_suffix, r_tensor
+from .partial_pattern import bucket_suffix, pattern_module_name, r_tensor
 
 try:  # transformers' recorder of `output_*` (private), read by `attention_weights_requested` at every forward
     from transformers.utils.output_capturing import _active_collector
@@ -81,7 +81,7 @@ def make_partial(module: nn.Module, owner: nn.Module, layer_idx: int | None, con
     object.__setattr__(module, "_partial_owner", owner)
     object.__setattr__(module, "_partial_layer", layer_idx)
     module.config = config_view(config, "partial")
-    if config.reconstruction == "per_layer":
+    if config.reconstruction == "per_layer" and config.partial_granularity == "pooled":  # else: the layer's module
         for length in (None, *config.partial_buckets):  # n's R, then each shorter bucket's
             suffix = bucket_suffix(config, length)
             setattr(module, "reconstruction" + suffix, r_tensor(config, True, False, pattern, length))
@@ -106,8 +106,8 @@ def layer_tensors(module: nn.Module, length: int | None = None) -> PartialTensor
     in its place (peft's modules_to_save) is the one that runs."""
     config = module.config
     suffix = bucket_suffix(config, length)
-    pattern_module = getattr(module._partial_owner, "partial_pattern" + suffix)
-    if "reconstruction" in module._parameters:  # per_layer: this layer's own R
+    pattern_module = getattr(module._partial_owner, pattern_module_name(config, length, module._partial_layer))
+    if "reconstruction" in module._parameters:  # per_layer with a pooled P: this layer's own R
         return pattern_module(getattr(module, "reconstruction" + suffix),
                               getattr(module, "reconstruction_bias" + suffix), module._partial_layer)
     return pattern_module()

@@ -18,13 +18,26 @@ from .configuration_partial import PartialConfigMixin
 from .attention_common import DerivedState, PartialTensors, PatternLayout, needs_grad, tie_rows
 from .pattern import AttentionPattern
 from .pattern_buckets import PatternBuckets
+from .pattern_layers import LayerPatterns
 
-__all__ = ["PartialPattern", "PartialBertPattern", "default_pattern", "initial_for", "check_buckets", "r_tensor", "init_bias", "bucket_suffix"]
+__all__ = ["PartialPattern", "PartialBertPattern", "default_pattern", "initial_for", "check_buckets", "check_layers",
+           "r_tensor", "init_bias", "bucket_suffix", "pattern_module_name"]
 
 
 def bucket_suffix(config: PartialConfigMixin, length: int | None) -> str:
     """The suffix of a bucket's tensor names: ``""`` for n (the names of format 1), ``"_len{b}"`` for b < n."""
     return "" if length is None or length == config.partial_seq_len else f"_len{length}"
+
+
+def pattern_module_name(config: PartialConfigMixin, length: int | None = None, layer: int | None = None) -> str:
+    """The owner's attribute holding the pattern module of bucket ``length`` (default n): ``partial_pattern`` +
+    the bucket's suffix, with ``_layer{l}`` before it when each layer has its own P (``partial_granularity="layer"``,
+    where ``layer`` is required)."""
+    if config.partial_granularity == "layer":
+        if layer is None:
+            raise ValueError("partial_granularity='layer': name the layer whose pattern module is meant.")
+        return f"partial_pattern_layer{layer}" + bucket_suffix(config, length)
+    return "partial_pattern" + bucket_suffix(config, length)
 
 
 @functools.lru_cache(maxsize=4)
@@ -57,12 +70,34 @@ def check_buckets(config: PartialConfigMixin, pattern: AttentionPattern | Patter
     return buckets
 
 
-def initial_for(config: PartialConfigMixin, pattern: AttentionPattern | PatternBuckets | None = None,
-                length: int | None = None) -> AttentionPattern:
-    """The pattern of bucket ``length`` (default n) a model under construction starts with: the one passed to its
-    constructor (`from_bert` passes its own), else the default for the config."""
+def check_layers(config: PartialConfigMixin, pattern) -> None:
+    """A ValueError unless ``pattern``'s kind fits ``config.partial_granularity`` and (per layer) it holds a P for
+    every partial layer."""
+    if config.partial_granularity == "layer":
+        if not isinstance(pattern, LayerPatterns):
+            raise ValueError(f"partial_granularity='layer' needs P and R per layer (LayerPatterns, from `derive "
+                             f"--granularity layer`), got {type(pattern).__name__}; pass a per-layer pattern or build "
+                             "the config with partial_granularity='pooled'.")
+        missing = sorted(set(config.partial_layers) - set(pattern.layers))
+        if missing:
+            raise ValueError(f"the per-layer pattern has no P and R for partial layers {missing} (it holds layers "
+                             f"{list(pattern.layers)}); derive them (`derive --granularity layer` fits every layer) "
+                             f"or set partial_layers to layers it holds.")
+    elif isinstance(pattern, LayerPatterns):
+        raise ValueError("a per-layer pattern (LayerPatterns) needs partial_granularity='layer' in the config; "
+                         "from_source sets it from the pattern.")
+
+
+def initial_for(config: PartialConfigMixin, pattern: AttentionPattern | PatternBuckets | LayerPatterns | None = None,
+                length: int | None = None, layer: int | None = None) -> AttentionPattern:
+    """The pattern of bucket ``length`` (default n; of ``layer`` for P and R per layer) a model under construction
+    starts with: the one passed to its constructor (`from_source` passes its own), else the default for the
+    config."""
     if pattern is None:
         return default_pattern(config, length)
+    check_layers(config, pattern)
+    if isinstance(pattern, LayerPatterns):
+        pattern = pattern[layer]
     return check_buckets(config, pattern)[length or config.partial_seq_len]
 
 
@@ -72,16 +107,16 @@ def _on_meta_device() -> bool:
 
 
 def r_tensor(config: PartialConfigMixin, trainable: bool, bias: bool,
-             pattern: AttentionPattern | PatternBuckets | None = None,
-             length: int | None = None) -> nn.Parameter | torch.Tensor:
-    """R ``(b, b−k, k)`` (or its bias ``(b, b−k)``) of bucket ``length`` (default n) holding the initial pattern's
-    values (`initial_for`)."""
+             pattern: AttentionPattern | PatternBuckets | LayerPatterns | None = None,
+             length: int | None = None, layer: int | None = None) -> nn.Parameter | torch.Tensor:
+    """R ``(b, b−k, k)`` (or its bias ``(b, b−k)``) of bucket ``length`` (default n; of ``layer`` for P and R per
+    layer) holding the initial pattern's values (`initial_for`)."""
     n, k = length or config.partial_seq_len, config.bucket_k(length)
     shape = (n, n - k) if bias else (n, n - k, k)
     if _on_meta_device():
         tensor = torch.empty(shape)
     else:
-        pattern = initial_for(config, pattern, length)
+        pattern = initial_for(config, pattern, length, layer)
         if bias:
             tensor = torch.zeros(shape) if pattern.bias is None else pattern.bias.clone()
         else:
@@ -98,24 +133,29 @@ def init_bias(tensor: torch.Tensor, pattern: AttentionPattern) -> None:
 
 class PartialPattern(nn.Module):
     """Holds P (and R unless R is per layer) of one length bucket (``length``, default n) for all partial layers of
-    an encoder."""
+    an encoder; with P and R per layer (``partial_granularity="layer"``), P and R of layer ``layer`` alone, its R
+    trainable for ``reconstruction="per_layer"``."""
 
-    def __init__(self, config: PartialConfigMixin, pattern: AttentionPattern | PatternBuckets | None = None,
-                 length: int | None = None):
+    def __init__(self, config: PartialConfigMixin, pattern: AttentionPattern | PatternBuckets | LayerPatterns | None
+                 = None, length: int | None = None, layer: int | None = None):
         super().__init__()
         n, k = length or config.partial_seq_len, config.bucket_k(length)
-        self.length = n
+        self.length, self.layer = n, layer
         indices = (torch.empty(n, k, dtype=torch.long) if _on_meta_device()
-                   else initial_for(config, pattern, length).indices.clone())
+                   else initial_for(config, pattern, length, layer).indices.clone())
         self.register_buffer("indices", indices, persistent=True)
         self.mode = config.reconstruction
-        if self.mode == "common":
-            self.reconstruction = r_tensor(config, True, False, pattern, length)
-            self.reconstruction_bias = (r_tensor(config, True, True, pattern, length) if config.partial_use_bias
-                                        else None)
+        # One layer's module holds that layer's R: trainable unless fixed ("per_layer" R lives here, not on the
+        # attention module, because P is the layer's own too).
+        trainable = self.mode == "common" or (layer is not None and self.mode == "per_layer")
+        if trainable:
+            self.reconstruction = r_tensor(config, True, False, pattern, length, layer)
+            self.reconstruction_bias = (r_tensor(config, True, True, pattern, length, layer)
+                                        if config.partial_use_bias else None)
         elif self.mode == "fixed":
-            self.register_buffer("reconstruction", r_tensor(config, False, False, pattern, length), persistent=True)
-            bias = r_tensor(config, False, True, pattern, length) if config.partial_use_bias else None
+            self.register_buffer("reconstruction", r_tensor(config, False, False, pattern, length, layer),
+                                 persistent=True)
+            bias = r_tensor(config, False, True, pattern, length, layer) if config.partial_use_bias else None
             self.register_buffer("reconstruction_bias", bias, persistent=True)
         # The layout derived from P (complement, inverse permutation, block structure) is kept as non-persistent
         # buffers, refreshed whenever P is installed or loaded, so that a compiled or exported forward reads plain

@@ -162,8 +162,8 @@ class PatternBuckets:
         raise TypeError(f"pattern must be an AttentionPattern or PatternBuckets, got {type(pattern).__name__}.")
 
     # ------------------------------------------------------------------ io
-    def save(self, path: str | os.PathLike) -> None:
-        """Write one safetensors file: every partial bucket's P, R and bias, the lengths and metadata in its header."""
+    def to_parts(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(tensors, header)`` of `save`: every partial bucket's P, R and bias, the lengths and metadata."""
         tensors = {}
         buckets = {}
         for b, p in self.patterns.items():
@@ -173,7 +173,30 @@ class PatternBuckets:
                 tensors[f"len{b}.bias"] = p.bias
             buckets[str(b)] = p.metadata
         header = {"format_version": "1" if self.uniform_k else PATTERN_BUCKETS_FORMAT_VERSION, "lengths": self.lengths,
-                  "k": self.k, "lengths_k": self.lengths_k, "exact_lengths": self.exact_lengths, "metadata": self.metadata, "bucket_metadata": buckets}
+                  "k": self.k, "lengths_k": self.lengths_k, "exact_lengths": self.exact_lengths,
+                  "metadata": self.metadata, "bucket_metadata": buckets}
+        return tensors, header
+
+    @classmethod
+    def from_parts(cls, tensors: dict[str, Any], header: dict[str, Any]) -> "PatternBuckets":
+        """The buckets of `to_parts`' ``(tensors, header)``; a KeyError / ValueError / TypeError if invalid."""
+        lengths = check_lengths(header["lengths"], "lengths")
+        exact = [int(b) for b in header.get("exact_lengths", [])]
+        meta = header.get("bucket_metadata", {})
+        patterns = {}
+        for b in lengths:
+            if b in exact:
+                continue
+            missing = [f"len{b}.{name}" for name in ("indices", "reconstruction") if f"len{b}.{name}" not in tensors]
+            if missing:
+                raise ValueError(f"bucket {b} lacks {missing}")
+            patterns[b] = AttentionPattern(tensors[f"len{b}.indices"], tensors[f"len{b}.reconstruction"],
+                                           tensors.get(f"len{b}.bias"), metadata=meta.get(str(b), {}))
+        return cls(patterns, exact, k=header.get("k"), metadata=header.get("metadata", {}))
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write one safetensors file: every partial bucket's P, R and bias, the lengths and metadata in its header."""
+        tensors, header = self.to_parts()
         save_file(tensors, os.fspath(path), metadata={_META_KEY: json.dumps(header)})
 
     @classmethod
@@ -185,19 +208,7 @@ class PatternBuckets:
         with open_tagged_file(path, _META_KEY, "pattern", _READ_VERSIONS, expected=_EXPECTED) as (header, f):
             tensors = {name: f.get_tensor(name) for name in f.keys()}
         try:
-            lengths = check_lengths(header["lengths"], f"{path!r}: lengths")
-            exact = [int(b) for b in header.get("exact_lengths", [])]
-            meta = header.get("bucket_metadata", {})
-            patterns = {}
-            for b in lengths:
-                if b in exact:
-                    continue
-                missing = [f"len{b}.{name}" for name in ("indices", "reconstruction") if f"len{b}.{name}" not in tensors]
-                if missing:
-                    raise ValueError(f"bucket {b} lacks {missing}")
-                patterns[b] = AttentionPattern(tensors[f"len{b}.indices"], tensors[f"len{b}.reconstruction"],
-                                               tensors.get(f"len{b}.bias"), metadata=meta.get(str(b), {}))
-            return cls(patterns, exact, k=header.get("k"), metadata=header.get("metadata", {}))
+            return cls.from_parts(tensors, header)
         except (KeyError, ValueError, TypeError) as err:
             raise ValueError(f"{path!r} holds invalid pattern buckets: {err}. Pass {_EXPECTED}.") from err
 

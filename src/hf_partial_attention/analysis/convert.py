@@ -11,12 +11,13 @@ import torch
 
 from ..pattern import AttentionPattern
 from ..pattern_buckets import PatternBuckets, is_single_pattern_file
+from ..pattern_layers import LayerPatterns, is_layer_patterns_file
 from .collect import display_name
 
 __all__ = ["convert"]
 
 
-def convert(pattern_path: str, out_dir: str, model: Any = None, *, reconstruction: str = "common",
+def convert(pattern_path: str, out_dir: str, model: Any = None, *, reconstruction: str | None = None,
             verify: bool = True, command: str | None = None) -> dict:
     """Write a partial checkpoint (weights of ``model``, P and R of the pattern) and check it reloads with
     ``AutoModel``. ``model`` defaults to the pattern's ``source_model``; its architecture picks the partial class
@@ -25,7 +26,10 @@ def convert(pattern_path: str, out_dir: str, model: Any = None, *, reconstructio
 
     ``pattern_path`` is a single pattern (`AttentionPattern`, installed as it is) or length buckets
     (`PatternBuckets`, ``patterns/buckets_k<k>.safetensors`` of `lengths.derive_lengths`: passed whole to
-    ``from_source``); the checks, the card's pattern facts and n are those of its longest bucket.
+    ``from_source``); the checks, the card's pattern facts and n are those of its longest bucket. A per-layer file
+    (`LayerPatterns`, ``derive --granularity layer``) gives each partial layer its own P and R (the first layer's
+    stand for the set in the checks and the card). ``reconstruction``: ``"common"`` by default, ``"per_layer"``
+    for a per-layer file (``"fixed"`` for either).
 
     The tokenizer is saved with ``model_max_length = n`` (pipelines with ``truncation=True`` then cut inputs to n);
     a sentence-transformers source also gets its modules, pooling and ``max_seq_length ≤ n`` (`sentence_folder`),
@@ -48,7 +52,10 @@ def convert(pattern_path: str, out_dir: str, model: Any = None, *, reconstructio
     from .convert_checks import (base_model_id, check_convertible, head_dim, pattern_source_name, source_config,
                                  source_warnings)
 
-    if is_single_pattern_file(os.fspath(pattern_path)):
+    layers = LayerPatterns.load(pattern_path) if is_layer_patterns_file(pattern_path) else None
+    if layers is not None:
+        buckets = next(iter(layers.layers.values()))
+    elif is_single_pattern_file(os.fspath(pattern_path)):
         single = AttentionPattern.load(pattern_path)
         if single.scope != "per_query":
             check_convertible(single, pattern_path, None, "")  # raises: whole-matrix patterns are for analysis
@@ -60,9 +67,12 @@ def convert(pattern_path: str, out_dir: str, model: Any = None, *, reconstructio
                          "nothing to convert; derive with a smaller --k.")
     # the longest bucket's pattern stands for the set in the checks and the card (it names the source and n)
     pattern = buckets.patterns[buckets.partial_lengths[-1]]
-    installed = pattern if len(buckets.lengths) == 1 else buckets
+    installed = layers if layers is not None else pattern if len(buckets.lengths) == 1 else buckets
+    if reconstruction is None:
+        reconstruction = "common" if layers is None else "per_layer"
     source = model if model is not None else (pattern.metadata.get("source_model")
-                                              or buckets.metadata.get("source_model"))
+                                              or buckets.metadata.get("source_model")
+                                              or (layers.metadata.get("source_model") if layers else None))
     if not source:
         raise ValueError(f"{pattern_path!r} names no source_model; pass model=<path or Hub id of a BERT model>.")
     base_id = base_model_id(pattern, model)
@@ -75,7 +85,11 @@ def convert(pattern_path: str, out_dir: str, model: Any = None, *, reconstructio
     partial.config.partial_base_model = base_id  # a Hub id or nothing: a local path names no Hub repo
     record = conversion_record(pattern, pattern_path, pattern_source_name(pattern) or name, command)
     record["converted_model"] = name
-    if installed is buckets:
+    if layers is not None:
+        record.update(granularity="layer", layer_heldout_error={
+            str(l): b.patterns[b.partial_lengths[-1]].metadata.get("heldout_normalized_error")
+            for l, b in layers.layers.items()})
+    if len(buckets.lengths) > 1:
         record.update(seq_len=buckets.seq_len, lengths=buckets.lengths, lengths_k=buckets.lengths_k,
                       exact_lengths=buckets.exact_lengths,
                       bucket_heldout_error={str(b): p.metadata.get("heldout_normalized_error")
