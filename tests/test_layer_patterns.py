@@ -153,7 +153,7 @@ def test_cli_analyze_derive_convert_load_per_layer(minilm_path, tmp_path, capsys
     assert "per layer, 2 layers" in printed and "the pooled pattern's" in printed
     section = json.load(open(os.path.join(run, "results.json")))["derive_per_query_layer"]
     row = section["patterns"][0]
-    assert set(row["heldout_per_layer"]) == {"0", "1"}
+    assert set(row["heldout_per_group"]) == {"0", "1"}
     # per-layer P and R, each fitted to its layer, leave less error than one pooled P and R on held-out text
     assert row["heldout"] < row["heldout_pooled_pattern"]
     ckpt = str(tmp_path / "ckpt")
@@ -165,3 +165,137 @@ def test_cli_analyze_derive_convert_load_per_layer(minilm_path, tmp_path, capsys
     assert "partial_pattern_layer{l}.indices" in card and "own covariance" in card
     report = open(os.path.join(run, "report.md"), encoding="utf-8").read()
     assert "## Patterns per layer" in report
+
+
+# ---------------------------------------------------------------- P and R per head
+def head_patterns(model_type: str, k: int = 5) -> LayerPatterns:
+    """Every (layer, head)'s P and R from its own covariance (`collect_covariance(granularity="head")`,
+    `select_pattern` with ``layer=``, ``head=``), in float64."""
+    from hf_partial_attention.analysis import collect_covariance, select_pattern
+
+    windows = torch.randint(6, 99, (64, N), generator=torch.Generator().manual_seed(0))  # (S, n)
+    cov = collect_covariance(source_model(model_type).float(), windows, seq_len=N, progress=False,
+                             distributed=False, granularity="head")
+
+    def fit(layer, head):
+        p = select_pattern(cov, k, layer=layer, head=head)
+        return AttentionPattern(p.indices, p.reconstruction.double())
+
+    return LayerPatterns({layer: [fit(layer, head) for head in cov.heads] for layer in cov.layers})
+
+
+@pytest.fixture(scope="module")
+def roberta_heads():
+    return head_patterns("roberta")
+
+
+def test_heads_fit_different_patterns(roberta_heads):
+    p = [roberta_heads.group(0, head)[N].indices for head in range(4)]
+    assert roberta_heads.heads == 4 and not all(torch.equal(p[0], q) for q in p[1:])
+
+
+def test_each_head_runs_its_own_pattern(roberta_heads):
+    """Head h of layer 0 attends as a pooled model holding head h's pattern does at that head (the maps of
+    `output_attentions`), and differs from it at the other heads' where their patterns differ."""
+    cls = partial_class_for("roberta")
+    model = cls.from_source(source_model("roberta"), roberta_heads).eval()
+    assert model.config.partial_granularity == "head"
+    ids, mask = batch()
+    with torch.no_grad():
+        maps = model(input_ids=ids, attention_mask=mask, output_attentions=True).attentions[0]  # (B, H, n, n)
+        for head in range(4):
+            pooled = cls.from_source(source_model("roberta"), roberta_heads.group(0, head), partial_layers=[0]).eval()
+            expected = pooled(input_ids=ids, attention_mask=mask, output_attentions=True).attentions[0]
+            torch.testing.assert_close(maps[:, head], expected[:, head], rtol=0, atol=1e-12)
+            other = (head + 1) % 4
+            if not torch.equal(roberta_heads.group(0, other)[N].indices, roberta_heads.group(0, head)[N].indices):
+                assert (maps[:, other] - expected[:, other]).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("reconstruction", ["per_layer", "fixed"])
+def test_every_kernel_equals_the_reference_per_head(roberta_heads, reconstruction):
+    """gather (the reference), fused and tiled on P and R per head: the same outputs and gradients in float64, on a
+    padded batch."""
+    model = partial_class_for("roberta").from_source(source_model("roberta"), roberta_heads,
+                                                     reconstruction=reconstruction)
+    ids, mask = batch()
+    results = {}
+    for kernel in ("gather", "fused"):
+        model.zero_grad()
+        model.set_partial_implementation(kernel)
+        out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).sum().backward()
+        results[kernel] = out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    (ref, ref_grads), (out, grads) = results["gather"], results["fused"]
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-10)
+    assert set(grads) == set(ref_grads) and (reconstruction == "per_layer") == any(
+        "reconstruction" in n for n in grads)
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=0, atol=1e-9, msg=name)
+    model.eval().set_partial_implementation("tiled")
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).last_hidden_state, ref, rtol=0,
+                                   atol=1e-10)
+
+
+@pytest.mark.parametrize("model_type", ["roberta", "modernbert"])
+def test_per_head_save_load_and_remote_code(model_type, tmp_path):
+    patterns = head_patterns(model_type)
+    model = partial_class_for(model_type).from_source(source_model(model_type), patterns).eval()
+    model.save_pretrained(tmp_path)
+    assert json.load(open(tmp_path / "config.json"))["partial_granularity"] == "head"
+    shapes = {n: tuple(t.shape) for n, t in load_file(tmp_path / "model.safetensors").items() if "partial_pattern" in n}
+    assert shapes and all(shape[0] == 4 for shape in shapes.values())  # the head dimension leads
+    ids, mask = batch()
+    loaded = partial_class_for(model_type).from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        torch.testing.assert_close(loaded(input_ids=ids, attention_mask=mask).last_hidden_state, expected,
+                                   rtol=0, atol=0)
+    layer = model.config.partial_layers[0]
+    for head in range(4):
+        assert torch.equal(loaded.get_pattern(layer, head=head).indices, patterns.group(layer, head)[N].indices)
+    back = loaded.get_layer_patterns()
+    assert back.heads == 4 and torch.equal(back.group(layer, 3)[N].reconstruction,
+                                           patterns.group(layer, 3)[N].reconstruction)
+    _reference(model, str(tmp_path), ids, mask)
+    check_remote_loads([f"{tmp_path} AutoModel"], tmp_path)
+
+
+def test_per_head_refusals(roberta_heads, roberta_layers, tmp_path):
+    cls = partial_class_for("roberta")
+    three = LayerPatterns({l: [roberta_heads.group(l, h) for h in range(3)] for l in roberta_heads.layers})
+    with pytest.raises(ValueError, match="holds 3 heads per layer but the model has num_attention_heads=4"):
+        cls.from_source(source_model("roberta"), three)
+    model = cls.from_source(source_model("roberta"), roberta_heads)
+    with pytest.raises(ValueError, match="needs P and R per head .* got layer"):
+        model.set_pattern(roberta_layers)
+    with pytest.raises(ValueError, match="either every layer gives one pattern per head"):
+        LayerPatterns({0: roberta_heads[0], 1: roberta_layers[1]})
+    path = tmp_path / "heads.safetensors"
+    roberta_heads.save(path)
+    back = load_patterns(path)
+    assert back.heads == 4 and torch.equal(back.group(2, 3)[N].indices, roberta_heads.group(2, 3)[N].indices)
+
+
+def test_cli_derive_per_head_on_minilm(minilm_path, tmp_path, capsys):
+    """`analyze --granularity head` → `derive --granularity head`: each head's P and R leave less held-out error than
+    one pooled P and R at the same k; `convert` installs them, one per head."""
+    from transformers import AutoModel, AutoTokenizer, BertModel
+
+    source = tmp_path / "minilm2"
+    BertModel.from_pretrained(minilm_path, num_hidden_layers=2).save_pretrained(source)
+    AutoTokenizer.from_pretrained(minilm_path).save_pretrained(source)
+    run = str(tmp_path / "run")
+    assert cli.main(["analyze", "--model", str(source), "--seq-len", "16", "--max-sequences", "48", "--granularity",
+                     "head", "--heldout-sequences", "8", "--out", run, "--no-progress"]) == 0
+    capsys.readouterr()
+    assert cli.main(["derive", run, "--k", "4", "--granularity", "head", "--no-progress"]) == 0
+    assert "per head, 2 layers x 12 heads" in capsys.readouterr().out
+    row = json.load(open(os.path.join(run, "results.json")))["derive_per_query_head"]["patterns"][0]
+    assert len(row["heldout_per_group"]) == 24 and row["heldout"] < row["heldout_pooled_pattern"]
+    ckpt = str(tmp_path / "ckpt")
+    assert cli.main(["convert", row["path"], "--out", ckpt, "--model", str(source)]) == 0
+    model = AutoModel.from_pretrained(ckpt)
+    assert model.config.partial_granularity == "head"
+    assert torch.equal(model.get_pattern(0, head=5).indices, LayerPatterns.load(row["path"]).group(0, 5)[16].indices)

@@ -209,10 +209,10 @@ def _derive_args(p):
     p.add_argument("--bucket-k", nargs="+", default=None, metavar="B=K", type=parse_bucket_k,
                    help="length buckets: a bucket that takes its own k instead of --k, e.g. 64=24 (partial_lengths_k; "
                         "files buckets_k<k>_b<b>k<k_b>)")
-    p.add_argument("--granularity", default="pooled", choices=["pooled", "layer"],
-                   help="one P and R for every layer (the paper's) or each layer its own, fitted on its own "
-                        "covariance (needs analyze --granularity layer; files <scope>_layer_k<k>; convert gives each "
-                        "partial layer its own P and R)")
+    p.add_argument("--granularity", default="pooled", choices=["pooled", "layer", "head"],
+                   help="one P and R for every layer (the paper's), each layer its own or each head of each layer "
+                        "its own, fitted on its own covariance (needs analyze --granularity layer / head; files "
+                        "<scope>_layer_k<k> / <scope>_head_k<k>; convert installs them)")
     p.add_argument("--no-evaluate", action="store_true", help="skip the held-out measurement")
     p.add_argument("--no-baselines", action="store_true", help="skip the equal-cost baselines")
     p.add_argument("--batch-size", type=int, default=8, help="held-out windows per forward pass")
@@ -223,12 +223,14 @@ def _run_derive_layers(args, fmt) -> int:
     from .analysis.layers import derive_layers
 
     if args.scope != "per_query":
-        raise ValueError(f"--granularity layer fits per-query patterns; drop --scope {args.scope}.")
-    result = derive_layers(args.dir, args.k, family=args.family, objective=args.objective,
-                           evaluate=not args.no_evaluate, batch_size=args.batch_size, progress=not args.no_progress)
+        raise ValueError(f"--granularity {args.granularity} fits per-query patterns; drop --scope {args.scope}.")
+    result = derive_layers(args.dir, args.k, granularity=args.granularity, family=args.family,
+                           objective=args.objective, evaluate=not args.no_evaluate, batch_size=args.batch_size,
+                           progress=not args.no_progress)
+    groups = f"{len(result['layers'])} layers" + (f" x {len(result['heads'])} heads" if result["heads"] else "")
     for row in result["patterns"]:
         if row["k"] in args.k:
-            print(f"k={row['k']}: {row['path']} (per layer, {len(result['layers'])} layers; held-out error "
+            print(f"k={row['k']}: {row['path']} (per {args.granularity}, {groups}; held-out error "
                   f"{fmt(row.get('heldout'))}, the pooled pattern's {fmt(row.get('heldout_pooled_pattern'))})")
     return 0
 
@@ -239,9 +241,9 @@ def _run_derive(args) -> int:
 
     buckets = bucket_covariance_files(args.dir)
     fmt = lambda v: "not measured" if v is None else f"{v:.4f}"  # noqa: E731
-    if args.granularity == "layer":
+    if args.granularity != "pooled":
         if buckets or args.bucket_k:
-            raise ValueError(f"--granularity layer with length buckets ({args.dir!r} holds covariance_len* files): "
+            raise ValueError(f"--granularity {args.granularity} with length buckets ({args.dir!r} holds covariance_len* files): "
                              "not available yet; derive per layer from a folder of fixed windows (analyze "
                              "--granularity layer without --inputs) or drop --granularity.")
         return _run_derive_layers(args, fmt)

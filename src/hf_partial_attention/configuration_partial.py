@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 RECONSTRUCTION_MODES = ("fixed", "common", "per_layer")
-# One P and R for every partial layer (the paper's), or each layer its own (`pattern_layers.LayerPatterns`).
-GRANULARITIES = ("pooled", "layer")
+# One P and R for every partial layer (the paper's), each layer its own, or each head of each layer its own
+# (`pattern_layers.LayerPatterns`).
+GRANULARITIES = ("pooled", "layer", "head")
 # The kernels (`attention_dispatch.kernel_function`: one module `attention_<name>.py` each), and the settings of
 # `partial_implementation`: the kernels plus "auto". Named here, without importing a kernel, so a config is checked
 # early.
@@ -25,8 +26,8 @@ PARTIAL_IMPLEMENTATIONS = ("auto", *KERNEL_NAMES)
 # 3: a k per bucket (`partial_lengths_k`): bucket b's P is (b, k_b). Written only by a checkpoint whose partial
 #    buckets differ in k (`required_format_version`), so that readers of format 2 keep reading every other one.
 #    Checkpoints of architectures other than BERT (`configuration_partial_encoders`) start at format 2.
-# 4: P and R per layer (`partial_granularity="layer"`): ``...partial_pattern_layer{l}...``. Written only by such a
-#    checkpoint; a pooled one keeps the oldest format that holds it.
+# 4: P and R per layer or per head (`partial_granularity`): ``...partial_pattern_layer{l}...``, with a leading head
+#    dimension per head. Written only by such a checkpoint; a pooled one keeps the oldest format that holds it.
 CHECKPOINT_FORMAT_VERSION = 4
 # Runtime settings: like `attn_implementation`, never written to (nor read from) config.json.
 _NOT_SERIALIZED = ("partial_implementation",)
@@ -68,10 +69,10 @@ class PartialConfigMixin:
         groups = self.shared_layer_groups()
         if not groups:
             return
-        if self.partial_granularity == "layer" and self.partial_layers:
+        if self.partial_granularity != "pooled" and self.partial_layers:
             raise ValueError(
-                f"partial_granularity='layer' is not available for {self.model_type}: its layers {groups} share one "
-                "attention module each, which runs one P; use partial_granularity='pooled'.")
+                f"partial_granularity={self.partial_granularity!r} is not available for {self.model_type}: its layers "
+                f"{groups} share one attention module each, which runs one P; use partial_granularity='pooled'.")
         if self.reconstruction == "per_layer" and self.partial_layers:
             raise ValueError(
                 f"reconstruction='per_layer' is not available for {self.model_type}: its layers {groups} share one "
@@ -123,11 +124,11 @@ class PartialConfigMixin:
             )
         if self.partial_granularity not in GRANULARITIES:
             raise ValueError(f"partial_granularity must be one of {GRANULARITIES}, got {self.partial_granularity!r}.")
-        if self.partial_granularity == "layer" and self.reconstruction == "common":
+        if self.partial_granularity != "pooled" and self.reconstruction == "common":
             raise ValueError(
-                "reconstruction='common' (one R for every layer) has no meaning with partial_granularity='layer': "
-                "each layer has its own P, and an R maps the scores of its own P; use reconstruction='per_layer' "
-                "(each layer's R trainable) or 'fixed'.")
+                f"reconstruction='common' (one R for every layer) has no meaning with partial_granularity="
+                f"{self.partial_granularity!r}: each layer has its own P, and an R maps the scores of its own P; use "
+                "reconstruction='per_layer' (each layer's R trainable) or 'fixed'.")
         self._check_implementation()
         bad = [layer for layer in self.partial_layers if not 0 <= layer < self.num_hidden_layers]
         if bad:

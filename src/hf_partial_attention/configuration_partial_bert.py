@@ -50,7 +50,8 @@ class PartialBertConfig(PartialConfigMixin, BertConfig):
             `"pooled"`: one P (and, unless `reconstruction="per_layer"`, one R) for every partial layer, the paper's
             setting. `"layer"`: each partial layer has its own P and R (`LayerPatterns`, from `hf-partial-attention
             derive --granularity layer`), at the same k; R is then `"fixed"` or `"per_layer"` (trainable), and
-            checkpoints are of format 4.
+            checkpoints are of format 4. `"head"`: each head of each partial layer its own P and R (from
+            `derive --granularity head`), held per layer with a leading head dimension.
         partial_use_bias (`bool`, defaults to `False`):
             Add a per-query bias b_i (n x (n-k)) to the reconstructed scores (centred fit of R).
         partial_tie_shared_rows (`bool`, defaults to `False`):

@@ -135,8 +135,8 @@ def partial_config(source, pattern: AttentionPattern | PatternBuckets | LayerPat
     fields.update(partial_seq_len=pattern.seq_len, partial_k=pattern.k, partial_lengths=pattern.lengths,
                   partial_lengths_k=pattern.lengths_k, partial_use_bias=pattern.has_bias)
     if isinstance(pattern, LayerPatterns):
-        # each layer its own P, so its own R: trainable per layer unless the caller fixes it
-        fields.update(partial_granularity="layer", reconstruction="per_layer")
+        # each layer (or head) its own P, so its own R: trainable per layer unless the caller fixes it
+        fields.update(partial_granularity=pattern.granularity, reconstruction="per_layer")
     fields.update(overrides)
     if isinstance(source.config._name_or_path, str) and source.config._name_or_path:
         fields.setdefault("partial_base_model", source.config._name_or_path)

@@ -22,8 +22,8 @@ from .attention_common import PatternLayout
 from .attention_dispatch import check_implementation
 from .conversion import from_source
 from .partial_layer import is_partial, make_exact, make_partial
-from .partial_pattern import (PartialPattern, bucket_suffix, check_buckets, check_layers, init_bias, initial_for,
-                              pattern_module_name)
+from .partial_pattern import (PartialPattern, bucket_suffix, check_buckets, check_layers, head_count, init_bias,
+                              initial_for, initial_stack, pattern_module_name)
 from .pattern import AttentionPattern
 from .pattern_buckets import PatternBuckets
 from .pattern_layers import LayerPatterns
@@ -63,13 +63,14 @@ class PartialModelMixin:
         the default), and make every attention module partial (``config.partial_layers``) or exact (idempotent)."""
         config, base = self.config, self._partial_base()
         owner = self._partial_arch.owner_module(base)
-        layers = config.partial_layers if config.partial_granularity == "layer" else [None]
+        layers = config.partial_layers if config.partial_granularity != "pooled" else [None]
         if not layers or pattern_module_name(config, None, layers[0]) in owner._modules:
             return
         if pattern is not None:
             check_layers(config, pattern)
             for layer in layers:
-                check_buckets(config, pattern[layer] if isinstance(pattern, LayerPatterns) else pattern)
+                for head in self._heads():
+                    check_buckets(config, pattern.group(layer, head) if isinstance(pattern, LayerPatterns) else pattern)
         for layer in layers:
             for length in (None, *config.partial_buckets):
                 module = PartialPattern(config, pattern, length, layer)
@@ -120,18 +121,19 @@ class PartialModelMixin:
     def _init_weights(self, module):
         super()._init_weights(module)
         if isinstance(module, PartialPattern):
-            pattern = initial_for(self.config, self._initial_pattern, module.length, module.layer)
-            init.copy_(module.indices, pattern.indices)
+            indices, r, bias = initial_stack(self.config, self._initial_pattern, module.length, module.layer)
+            init.copy_(module.indices, indices)
             # The layout buffers are non-persistent: a model built on the meta device (big-model loading) gets them
-            # only here, derived from the P just installed.
-            layout = PatternLayout.from_indices(pattern.indices)
-            init.copy_(module.complement, layout.complement)
-            init.copy_(module.inverse_permutation, layout.inverse_permutation)
-            module.block_rows = layout.block_rows
+            # only here, derived from the P just installed (each head's, for P per head).
+            layouts = [PatternLayout.from_indices(p) for p in ([indices] if module.heads is None else indices)]
+            stacked = (lambda ts: ts[0]) if module.heads is None else torch.stack
+            init.copy_(module.complement, stacked([l.complement for l in layouts]))
+            init.copy_(module.inverse_permutation, stacked([l.inverse_permutation for l in layouts]))
+            module.block_rows = layouts[0].block_rows if module.heads is None else [l.block_rows for l in layouts]
             if getattr(module, "reconstruction", None) is not None:
-                init.copy_(module.reconstruction, pattern.reconstruction)
+                init.copy_(module.reconstruction, r)
             if getattr(module, "reconstruction_bias", None) is not None:
-                init_bias(module.reconstruction_bias, pattern)
+                init.zeros_(module.reconstruction_bias) if bias is None else init.copy_(module.reconstruction_bias, bias)
         elif is_partial(module) and "reconstruction" in module._parameters:
             for length in (None, *self.config.partial_buckets):
                 pattern = initial_for(self.config, self._initial_pattern, length)
@@ -178,17 +180,23 @@ class PartialModelMixin:
         # P and R must also be a valid pattern (sorted, unique, in range, finite): AttentionPattern checks that.
         for layer in self._pattern_layers():
             try:
-                self.get_patterns(layer)
+                for head in self._heads():
+                    self.get_patterns(layer, head)
             except ValueError as err:
                 raise ValueError(f"{source!s} holds an invalid P or R ({sorted(names)}): {err}") from err
             for owner in self._pattern_modules(layer).values():
                 owner.refresh_layout()
 
     # ------------------------------------------------------------------ pattern access
+    def _heads(self) -> list[int | None]:
+        """Each head when P and R are per head, else ``[None]``."""
+        heads = head_count(self.config)
+        return [None] if heads is None else list(range(heads))
+
     def _pattern_layers(self) -> list[int | None]:
         """The layers with a P and R of their own (per_layer R or per-layer P), else ``[None]``."""
         config = self.config
-        if config.reconstruction == "per_layer" or config.partial_granularity == "layer":
+        if config.reconstruction == "per_layer" or config.partial_granularity != "pooled":
             return list(config.partial_layers)
         return [None]
 
@@ -196,7 +204,7 @@ class PartialModelMixin:
         """Bucket length -> the owner's pattern module of that bucket (n first, then the shorter buckets); of
         ``layer`` (default: the first partial layer) when each layer has its own P."""
         owner, config = self._partial_owner(), self.config
-        if config.partial_granularity == "layer":
+        if config.partial_granularity != "pooled":
             layer = self._check_layer(layer)
         return {length or config.partial_seq_len: getattr(owner, pattern_module_name(config, length, layer))
                 for length in (None, *config.partial_buckets)}
@@ -215,7 +223,7 @@ class PartialModelMixin:
         for length in (None, *self.config.partial_buckets):
             suffix = bucket_suffix(self.config, length)
             tag = suffix.replace("_", ".")
-            if self.config.partial_granularity == "layer":  # each layer's module holds its R
+            if self.config.partial_granularity != "pooled":  # each layer's module holds its R (its heads')
                 out.update({f"layer.{l}{tag}": self._pattern_modules(l)[length or self.config.partial_seq_len]
                             .reconstruction for l in self.config.partial_layers})
             elif self.config.reconstruction != "per_layer":
@@ -225,9 +233,11 @@ class PartialModelMixin:
                             for l in self.config.partial_layers})
         return out
 
-    def get_pattern(self, layer: int | None = None, length: int | None = None) -> AttentionPattern:
+    def get_pattern(self, layer: int | None = None, length: int | None = None, head: int | None = None
+                    ) -> AttentionPattern:
         """The model's P and R in bucket ``length`` (default n; of `layer` when R or P is per layer, the first
-        partial layer by default). A bucket that runs exactly (b <= k) has no pattern: a ValueError."""
+        partial layer by default; of `head` when they are per head, head 0 by default). A bucket that runs exactly
+        (b <= k) has no pattern: a ValueError."""
         length = length or self.config.partial_seq_len
         modules = self._pattern_modules(layer)
         if length not in modules:
@@ -238,20 +248,35 @@ class PartialModelMixin:
         owner, r_name = modules[length], "reconstruction"
         if self.config.reconstruction == "per_layer" and self.config.partial_granularity == "pooled":
             owner, r_name = self._partial_attention(self._check_layer(layer)), "reconstruction" + suffix
+        p, r = modules[length].indices, getattr(owner, r_name)
+        bias = getattr(owner, r_name.replace("reconstruction", "reconstruction_bias"), None)
+        if self.config.partial_granularity == "head":
+            head = self._check_head(head)
+            p, r, bias = p[head], r[head], None if bias is None else bias[head]
         return AttentionPattern(
-            modules[length].indices, getattr(owner, r_name),
-            getattr(owner, r_name.replace("reconstruction", "reconstruction_bias"), None),
+            p, r, bias,
             metadata={"source_model": self.config._name_or_path or "", "reconstruction": self.config.reconstruction},
         )
 
-    def get_patterns(self, layer: int | None = None) -> PatternBuckets:
-        """Every bucket's P and R (of `layer` when R or P is per layer) as `PatternBuckets`."""
-        return PatternBuckets({b: self.get_pattern(layer, b) for b in self._pattern_modules(layer)},
+    def _check_head(self, head: int | None) -> int:
+        heads = self.config.num_attention_heads
+        head = 0 if head is None else head
+        if not 0 <= head < heads:
+            raise ValueError(f"head={head} is out of range for num_attention_heads={heads}.")
+        return head
+
+    def get_patterns(self, layer: int | None = None, head: int | None = None) -> PatternBuckets:
+        """Every bucket's P and R (of `layer` when R or P is per layer, of `head` per head) as `PatternBuckets`."""
+        return PatternBuckets({b: self.get_pattern(layer, b, head) for b in self._pattern_modules(layer)},
                               exact_lengths=self.config.exact_lengths, k=self.config.partial_k)
 
     def get_layer_patterns(self) -> LayerPatterns:
-        """Every partial layer's P and R, every bucket, as `LayerPatterns` (what `set_pattern` takes back)."""
-        return LayerPatterns({layer: self.get_patterns(layer) for layer in self.config.partial_layers})
+        """Every partial layer's (and head's) P and R, every bucket, as `LayerPatterns` (what `set_pattern` takes
+        back)."""
+        heads = self._heads()
+        return LayerPatterns({layer: self.get_patterns(layer) if heads == [None] else
+                              [self.get_patterns(layer, head) for head in heads]
+                              for layer in self.config.partial_layers})
 
     @torch.no_grad()
     def set_pattern(self, pattern: AttentionPattern | PatternBuckets | LayerPatterns) -> None:
@@ -269,11 +294,13 @@ class PartialModelMixin:
             raise ValueError(f"{err} Build the model with from_source(..., pattern).") from err
         if isinstance(pattern, LayerPatterns):
             for layer in self.config.partial_layers:
-                self._set_buckets(pattern[layer], layer)
+                for head in self._heads():
+                    self._set_buckets(pattern.group(layer, head), layer, head)
         else:
             self._set_buckets(pattern, None)
 
-    def _set_buckets(self, pattern: AttentionPattern | PatternBuckets, layer: int | None) -> None:
+    def _set_buckets(self, pattern: AttentionPattern | PatternBuckets, layer: int | None, head: int | None = None
+                     ) -> None:
         try:
             buckets = check_buckets(self.config, pattern)
         except ValueError as err:
@@ -283,15 +310,16 @@ class PartialModelMixin:
                              f"config.partial_use_bias={self.config.partial_use_bias}.")
         for length, module in self._pattern_modules(layer).items():
             bucket = buckets[length]
-            module.indices.copy_(bucket.indices)
+            pick = (lambda t: t) if head is None else (lambda t: t[head])  # head h's slice of stacked tensors
+            pick(module.indices).copy_(bucket.indices)
             module.refresh_layout()
             suffix = bucket_suffix(self.config, length)
             owners = ([(module, "")] if layer is not None or self.config.reconstruction != "per_layer"
                       else [(self._partial_attention(l), suffix) for l in self.config.partial_layers])
             for owner, tag in owners:
-                getattr(owner, "reconstruction" + tag).copy_(bucket.reconstruction)
+                pick(getattr(owner, "reconstruction" + tag)).copy_(bucket.reconstruction)
                 if bucket.bias is not None:
-                    getattr(owner, "reconstruction_bias" + tag).copy_(bucket.bias)
+                    pick(getattr(owner, "reconstruction_bias" + tag)).copy_(bucket.bias)
 
     # ------------------------------------------------------------------ hub
     def save_pretrained(self, save_directory, *args, **kwargs):

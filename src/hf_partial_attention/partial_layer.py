@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -138,14 +139,27 @@ def _partial_function(implementation: str) -> Callable:
         if need_weights is None:
             need_weights = attention_weights_requested(config, kwargs)
 
-        def run_bucket(length, query, key, value, attention_mask, tensors=partial):
-            if length in config.exact_lengths:  # b <= k: every score is exact
-                return exact_attention(module, query, key, value, attention_mask, scaling, dropout, need_weights)
-            tensors = layer_tensors(module, length) if tensors is None else tensors  # P, R: read once, passed down
+        def run_kernel(tensors, query, key, value, attention_mask):
             name = kernel_for(implementation, tensors, query, key, value, need_weights=need_weights,
                               dropout=dropout if module.training else 0.0)
             return kernel_function(name)(module, query, key, value, attention_mask, scaling, dropout,
                                          partial=tensors)
+
+        def run_bucket(length, query, key, value, attention_mask, tensors=partial):
+            if length in config.exact_lengths:  # b <= k: every score is exact
+                return exact_attention(module, query, key, value, attention_mask, scaling, dropout, need_weights)
+            tensors = layer_tensors(module, length) if tensors is None else tensors  # P, R: read once, passed down
+            if not isinstance(tensors, list):
+                return run_kernel(tensors, query, key, value, attention_mask)
+            # P and R per head: each head by the kernel of its own P and R, on its own slice of q, k, v
+            outs, maps = [], []
+            for h, head_tensors in enumerate(tensors):
+                mask = (attention_mask if attention_mask is None or attention_mask.shape[1] == 1
+                        else attention_mask[:, h:h + 1])  # (B|1, 1, T, T)
+                out, probs = run_kernel(head_tensors, query[:, h:h + 1], key[:, h:h + 1], value[:, h:h + 1], mask)
+                outs.append(out)  # (B, T, 1, D)
+                maps.append(probs)  # (B, 1, T, T) or None
+            return torch.cat(outs, dim=2), None if maps[0] is None else torch.cat(maps, dim=1)  # (B, T, H, D)
 
         if partial is not None or len(config.partial_lengths) == 1:  # one bucket: n's P and R for every input
             return run_bucket(config.partial_seq_len, query, key, value, attention_mask)

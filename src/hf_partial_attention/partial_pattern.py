@@ -20,8 +20,8 @@ from .pattern import AttentionPattern
 from .pattern_buckets import PatternBuckets
 from .pattern_layers import LayerPatterns
 
-__all__ = ["PartialPattern", "PartialBertPattern", "default_pattern", "initial_for", "check_buckets", "check_layers",
-           "r_tensor", "init_bias", "bucket_suffix", "pattern_module_name"]
+__all__ = ["PartialPattern", "PartialBertPattern", "default_pattern", "initial_for", "initial_stack", "check_buckets",
+           "check_layers", "r_tensor", "init_bias", "bucket_suffix", "pattern_module_name", "head_count"]
 
 
 def bucket_suffix(config: PartialConfigMixin, length: int | None) -> str:
@@ -31,11 +31,12 @@ def bucket_suffix(config: PartialConfigMixin, length: int | None) -> str:
 
 def pattern_module_name(config: PartialConfigMixin, length: int | None = None, layer: int | None = None) -> str:
     """The owner's attribute holding the pattern module of bucket ``length`` (default n): ``partial_pattern`` +
-    the bucket's suffix, with ``_layer{l}`` before it when each layer has its own P (``partial_granularity="layer"``,
-    where ``layer`` is required)."""
-    if config.partial_granularity == "layer":
+    the bucket's suffix, with ``_layer{l}`` before it when each layer has its own P (``partial_granularity`` "layer"
+    or "head", where ``layer`` is required)."""
+    if config.partial_granularity != "pooled":
         if layer is None:
-            raise ValueError("partial_granularity='layer': name the layer whose pattern module is meant.")
+            raise ValueError(f"partial_granularity={config.partial_granularity!r}: name the layer whose pattern "
+                             "module is meant.")
         return f"partial_pattern_layer{layer}" + bucket_suffix(config, length)
     return "partial_pattern" + bucket_suffix(config, length)
 
@@ -70,35 +71,60 @@ def check_buckets(config: PartialConfigMixin, pattern: AttentionPattern | Patter
     return buckets
 
 
+def head_count(config: PartialConfigMixin) -> int | None:
+    """The heads of a layer when each has its own P and R (``partial_granularity="head"``), else None."""
+    return config.num_attention_heads if config.partial_granularity == "head" else None
+
+
 def check_layers(config: PartialConfigMixin, pattern) -> None:
-    """A ValueError unless ``pattern``'s kind fits ``config.partial_granularity`` and (per layer) it holds a P for
-    every partial layer."""
-    if config.partial_granularity == "layer":
-        if not isinstance(pattern, LayerPatterns):
-            raise ValueError(f"partial_granularity='layer' needs P and R per layer (LayerPatterns, from `derive "
-                             f"--granularity layer`), got {type(pattern).__name__}; pass a per-layer pattern or build "
-                             "the config with partial_granularity='pooled'.")
+    """A ValueError unless ``pattern``'s kind fits ``config.partial_granularity`` and (per layer or head) it holds a
+    P for every partial layer (and head)."""
+    granularity = config.partial_granularity
+    if granularity != "pooled":
+        if not isinstance(pattern, LayerPatterns) or pattern.granularity != granularity:
+            found = pattern.granularity if isinstance(pattern, LayerPatterns) else type(pattern).__name__
+            raise ValueError(f"partial_granularity={granularity!r} needs P and R per {granularity} (LayerPatterns, "
+                             f"from `derive --granularity {granularity}`), got {found}; pass such a pattern or build "
+                             "the config from the pattern (from_source does).")
+        if granularity == "head" and pattern.heads != config.num_attention_heads:
+            raise ValueError(f"the per-head pattern holds {pattern.heads} heads per layer but the model has "
+                             f"num_attention_heads={config.num_attention_heads}; derive it from this model.")
         missing = sorted(set(config.partial_layers) - set(pattern.layers))
         if missing:
             raise ValueError(f"the per-layer pattern has no P and R for partial layers {missing} (it holds layers "
                              f"{list(pattern.layers)}); derive them (`derive --granularity layer` fits every layer) "
                              f"or set partial_layers to layers it holds.")
     elif isinstance(pattern, LayerPatterns):
-        raise ValueError("a per-layer pattern (LayerPatterns) needs partial_granularity='layer' in the config; "
-                         "from_source sets it from the pattern.")
+        raise ValueError(f"a pattern per {pattern.granularity} (LayerPatterns) needs partial_granularity="
+                         f"{pattern.granularity!r} in the config; from_source sets it from the pattern.")
 
 
 def initial_for(config: PartialConfigMixin, pattern: AttentionPattern | PatternBuckets | LayerPatterns | None = None,
-                length: int | None = None, layer: int | None = None) -> AttentionPattern:
-    """The pattern of bucket ``length`` (default n; of ``layer`` for P and R per layer) a model under construction
-    starts with: the one passed to its constructor (`from_source` passes its own), else the default for the
-    config."""
+                length: int | None = None, layer: int | None = None, head: int | None = None) -> AttentionPattern:
+    """The pattern of bucket ``length`` (default n; of ``layer`` and ``head`` for P and R per layer or head) a model
+    under construction starts with: the one passed to its constructor (`from_source` passes its own), else the
+    default for the config."""
     if pattern is None:
         return default_pattern(config, length)
     check_layers(config, pattern)
     if isinstance(pattern, LayerPatterns):
-        pattern = pattern[layer]
+        pattern = pattern.group(layer, head)
     return check_buckets(config, pattern)[length or config.partial_seq_len]
+
+
+def initial_stack(config: PartialConfigMixin, pattern=None, length: int | None = None,
+                  layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """P, R and the bias (or None) a pattern module starts with (`initial_for`): for P and R per head, the heads'
+    stacked, ``(H, n, k)``, ``(H, n, n−k, k)``, ``(H, n, n−k)``."""
+    heads = head_count(config)
+    patterns = [initial_for(config, pattern, length, layer, head) for head in
+                ([None] if heads is None else range(heads))]
+    bias = None if patterns[0].bias is None else [p.bias for p in patterns]
+    if heads is None:
+        p = patterns[0]
+        return p.indices, p.reconstruction, None if bias is None else bias[0]
+    return (torch.stack([p.indices for p in patterns]), torch.stack([p.reconstruction for p in patterns]),
+            None if bias is None else torch.stack(bias))
 
 
 def _on_meta_device() -> bool:
@@ -134,39 +160,47 @@ def init_bias(tensor: torch.Tensor, pattern: AttentionPattern) -> None:
 class PartialPattern(nn.Module):
     """Holds P (and R unless R is per layer) of one length bucket (``length``, default n) for all partial layers of
     an encoder; with P and R per layer (``partial_granularity="layer"``), P and R of layer ``layer`` alone, its R
-    trainable for ``reconstruction="per_layer"``."""
+    trainable for ``reconstruction="per_layer"``; per head (``"head"``), layer ``layer``'s heads' P and R, stacked
+    along a leading head dimension (P ``(H, n, k)``, R ``(H, n, n−k, k)``)."""
 
     def __init__(self, config: PartialConfigMixin, pattern: AttentionPattern | PatternBuckets | LayerPatterns | None
                  = None, length: int | None = None, layer: int | None = None):
         super().__init__()
         n, k = length or config.partial_seq_len, config.bucket_k(length)
         self.length, self.layer = n, layer
-        indices = (torch.empty(n, k, dtype=torch.long) if _on_meta_device()
-                   else initial_for(config, pattern, length, layer).indices.clone())
+        self.heads = head_count(config)
+        lead = () if self.heads is None else (self.heads,)
+        if _on_meta_device():
+            indices = torch.empty(*lead, n, k, dtype=torch.long)
+            r, r_bias = torch.empty(*lead, n, n - k, k), torch.empty(*lead, n, n - k)
+        else:
+            indices, r, r_bias = (t if t is None else t.clone() for t in initial_stack(config, pattern, length, layer))
+            r_bias = torch.zeros(*lead, n, n - k, dtype=r.dtype) if r_bias is None else r_bias
+        r_bias = r_bias if config.partial_use_bias else None
         self.register_buffer("indices", indices, persistent=True)
         self.mode = config.reconstruction
         # One layer's module holds that layer's R: trainable unless fixed ("per_layer" R lives here, not on the
         # attention module, because P is the layer's own too).
         trainable = self.mode == "common" or (layer is not None and self.mode == "per_layer")
         if trainable:
-            self.reconstruction = r_tensor(config, True, False, pattern, length, layer)
-            self.reconstruction_bias = (r_tensor(config, True, True, pattern, length, layer)
-                                        if config.partial_use_bias else None)
+            self.reconstruction = nn.Parameter(r)
+            self.reconstruction_bias = None if r_bias is None else nn.Parameter(r_bias)
         elif self.mode == "fixed":
-            self.register_buffer("reconstruction", r_tensor(config, False, False, pattern, length, layer),
-                                 persistent=True)
-            bias = r_tensor(config, False, True, pattern, length, layer) if config.partial_use_bias else None
-            self.register_buffer("reconstruction_bias", bias, persistent=True)
+            self.register_buffer("reconstruction", r, persistent=True)
+            self.register_buffer("reconstruction_bias", r_bias, persistent=True)
         # The layout derived from P (complement, inverse permutation, block structure) is kept as non-persistent
         # buffers, refreshed whenever P is installed or loaded, so that a compiled or exported forward reads plain
         # tensors (no cache lookup in the graph).
-        self.register_buffer("complement", torch.empty(n, n - k, dtype=torch.long), persistent=False)
-        self.register_buffer("inverse_permutation", torch.empty(n, n, dtype=torch.long), persistent=False)
-        self.block_rows: int | None = None
+        self.register_buffer("complement", torch.empty(*lead, n, n - k, dtype=torch.long), persistent=False)
+        self.register_buffer("inverse_permutation", torch.empty(*lead, n, n, dtype=torch.long), persistent=False)
+        self.block_rows: int | None | list[int | None] = None
         self._layout_stamp: tuple | None = None
         # What the kernels derive from P and each R, kept by the owner of P: key None for the R held here (common or
-        # fixed), a layer's index for its own R (per_layer). Memory: see `DerivedState` (one W per distinct R).
-        self.derived = {layer: DerivedState() for layer in (None, *config.partial_layers)}
+        # fixed), a layer's index for its own R (per_layer), ("head", h) for head h's. Memory: see `DerivedState`
+        # (one W per distinct R).
+        self.derived = {key: DerivedState() for key in
+                        ((None, *config.partial_layers) if self.heads is None else
+                         [("head", h) for h in range(self.heads)])}
         self.tie_shared_rows = config.partial_tie_shared_rows
         if not _on_meta_device():
             self.refresh_layout()
@@ -176,30 +210,46 @@ class PartialPattern(nn.Module):
     def refresh_layout(self) -> None:
         """Recompute the layout buffers from P (done by `set_pattern`, loading, and before an eager forward when P
         changed in place)."""
-        layout = PatternLayout.from_indices(self.indices)
-        self.complement, self.inverse_permutation = layout.complement, layout.inverse_permutation
-        self.block_rows = layout.block_rows
+        if self.heads is None:
+            layout = PatternLayout.from_indices(self.indices)
+            self.complement, self.inverse_permutation = layout.complement, layout.inverse_permutation
+            self.block_rows = layout.block_rows
+        else:
+            layouts = [PatternLayout.from_indices(p) for p in self.indices]  # one per head
+            self.complement = torch.stack([l.complement for l in layouts])  # (H, n, n-k)
+            self.inverse_permutation = torch.stack([l.inverse_permutation for l in layouts])  # (H, n, n)
+            self.block_rows = [l.block_rows for l in layouts]
         self._layout_stamp = (self.indices.data_ptr(), self.indices._version)
         for state in self.derived.values():
             state.clear()
 
-    def layout(self) -> PatternLayout:
-        """P and its layout. In eager mode a P changed in place is noticed and the layout refreshed; a compiled or
-        exported graph reads the buffers as they are (call `refresh_layout` after changing P by hand)."""
+    def layout(self, head: int | None = None) -> PatternLayout:
+        """P and its layout (of ``head`` for P per head). In eager mode a P changed in place is noticed and the
+        layout refreshed; a compiled or exported graph reads the buffers as they are (call `refresh_layout` after
+        changing P by hand)."""
         if not torch.compiler.is_compiling() and self._layout_stamp != (self.indices.data_ptr(), self.indices._version):
             self.refresh_layout()
-        return PatternLayout(self.indices, self.complement, self.inverse_permutation, self.block_rows)
+        if self.heads is None:
+            return PatternLayout(self.indices, self.complement, self.inverse_permutation, self.block_rows)
+        return PatternLayout(self.indices[head], self.complement[head], self.inverse_permutation[head],
+                             self.block_rows[head])
 
     def forward(self, reconstruction: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                layer: int | None = None) -> PartialTensors:
+                layer: int | None = None) -> PartialTensors | list[PartialTensors]:
         """What a partial layer reconstructs with: P's layout (with the blocks of rows sharing P and R), R, its bias
         and their derived state. A layer with its own R (per_layer) passes it, its bias and its index. With
-        ``partial_tie_shared_rows`` a trainable R shared by blocks of rows gets its block's summed gradient."""
+        ``partial_tie_shared_rows`` a trainable R shared by blocks of rows gets its block's summed gradient. For P
+        and R per head: a list, one per head (views of the stacked tensors, so gradients reach them)."""
         if reconstruction is None:
             reconstruction, bias = getattr(self, "reconstruction", None), getattr(self, "reconstruction_bias", None)
-        layout = self.layout()
+        if self.heads is None:
+            return self._tensors(self.layout(), reconstruction, bias, layer)
+        return [self._tensors(self.layout(h), reconstruction[h], None if bias is None else bias[h], ("head", h))
+                for h in range(self.heads)]
+
+    def _tensors(self, layout: PatternLayout, reconstruction, bias, key) -> PartialTensors:
         # Under torch.compile / export the state is not read (no Python-side cache in a graph): W is built in it.
-        derived = None if torch.compiler.is_compiling() else self.derived[layer]
+        derived = None if torch.compiler.is_compiling() else self.derived[key]
         if derived is not None:
             layout = layout._replace(shared_rows=derived.shared_rows(layout.indices, reconstruction))
         if self.tie_shared_rows and needs_grad(reconstruction):

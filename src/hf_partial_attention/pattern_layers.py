@@ -1,14 +1,17 @@
-"""`LayerPatterns`: P and R per layer (each layer's own `PatternBuckets`), stored as one safetensors file.
+"""`LayerPatterns`: P and R per layer (each layer's own `PatternBuckets`) or per (layer, head), stored as one
+safetensors file.
 
 The paper fits one P and R on the covariance pooled over layers and heads. Layers differ (MiniLM's layer 0 keeps
 93 % of its score energy in 8 eigenvectors, layer 5 27 %), so ``derive --granularity layer`` fits each layer's P and
 R on that layer's own covariance; a model built from them (``partial_granularity="layer"``) runs layer l with its
-own P and R. Every layer has the same length buckets, the same k per bucket and the same bias flag, so that the
-QKᵀ cost is the pooled pattern's.
+own P and R. ``derive --granularity head`` goes one step further: each head of each layer its own P and R
+(``partial_granularity="head"``). Every group has the same length buckets, the same k per bucket and the same bias
+flag, so that the QKᵀ cost is the pooled pattern's.
 
-File format (``PATTERN_LAYERS_FORMAT_VERSION``): each layer's `PatternBuckets` tensors prefixed ``layer{l}.``
-(``layer{l}.len{b}.indices``, ...), header ``{"format_version", "layers", "lengths", "lengths_k", "buckets":
-{l: that layer's buckets header}, "metadata"}`` under its own key, so that a pooled file's reader refuses it by name.
+File format (``PATTERN_LAYERS_FORMAT_VERSION``): each group's `PatternBuckets` tensors prefixed ``layer{l}.`` (per
+layer) or ``layer{l}.head{h}.`` (per head), e.g. ``layer{l}.len{b}.indices``; header ``{"format_version", "layers",
+"heads" (null per layer), "lengths", "lengths_k", "buckets": {"l" or "l.h": that group's buckets header},
+"metadata"}`` under its own key, so that a pooled file's reader refuses it by name.
 
 This file is part of the remote-code bundle (imports: torch, safetensors and siblings only).
 """
@@ -35,61 +38,103 @@ _EXPECTED = ("a per-layer pattern file written by `hf-partial-attention derive -
 
 
 class LayerPatterns:
-    """Per-layer P and R: ``{layer: PatternBuckets}`` (or ``AttentionPattern``, one bucket), every layer with the
-    same buckets, k per bucket and bias flag.
+    """P and R per layer, ``{layer: PatternBuckets}`` (or ``AttentionPattern``, one bucket), or per (layer, head),
+    ``{layer: [one per head]}``; every group with the same buckets, k per bucket and bias flag, every layer with the
+    same number of heads.
 
     Args:
-        layers: ``{layer index: AttentionPattern | PatternBuckets}``, at least one.
+        layers: ``{layer index: pattern}`` or ``{layer index: [pattern of head 0, head 1, ...]}``, at least one.
         metadata: JSON-serialisable facts about the set (source model, objective, ...).
 
     Raises:
-        ValueError: no layer, a negative index, or layers whose buckets, ks or bias differ (each named).
+        ValueError: no layer, a negative index, groups whose buckets, ks or bias differ, or layers with different
+            numbers of heads (each named).
         TypeError: a value that is neither pattern type.
     """
 
-    def __init__(self, layers: Mapping[int, AttentionPattern | PatternBuckets], metadata: dict[str, Any] | None = None):
+    def __init__(self, layers: Mapping[int, Any], metadata: dict[str, Any] | None = None):
         if not layers:
             raise ValueError("LayerPatterns needs at least one layer's pattern.")
-        buckets = {}
+        groups: dict[int, Any] = {}
         for layer, pattern in layers.items():
             if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
                 raise ValueError(f"layer indices must be ints >= 0, got {layer!r}.")
-            buckets[layer] = PatternBuckets.coerce(pattern)
-        first_layer, first = min(buckets.items())
-        for layer, b in buckets.items():
+            if isinstance(pattern, (list, tuple)):
+                if not pattern:
+                    raise ValueError(f"layer {layer} has an empty list of head patterns.")
+                groups[layer] = [PatternBuckets.coerce(p) for p in pattern]
+            else:
+                groups[layer] = PatternBuckets.coerce(pattern)
+        per_head = {isinstance(g, list) for g in groups.values()}
+        if len(per_head) > 1:
+            raise ValueError("either every layer gives one pattern per head (a list) or none does.")
+        self.heads: int | None = None
+        if per_head == {True}:
+            counts = {layer: len(g) for layer, g in groups.items()}
+            if len(set(counts.values())) > 1:
+                raise ValueError(f"layers have different numbers of head patterns: {counts}; give every layer one "
+                                 "per attention head.")
+            self.heads = next(iter(counts.values()))
+        self.layers: dict[int, Any] = dict(sorted(groups.items()))
+        first_name, first = next(iter(self.groups()))
+        for name, b in self.groups():
             if (b.lengths, b.lengths_k, b.has_bias) != (first.lengths, first.lengths_k, first.has_bias):
                 raise ValueError(
-                    f"layer {layer}'s pattern has buckets {b.lengths} with k {b.lengths_k} (bias {b.has_bias}) but "
-                    f"layer {first_layer}'s has {first.lengths} with k {first.lengths_k} (bias {first.has_bias}); "
-                    "derive every layer with the same --k, buckets and --bias (the cost of a layer is its k).")
-        self.layers: dict[int, PatternBuckets] = dict(sorted(buckets.items()))
+                    f"{name}'s pattern has buckets {b.lengths} with k {b.lengths_k} (bias {b.has_bias}) but "
+                    f"{first_name}'s has {first.lengths} with k {first.lengths_k} (bias {first.has_bias}); "
+                    "derive every group with the same --k, buckets and --bias (the cost of a layer is its k).")
         self.metadata: dict[str, Any] = dict(metadata or {})
 
-    # The fields a config takes from a pattern, as `PatternBuckets` has them (every layer has the same).
-    def _first(self) -> PatternBuckets:
-        return next(iter(self.layers.values()))
+    @property
+    def granularity(self) -> str:
+        """``"layer"`` or ``"head"`` (``partial_granularity`` of a model built from it)."""
+        return "layer" if self.heads is None else "head"
+
+    def groups(self):
+        """``(name, PatternBuckets)`` of every group: ``("layer 3", ...)`` or ``("layer 3 head 1", ...)``."""
+        for layer, group in self.layers.items():
+            if isinstance(group, list):
+                for head, buckets in enumerate(group):
+                    yield f"layer {layer} head {head}", buckets
+            else:
+                yield f"layer {layer}", group
+
+    def group(self, layer: int, head: int | None = None) -> PatternBuckets:
+        """The buckets of ``layer`` (and ``head`` when P and R are per head)."""
+        group = self[layer]
+        if self.heads is None:
+            if head is not None:
+                raise ValueError(f"head={head} asked of patterns per layer (no head dimension).")
+            return group
+        if head is None or not 0 <= head < self.heads:
+            raise ValueError(f"patterns per head: name a head in [0, {self.heads}), got {head!r}.")
+        return group[head]
+
+    # The fields a config takes from a pattern, as `PatternBuckets` has them (every group has the same).
+    def first(self) -> PatternBuckets:
+        return next(self.groups())[1]
 
     @property
     def seq_len(self) -> int:
-        return self._first().seq_len
+        return self.first().seq_len
 
     @property
     def k(self) -> int:
-        return self._first().k
+        return self.first().k
 
     @property
     def lengths(self) -> list[int]:
-        return self._first().lengths
+        return self.first().lengths
 
     @property
     def lengths_k(self) -> list[int]:
-        return self._first().lengths_k
+        return self.first().lengths_k
 
     @property
     def has_bias(self) -> bool:
-        return self._first().has_bias
+        return self.first().has_bias
 
-    def __getitem__(self, layer: int) -> PatternBuckets:
+    def __getitem__(self, layer: int):
         if layer not in self.layers:
             raise KeyError(f"no pattern for layer {layer}; the file holds layers {list(self.layers)}.")
         return self.layers[layer]
@@ -98,11 +143,14 @@ class LayerPatterns:
     def save(self, path: str | os.PathLike) -> None:
         """Write one safetensors file: every layer's buckets (``layer{l}.`` + the buckets' tensor names)."""
         tensors, headers = {}, {}
-        for layer, buckets in self.layers.items():
-            parts, header = buckets.to_parts()
-            tensors.update({f"layer{layer}.{name}": tensor for name, tensor in parts.items()})
-            headers[str(layer)] = header
-        header = {"format_version": PATTERN_LAYERS_FORMAT_VERSION, "layers": list(self.layers),
+        for layer, group in self.layers.items():
+            for head, buckets in ([(None, group)] if self.heads is None else enumerate(group)):
+                key = str(layer) if head is None else f"{layer}.{head}"
+                parts, header = buckets.to_parts()
+                prefix = f"layer{layer}." if head is None else f"layer{layer}.head{head}."
+                tensors.update({prefix + name: tensor for name, tensor in parts.items()})
+                headers[key] = header
+        header = {"format_version": PATTERN_LAYERS_FORMAT_VERSION, "layers": list(self.layers), "heads": self.heads,
                   "lengths": self.lengths, "lengths_k": self.lengths_k, "buckets": headers, "metadata": self.metadata}
         save_file(tensors, os.fspath(path), metadata={_META_KEY: json.dumps(header)})
 
@@ -114,18 +162,23 @@ class LayerPatterns:
                               expected=_EXPECTED) as (header, f):
             tensors = {name: f.get_tensor(name) for name in f.keys()}
         try:
-            layers = {}
-            for layer in header["layers"]:
-                prefix = f"layer{int(layer)}."
+            heads = header.get("heads")
+
+            def group(prefix: str, key: str) -> PatternBuckets:
                 parts = {name.removeprefix(prefix): t for name, t in tensors.items() if name.startswith(prefix)}
-                layers[int(layer)] = PatternBuckets.from_parts(parts, header["buckets"][str(layer)])
+                return PatternBuckets.from_parts(parts, header["buckets"][key])
+
+            layers = {}
+            for layer in map(int, header["layers"]):
+                layers[layer] = (group(f"layer{layer}.", str(layer)) if heads is None else
+                                 [group(f"layer{layer}.head{h}.", f"{layer}.{h}") for h in range(int(heads))])
             return cls(layers, metadata=header.get("metadata", {}))
         except (KeyError, ValueError, TypeError) as err:
             raise ValueError(f"{path!r} holds invalid per-layer patterns: {err}. Pass {_EXPECTED}.") from err
 
     def __repr__(self) -> str:
-        return (f"LayerPatterns(layers={list(self.layers)}, lengths={self.lengths}, k={self.lengths_k}, "
-                f"bias={self.has_bias})")
+        return (f"LayerPatterns(layers={list(self.layers)}, heads={self.heads}, lengths={self.lengths}, "
+                f"k={self.lengths_k}, bias={self.has_bias})")
 
 
 def is_layer_patterns_file(path: str | os.PathLike) -> bool:

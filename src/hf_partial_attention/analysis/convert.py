@@ -27,8 +27,8 @@ def convert(pattern_path: str, out_dir: str, model: Any = None, *, reconstructio
     ``pattern_path`` is a single pattern (`AttentionPattern`, installed as it is) or length buckets
     (`PatternBuckets`, ``patterns/buckets_k<k>.safetensors`` of `lengths.derive_lengths`: passed whole to
     ``from_source``); the checks, the card's pattern facts and n are those of its longest bucket. A per-layer file
-    (`LayerPatterns`, ``derive --granularity layer``) gives each partial layer its own P and R (the first layer's
-    stand for the set in the checks and the card). ``reconstruction``: ``"common"`` by default, ``"per_layer"``
+    (`LayerPatterns`, ``derive --granularity layer`` or ``head``) gives each partial layer (or head) its own P and
+    R (the first group's stand for the set in the checks and the card). ``reconstruction``: ``"common"`` by default, ``"per_layer"``
     for a per-layer file (``"fixed"`` for either).
 
     The tokenizer is saved with ``model_max_length = n`` (pipelines with ``truncation=True`` then cut inputs to n);
@@ -54,7 +54,7 @@ def convert(pattern_path: str, out_dir: str, model: Any = None, *, reconstructio
 
     layers = LayerPatterns.load(pattern_path) if is_layer_patterns_file(pattern_path) else None
     if layers is not None:
-        buckets = next(iter(layers.layers.values()))
+        buckets = layers.first()
     elif is_single_pattern_file(os.fspath(pattern_path)):
         single = AttentionPattern.load(pattern_path)
         if single.scope != "per_query":
@@ -86,9 +86,9 @@ def convert(pattern_path: str, out_dir: str, model: Any = None, *, reconstructio
     record = conversion_record(pattern, pattern_path, pattern_source_name(pattern) or name, command)
     record["converted_model"] = name
     if layers is not None:
-        record.update(granularity="layer", layer_heldout_error={
-            str(l): b.patterns[b.partial_lengths[-1]].metadata.get("heldout_normalized_error")
-            for l, b in layers.layers.items()})
+        record.update(granularity=layers.granularity, group_heldout_error={
+            name: b.patterns[b.partial_lengths[-1]].metadata.get("heldout_normalized_error")
+            for name, b in layers.groups()})
     if len(buckets.lengths) > 1:
         record.update(seq_len=buckets.seq_len, lengths=buckets.lengths, lengths_k=buckets.lengths_k,
                       exact_lengths=buckets.exact_lengths,

@@ -1,9 +1,11 @@
-"""`derive_layers`: P and R per layer (``derive --granularity layer``), each fitted on its own layer's covariance,
-with held-out errors per layer and pooled beside the pooled pattern's at the same k (the same QKᵀ cost).
+"""`derive_layers`: P and R per layer or per (layer, head) (``derive --granularity layer|head``), each fitted on its
+own group's covariance, with held-out errors per group and pooled beside the pooled pattern's at the same k (the
+same QKᵀ cost).
 
-Needs an analysis collected with ``analyze --granularity layer`` (or ``head``): one covariance per layer. Writes
-``patterns/<scope>[_<family>][_<objective>]_layer_k<k>.safetensors`` (`pattern_layers.LayerPatterns`, every layer of
-the model; `convert` installs the partial layers' own) and the ``derive_layer_<tag>`` section of ``results.json``.
+Needs an analysis collected with ``analyze --granularity layer`` (per layer; or ``head``) or ``head`` (per head):
+one covariance per group. Writes ``patterns/<scope>[_<family>][_<objective>]_<granularity>_k<k>.safetensors``
+(`pattern_layers.LayerPatterns`, every layer of the model; `convert` installs the partial layers' own) and the
+``derive_<tag>`` section of ``results.json``.
 """
 
 from __future__ import annotations
@@ -28,52 +30,66 @@ __all__ = ["derive_layers", "LayerErrorMeter"]
 
 
 class LayerErrorMeter:
-    """Held-out errors of per-layer reconstructors: layer l's scores through layer l's methods; the pooled error
-    of a set is its summed squared error over the pooled held-out variance, the denominator of a pooled pattern's
-    error (`ErrorMeter`), so that the two compare.
+    """Held-out errors of per-group reconstructors: the scores of layer l (head h) through that group's methods; the
+    pooled error of a set is its summed squared error over the pooled held-out variance, the denominator of a pooled
+    pattern's error (`ErrorMeter`), so that the two compare.
 
     Args:
-        methods: ``{layer: {name: reconstructor}}``; every layer the same names.
+        methods: ``{(layer, head or None): {name: reconstructor}}``; every group the same names.
         pooled_methods: ``{name: reconstructor}`` run on every layer's scores (the pooled pattern).
     """
 
-    def __init__(self, methods: dict[int, dict], pooled_methods: dict | None = None):
-        self.per_layer = {layer: ErrorMeter(m) for layer, m in methods.items()}
+    def __init__(self, methods: dict[tuple, dict], pooled_methods: dict | None = None):
+        self.groups = {group: ErrorMeter(m) for group, m in methods.items()}
+        self.per_head = any(head is not None for _, head in self.groups)
         self.pooled = ErrorMeter(pooled_methods or {})
 
     def sink(self, layer: int, scores) -> None:
-        """Capture sink signature (``capture_scores``)."""
-        if layer in self.per_layer:
-            self.per_layer[layer].update(scores, layer)
+        """Capture sink signature (``capture_scores``): scores ``(B, H, n, n)``."""
+        if self.per_head:
+            for head in range(scores.shape[1]):
+                if (layer, head) in self.groups:
+                    self.groups[(layer, head)].update(scores[:, head], layer)
+        elif (layer, None) in self.groups:
+            self.groups[(layer, None)].update(scores, layer)
         self.pooled.update(scores, layer)
 
     def results(self) -> dict[str, Any]:
-        """``{"layers": {layer: {name: normalized error}}, "pooled": {name: pooled normalized error}}`` (the pooled
-        patterns' own errors included under their names)."""
-        layers = {layer: {name: r["normalized_error"] for name, r in meter.results().items()}
-                  for layer, meter in self.per_layer.items()}
-        names = next(iter(self.per_layer.values())).methods if self.per_layer else {}
+        """``{"groups": {(layer, head): {name: normalized error}}, "pooled": {name: pooled normalized error}}`` (the
+        pooled patterns' own errors included under their names)."""
+        groups = {group: {name: r["normalized_error"] for name, r in meter.results().items()}
+                  for group, meter in self.groups.items()}
+        names = next(iter(self.groups.values())).methods if self.groups else {}
         count, tv = self.pooled.count, self.pooled.total_variance
-        pooled = {name: sum(m.sse[name] for m in self.per_layer.values()) / count / tv for name in names}
+        pooled = {name: sum(m.sse[name] for m in self.groups.values()) / count / tv for name in names}
         pooled.update({name: r["normalized_error"] for name, r in self.pooled.results().items()})
-        return {"layers": layers, "pooled": pooled}
+        return {"groups": groups, "pooled": pooled}
 
 
-def derive_layers(out: str, ks, *, family: str = "per_query", objective: str = "paper", centered: bool | None = None,
-                  evaluate: bool = True, batch_size: int = 8, progress: bool = True) -> dict:
-    """Per-layer patterns for each k of ``ks`` from ``out/covariance.safetensors`` (collected per layer), saved as
-    `LayerPatterns`; with held-out windows present, each layer's held-out error and the pooled one, beside the pooled
-    pattern of the same k (fitted on the same covariance, summed over layers).
+def _name(layer: int, head: int | None) -> str:
+    return str(layer) if head is None else f"{layer}.{head}"
 
-    Raises ValueError for a covariance collected pooled (naming ``analyze --granularity layer``) and for a k
-    outside [1, n]."""
+
+def derive_layers(out: str, ks, *, granularity: str = "layer", family: str = "per_query", objective: str = "paper",
+                  centered: bool | None = None, evaluate: bool = True, batch_size: int = 8,
+                  progress: bool = True) -> dict:
+    """Patterns per layer (``granularity="layer"``) or per (layer, head) (``"head"``) for each k of ``ks`` from
+    ``out/covariance.safetensors`` (collected per layer or head), saved as `LayerPatterns`; with held-out windows
+    present, each group's held-out error and the pooled one, beside the pooled pattern of the same k (fitted on the
+    same covariance, summed over groups).
+
+    Raises ValueError for a covariance collected more coarsely than ``granularity`` (naming ``analyze
+    --granularity``) and for a k outside [1, n]."""
     from .workflow import COVARIANCE_FILE, HELDOUT_FILE, load_results, update_results
 
     start = time.perf_counter()
+    if granularity not in ("layer", "head"):
+        raise ValueError(f"granularity must be 'layer' or 'head', got {granularity!r}.")
     cov = ScoreCovariance.load(os.path.join(out, COVARIANCE_FILE))
-    if cov.granularity == "pooled":
-        raise ValueError(f"{out!r} holds a covariance pooled over layers: P and R per layer need each layer's own; "
-                         "rerun `hf-partial-attention analyze --granularity layer` into it.")
+    if cov.granularity == "pooled" or (granularity == "head" and cov.granularity != "head"):
+        raise ValueError(f"{out!r} holds a covariance collected with granularity {cov.granularity!r}: P and R per "
+                         f"{granularity} need each {granularity}'s own; rerun `hf-partial-attention analyze "
+                         f"--granularity {granularity}` into it.")
     n = cov.seq_len
     ks = sorted({int(k) for k in ks})
     if not ks or not 1 <= ks[0] <= ks[-1] <= n:
@@ -82,44 +98,49 @@ def derive_layers(out: str, ks, *, family: str = "per_query", objective: str = "
     if warning := fit_size_warning(cov.num_sequences, n):
         logger.warning(warning)
     tag = "_".join(["per_query", *([family] if family != "per_query" else []),
-                    *([objective] if objective != "paper" else []), "layer"])
+                    *([objective] if objective != "paper" else []), granularity])
     kwargs = dict(family=family, centered=centered, objective=objective)
-    per_layer = {layer: select_patterns(cov, ks, "per_query", layer=layer, **kwargs) for layer in cov.layers}
+    heads = cov.heads if granularity == "head" else [None]
+    fitted = {(layer, head): select_patterns(cov, ks, "per_query", layer=layer, head=head, **kwargs)
+              for layer in cov.layers for head in heads}
     pooled = select_patterns(cov, ks, "per_query", **kwargs)
     os.makedirs(os.path.join(out, "patterns"), exist_ok=True)
     source = cov.metadata.get("model")
     rows, sets = [], {}
+    variances = {group: cov.total_variance(layer=group[0], head=group[1], centered=centered) for group in fitted}
     for k in ks:
-        layers = LayerPatterns({layer: fitted[k] for layer, fitted in per_layer.items()},
-                               metadata={"source_model": source, "granularity": "layer", "objective": objective,
+        layers = LayerPatterns({layer: fitted[(layer, None)][k] if granularity == "layer" else
+                                [fitted[(layer, head)][k] for head in heads] for layer in cov.layers},
+                               metadata={"source_model": source, "granularity": granularity, "objective": objective,
                                          "family": family})
         sets[k] = layers
-        variances = {layer: cov.total_variance(layer=layer, centered=centered) for layer in per_layer}
-        predicted = {layer: per_layer[layer][k].normalized_error for layer in per_layer}
+        predicted = {group: fitted[group][k].normalized_error for group in fitted}
         rows.append({"k": k, "path": os.path.join(out, "patterns", f"{tag}_k{k}.safetensors"),
-                     "predicted_per_layer": predicted,
-                     # Σ_l ε_l Tr(C_l) / Σ_l Tr(C_l): the error the set leaves, over all layers' variance
-                     "predicted": sum(predicted[l] * variances[l] for l in per_layer) / sum(variances.values()),
+                     "predicted_per_group": {_name(*g): e for g, e in predicted.items()},
+                     # Σ_g ε_g Tr(C_g) / Σ_g Tr(C_g): the error the set leaves, over all groups' variance
+                     "predicted": sum(predicted[g] * variances[g] for g in fitted) / sum(variances.values()),
                      "predicted_pooled_pattern": pooled[k].normalized_error})
-    result: dict[str, Any] = {"granularity": "layer", "seq_len": n, "layers": list(per_layer), "patterns": rows}
+    result: dict[str, Any] = {"granularity": granularity, "seq_len": n, "layers": list(cov.layers),
+                              "heads": None if granularity == "layer" else list(heads), "patterns": rows}
     held_path = os.path.join(out, HELDOUT_FILE)
     if evaluate and os.path.isfile(held_path):
         windows = load_file(held_path)["input_ids"]
         model, _ = load_model_and_tokenizer(cov.metadata["model"], load_tokenizer=False)
-        meter = LayerErrorMeter({layer: {f"k={k}": LinearReconstructor(sets[k][layer][n]) for k in ks}
-                                 for layer in per_layer},
+        meter = LayerErrorMeter({group: {f"k={k}": LinearReconstructor(sets[k].group(*group)[n]) for k in ks}
+                                 for group in fitted},
                                 {f"pooled k={k}": LinearReconstructor(pooled[k]) for k in ks})
         run_windows(model, windows, meter.sink, batch_size=batch_size, progress=progress, desc="held-out")
         measured = meter.results()
         result["heldout_windows"] = int(windows.shape[0])
         for row in rows:
             k = row["k"]
-            row["heldout_per_layer"] = {layer: errors[f"k={k}"] for layer, errors in measured["layers"].items()}
+            row["heldout_per_group"] = {_name(*g): errors[f"k={k}"] for g, errors in measured["groups"].items()}
             row["heldout"] = measured["pooled"][f"k={k}"]
             row["heldout_pooled_pattern"] = measured["pooled"][f"pooled k={k}"]
-            for layer, patterns in sets[k].layers.items():
-                patterns[n].metadata.update(heldout_normalized_error=float(row["heldout_per_layer"][layer]),
-                                            heldout_windows=int(windows.shape[0]))
+            for group in fitted:
+                sets[k].group(*group)[n].metadata.update(
+                    heldout_normalized_error=float(row["heldout_per_group"][_name(*group)]),
+                    heldout_windows=int(windows.shape[0]))
             sets[k].metadata.update(heldout_normalized_error=float(row["heldout"]),
                                     heldout_pooled_pattern=float(row["heldout_pooled_pattern"]))
     for row in rows:

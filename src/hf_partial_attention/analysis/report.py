@@ -67,19 +67,21 @@ def _spectra(name: str, s: dict, base: str) -> list[str]:
 def _derive_layers(name: str, d: dict, base: str) -> list[str]:
     """A ``derive --granularity layer`` section: per k, each layer's held-out error and the set's, beside the pooled
     pattern's at the same k."""
-    out = [f"## Patterns per layer: {name}", "",
-           f"P and R fitted on each layer's own covariance at n = {d['seq_len']} (layers {d['layers']}), at the same k "
-           "(cost) as one pooled P and R. Errors are normalised by the held-out variance pooled over layers "
+    group = d.get("granularity", "layer")
+    out = [f"## Patterns per {group}: {name}", "",
+           f"P and R fitted on each {group}'s own covariance at n = {d['seq_len']} (layers {d['layers']}), at the same "
+           f"k (cost) as one pooled P and R. Errors are normalised by the held-out variance pooled over {group}s "
            f"({d.get('heldout_windows', 'no')} held-out windows). Took {d.get('seconds')} s.", ""]
     rows = [[p["k"], p["predicted"], p.get("heldout"), p.get("predicted_pooled_pattern"),
              p.get("heldout_pooled_pattern"), os.path.relpath(p["path"], base)] for p in d["patterns"]]
-    out += [markdown_table(["k", "predicted, per layer", "held-out, per layer", "predicted, pooled P",
+    out += [markdown_table(["k", f"predicted, per {group}", f"held-out, per {group}", "predicted, pooled P",
                             "held-out, pooled P", "file"], rows), ""]
     for p in d["patterns"]:
-        if "heldout_per_layer" in p:
-            out += [f"k = {p['k']}, held-out error of each layer's own P and R (over that layer's variance):", "",
-                    markdown_table(["layer", "predicted", "held-out"],
-                                   [[l, p["predicted_per_layer"][l], e] for l, e in p["heldout_per_layer"].items()]),
+        if "heldout_per_group" in p:
+            out += [f"k = {p['k']}, held-out error of each {group}'s own P and R (over its own variance; "
+                    f"{'layer' if group == 'layer' else 'layer.head'}):", "",
+                    markdown_table([group, "predicted", "held-out"],
+                                   [[g, p["predicted_per_group"][g], e] for g, e in p["heldout_per_group"].items()]),
                     ""]
     return out
 
@@ -192,7 +194,7 @@ def render_report(results: dict, base: str = ".") -> str:
         if (name.startswith("analyze") or name.startswith("spectra")) and not name.endswith("_lengths"):
             out += _spectra(name, section, base)
     for name, section in results.items():
-        if name.startswith("derive") and name.endswith("_layer"):
+        if name.startswith("derive") and name.endswith(("_layer", "_head")):
             out += _derive_layers(name, section, base)
         elif name.startswith("derive") and not name.endswith("_lengths"):
             out += _derive(name, section, base)
