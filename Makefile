@@ -25,7 +25,7 @@ $(COMMON_TESTS): $(STAMP)
 	$(PY) tests/fetch_transformers_tests.py
 
 test: setup $(COMMON_TESTS)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 
 test-fast: setup $(COMMON_TESTS)
 	$(PY) -m pytest -q -m "not slow"
