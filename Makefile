@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test test-fast demo paper related bench bench-model bench-quick objectives lengths recover table1 clean
+.PHONY: setup test test-fast demo paper related bench bench-model bench-quick objectives lengths recover granularity table1 clean
 
 setup: $(STAMP)
 
@@ -42,6 +42,10 @@ paper: setup
 objectives: setup
 	test -f runs/demo/covariance.safetensors || $(PY) -m experiments demo --out runs/demo
 	$(PY) -m experiments objectives runs/demo --k 8 16 --out results/objectives
+
+# One P and R vs per layer vs per head at the same k on the demo's MiniLM and text (a few minutes) -> results/granularity/.
+granularity: setup
+	$(PY) -m experiments granularity runs/granularity --results results/granularity
 
 # Zero-fill vs length buckets vs conditional R on held-out inputs of real lengths (about 15 min) -> results/lengths/.
 lengths: setup

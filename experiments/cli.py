@@ -1,4 +1,4 @@
-"""Command line: ``python -m experiments {demo,paper,objectives,lengths,recover,table1} ...`` (the Makefile's targets).
+"""Command line: ``python -m experiments {demo,paper,objectives,lengths,recover,granularity,table1} ...`` (the Makefile's targets).
 
 Errors a user can cause (`hf_partial_attention.cli.USER_ERRORS`: a wrong value, a missing file) print as one line,
 ``error: <what and the fix>``, on stderr and exit with 2; ``-v`` shows the traceback instead. ``table1``'s flags
@@ -163,6 +163,30 @@ def _run_recover(args) -> int:
     return 0
 
 
+def _granularity_args(p):
+    from hf_partial_attention.analysis.selection import OBJECTIVES
+
+    p.add_argument("out", help="analysis folder (analyze --granularity head runs into it unless it holds one)")
+    p.add_argument("--model", default=None, help="model path or Hub id (default: the demo's MiniLM)")
+    p.add_argument("--k", type=int, nargs="+", default=[16], help="per-query ks to compare at")
+    p.add_argument("--objectives", nargs="+", default=["paper", "fisher"], choices=OBJECTIVES)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--fit-sequences", type=int, default=320, help="fit windows (the demo's)")
+    p.add_argument("--heldout-sequences", type=int, default=64, help="held-out windows (the demo's)")
+    p.add_argument("--results", default=None, help="where granularity.json/.md go (default: OUT)")
+
+
+def _run_granularity(args) -> int:
+    from .granularity import run_granularity
+
+    result = run_granularity(args.out, args.model, ks=tuple(args.k), objectives=tuple(args.objectives),
+                             seq_len=args.seq_len, fit_sequences=args.fit_sequences,
+                             heldout_sequences=args.heldout_sequences, results=args.results,
+                             progress=not args.no_progress)
+    print(f"Wrote {os.path.join(args.results or args.out, 'granularity.md')} in {result['seconds']:.0f} s")
+    return 0
+
+
 _SUBCOMMANDS = {
     "demo": ("the whole analysis on the real MiniLM and pydoc text (make demo)", _demo_args, _run_demo),
     "paper": ("the analysis at the paper's scale: whole matrix at n = 128 (make paper)", _paper_args, _run_paper),
@@ -172,6 +196,8 @@ _SUBCOMMANDS = {
                 _lengths_args, _run_lengths),
     "recover": ("a k = 16 MiniLM with length buckets recovered by distillation, measured on held-out text "
                 "(make recover)", _recover_args, _run_recover),
+    "granularity": ("one P and R vs per layer vs per head at the same k, judged at the output (make granularity)",
+                    _granularity_args, _run_granularity),
 }
 COMMANDS = (*_SUBCOMMANDS, "table1")  # every study, as `--help` lists them
 _TABLE1_HELP = ("Table 1 on the real MiniLM: conversion loses, training with partial attention recovers? "

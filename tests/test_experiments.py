@@ -310,3 +310,36 @@ def test_recover_small(tmp_path, minilm_path, capsys):
     assert "base_model: sentence-transformers/all-MiniLM-L6-v2" in card
     assert "python -m experiments recover" in card and f"{rec['one_minus_cos']:.4f}" in card
     assert minilm_path not in card and minilm_path not in open(os.path.join(results, "recovery.md")).read()
+
+
+def test_granularity_small(tmp_path, minilm_path, capsys):
+    """The tiny version of `make granularity`: one analysis per head, the three granularities measured at the same
+    k, each converting what it names (the pooled row is the pooled pattern's conversion, recomputed here)."""
+    from hf_partial_attention import PartialBertModel
+    from hf_partial_attention.analysis.covariance import ScoreCovariance
+    from hf_partial_attention.analysis.embeddings import embedding_cosines, window_batches
+    from hf_partial_attention.analysis.selection import select_pattern
+    from safetensors.torch import load_file
+    from transformers import AutoModel
+
+    from experiments.granularity import _outputs
+
+    run, results = str(tmp_path / "run"), str(tmp_path / "results")
+    assert studies_cli.main(["granularity", run, "--results", results, "--k", "4", "--objectives", "paper",
+                             "--seq-len", "16", "--fit-sequences", "32", "--heldout-sequences", "6",
+                             "--no-progress"]) == 0
+    assert capsys.readouterr().out.startswith(f"Wrote {os.path.join(results, 'granularity.md')} in ")
+    data = json.load(open(os.path.join(results, "granularity.json")))
+    rows = {r["granularity"]: r for r in data["rows"]}
+    assert set(rows) == {"pooled", "layer", "head"} and data["partial_layers"] == [0, 1, 2, 3, 4]
+    assert len({r["one_minus_cos"] for r in rows.values()}) == 3  # three different conversions
+    cov = ScoreCovariance.load(os.path.join(run, "covariance.safetensors"))
+    assert cov.granularity == "head" and len(cov.heads) == 12
+    original = AutoModel.from_pretrained(minilm_path).eval()
+    batches = window_batches(load_file(os.path.join(run, "heldout_windows.safetensors"))["input_ids"], 16)
+    pooled = PartialBertModel.from_bert(original, select_pattern(cov, 4), reconstruction="fixed").eval()
+    ref, _ = _outputs(original, batches, False, "")
+    got, _ = _outputs(pooled, batches, False, "")
+    assert abs(float(1 - embedding_cosines(ref, got).mean()) - rows["pooled"]["one_minus_cos"]) < 1e-6
+    text = open(os.path.join(results, "granularity.md")).read()
+    assert "| 4 | paper | head |" in text and minilm_path not in text

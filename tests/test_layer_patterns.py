@@ -299,3 +299,16 @@ def test_cli_derive_per_head_on_minilm(minilm_path, tmp_path, capsys):
     model = AutoModel.from_pretrained(ckpt)
     assert model.config.partial_granularity == "head"
     assert torch.equal(model.get_pattern(0, head=5).indices, LayerPatterns.load(row["path"]).group(0, 5)[16].indices)
+
+
+def test_memory_of_r_per_head_is_stated_before_it_is_built():
+    """BERT-base per head at n = 512, k = 32 (the issue's example): 11 partial layers × 12 heads of (512, 480, 32) in
+    float32; MiniLM at the demo's n = 128, k = 16 stays quiet."""
+    from hf_partial_attention.cost import memory_warning, reconstruction_bytes
+
+    assert reconstruction_bytes(512, 32, 11 * 12) == 11 * 12 * 512 * 480 * 32 * 4
+    warning = memory_warning(512, 32, 11, 12)
+    assert "3.9 GiB" in warning and "11 layers × 12 heads" in warning and "--granularity layer" in warning
+    assert memory_warning(512, 32, 11, None) is None  # per layer: 0.3 GiB
+    assert memory_warning(128, 16, 5, 12) is None
+    assert reconstruction_bytes(128, 16, 1, lengths_k={16: 16, 128: 16}) == 128 * 112 * 16 * 4  # exact buckets: none

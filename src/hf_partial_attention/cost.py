@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["ScoreCost", "score_cost", "dense_cost", "nystrom_cost", "forward_ratio", "saving_warning", "SCOPES",
-           "bucket_savings", "distribution_saving"]
+           "bucket_savings", "distribution_saving", "reconstruction_bytes", "memory_warning"]
 
 SCOPES = ("per_query", "whole")
 
@@ -140,3 +140,28 @@ def distribution_saving(lengths, k, d_head: int, token_lengths) -> float:
         kb = ks[b]
         partial += t * t * d_head if kb == b else t * (kb * d_head + (b - kb) * kb)
     return 1.0 - partial / dense if dense else 0.0
+
+
+# Above this, `memory_warning` speaks: R per (layer, head) grows as layers·heads·n²·k.
+R_MEMORY_WARNING_BYTES = 1 << 30
+
+
+def reconstruction_bytes(n: int, k: int, groups: int, bytes_per_value: int = 4, lengths_k=None) -> int:
+    """Bytes of R (n, n−k, k) for ``groups`` distinct Rs (1 pooled, layers per layer, layers·heads per head), over
+    every bucket ``{b: k_b}`` of ``lengths_k`` (default: n's alone)."""
+    buckets = dict(lengths_k or {n: k})
+    return groups * bytes_per_value * sum(b * (b - kb) * kb for b, kb in buckets.items() if kb < b)
+
+
+def memory_warning(n: int, k: int, layers: int, heads: int | None, lengths_k=None) -> str | None:
+    """A warning naming R's size and the alternatives when P and R per layer or per head take over 1 GiB in float32
+    (BERT-base per head at n = 512, k = 32: 11 layers × 12 heads of (512, 480, 32), 3.9 GiB); None below."""
+    groups = layers * (heads or 1)
+    size = reconstruction_bytes(n, k, groups, 4, lengths_k)
+    if size <= R_MEMORY_WARNING_BYTES:
+        return None
+    what = f"{layers} layers × {heads} heads" if heads else f"{layers} layers"
+    return (f"R per {'head' if heads else 'layer'} takes {size / 2**30:.1f} GiB in float32 ({what} of ({n}, {n - k}, "
+            f"{k})); the model holds it in memory (and W = [I | R] per group once it runs). For less: P and R per "
+            "layer (--granularity layer) or pooled, a smaller n or k, or the shared_blocks family (R shared by "
+            "blocks of rows).")

@@ -4,6 +4,7 @@ in ``model.safetensors``, the code, tokenizer, card and, for a sentence-transfor
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -13,6 +14,8 @@ from ..pattern import AttentionPattern
 from ..pattern_buckets import PatternBuckets, is_single_pattern_file
 from ..pattern_layers import LayerPatterns, is_layer_patterns_file
 from .collect import display_name
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["convert"]
 
@@ -81,6 +84,15 @@ def convert(pattern_path: str, out_dir: str, model: Any = None, *, reconstructio
     check_supported(config)  # one line naming the model type and what is supported; nothing is written
     warnings = check_convertible(pattern, pattern_path, config, name)
     warnings += source_warnings(pattern, pattern_path, model, config, name)
+    if layers is not None:  # R per layer or head: its size before it is built
+        from ..cost import memory_warning
+
+        kinds = getattr(config, "num_attention_heads", None) if layers.heads else None
+        partial_layers = max(len(layers.layers) - 1, 1)  # the default partial layers: all but the last
+        if warning := memory_warning(buckets.seq_len, buckets.k, partial_layers, kinds,
+                                     dict(zip(buckets.lengths, buckets.lengths_k))):
+            logger.warning(warning)
+            warnings.append(warning)
     partial = partial_class_for(config.model_type).from_source(source, installed, reconstruction=reconstruction)
     partial.config.partial_base_model = base_id  # a Hub id or nothing: a local path names no Hub repo
     record = conversion_record(pattern, pattern_path, pattern_source_name(pattern) or name, command)

@@ -17,6 +17,7 @@ from typing import Any
 
 from safetensors.torch import load_file
 
+from ..cost import memory_warning
 from ..pattern_layers import LayerPatterns
 from .collect import load_model_and_tokenizer, run_windows
 from .covariance import ScoreCovariance
@@ -97,6 +98,10 @@ def derive_layers(out: str, ks, *, granularity: str = "layer", family: str = "pe
                          "that range.")
     if warning := fit_size_warning(cov.num_sequences, n):
         logger.warning(warning)
+    heads_per_layer = len(cov.heads) if granularity == "head" else None
+    for k in ks:  # stated before anything is fitted: the file holds every layer's R
+        if warning := memory_warning(n, k, len(cov.layers), heads_per_layer):
+            logger.warning("k=%d: %s", k, warning)
     tag = "_".join(["per_query", *([family] if family != "per_query" else []),
                     *([objective] if objective != "paper" else []), granularity])
     kwargs = dict(family=family, centered=centered, objective=objective)
