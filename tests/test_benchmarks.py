@@ -315,3 +315,20 @@ def test_model_study_decides_each_goal_from_its_rounds(tmp_path):
         verdict = ("yes" if g["met"] else "no") if decided else f"undecided (median: {'yes' if g['met'] else 'no'})"
         assert f"| {g['goal']} | {g['measured']:.3f}x | {ratios[0]:.2f}–{ratios[-1]:.2f} (97 %, 6 rounds) | " \
             f"<= {bound} | {verdict} |" in text.splitlines()
+
+
+def test_granularity_speed_times_a_per_head_model(tmp_path):
+    """The tiny version of benchmarks/granularity_speed.py: every model in every mode, ratios to each baseline, and
+    the per-head model is one (a P per head that differs between heads)."""
+    granularity_speed = _import("granularity_speed")
+    models = granularity_speed.models(granularity_speed.SPECS["tiny"])
+    per_head = models["PartialBert per head"]
+    assert per_head.config.partial_granularity == "head"
+    p = per_head.encoder.partial_pattern_layer0.indices  # (H, n, k)
+    assert tuple(p.shape) == (4, 16, 4) and not bool((p[0] == p[1]).all())
+    result = granularity_speed.main(["--spec", "tiny", "--rounds", "3", "--out", str(tmp_path)])
+    assert set(result["results"]) == {"inference", "training step"}
+    for rows in result["results"].values():
+        assert set(rows) == set(models)
+        assert rows["PartialBert pooled"]["vs_pooled"]["median"] == 1.0
+    assert "| inference | PartialBert per head |" in (tmp_path / "granularity_speed_tiny.md").read_text()
