@@ -14,6 +14,7 @@ from hf_partial_attention.pattern_buckets import PatternBuckets
 from hf_partial_attention.pattern_layers import LayerPatterns, load_patterns
 
 from test_encoders import N, _reference, batch, source_model
+from test_encoders_workflow import encoders  # noqa: F401  (the fixture: tiny RoBERTa / ModernBERT folders)
 from test_hub import check_remote_loads
 
 
@@ -312,3 +313,39 @@ def test_memory_of_r_per_head_is_stated_before_it_is_built():
     assert memory_warning(512, 32, 11, None) is None  # per layer: 0.3 GiB
     assert memory_warning(128, 16, 5, 12) is None
     assert reconstruction_bytes(128, 16, 1, lengths_k={16: 16, 128: 16}) == 128 * 112 * 16 * 4  # exact buckets: none
+
+
+def test_length_buckets_per_head_through_the_cli(encoders, tmp_path, capsys):
+    """``analyze --inputs sentences --lengths 12 24 --granularity head`` → ``derive --granularity head --bucket-k``
+    → ``convert``: every head of every partial layer holds its own P per bucket, and a short input runs bucket 12's
+    P and R of each head: head h of layer 0 attends as a pooled model holding head h's buckets does."""
+    from hf_partial_attention.analysis.corpus import default_texts
+
+    source = encoders["roberta"]
+    text = tmp_path / "text.txt"
+    text.write_text("\n\n".join(default_texts()[:40]), encoding="utf-8")
+    run = str(tmp_path / "run")
+    assert cli.main(["analyze", "--model", source, "--inputs", "sentences", "--text-file", str(text), "--lengths",
+                     "12", "24", "--granularity", "head", "--out", run, "--no-progress"]) == 0
+    capsys.readouterr()
+    assert cli.main(["derive", run, "--k", "4", "--bucket-k", "12=6", "--granularity", "head", "--no-progress"]) == 0
+    assert "per head, length buckets" in capsys.readouterr().out
+    path = os.path.join(run, "patterns", "buckets_per_query_head_k4_b12k6.safetensors")
+    sets = load_patterns(path)
+    assert sets.heads == 4 and sets.lengths == [12, 24] and sets.lengths_k == [6, 4]
+    ckpt = str(tmp_path / "ckpt")
+    assert cli.main(["convert", path, "--out", ckpt, "--model", source]) == 0
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(ckpt).double().eval()
+    assert (model.config.partial_granularity, model.config.partial_lengths_k) == ("head", [6, 4])
+    for head in range(4):
+        assert torch.equal(model.get_pattern(0, 12, head).indices, sets.group(0, head)[12].indices)
+    ids = torch.randint(1000, 2000, (1, 10), generator=torch.Generator().manual_seed(0))  # runs bucket 12
+    with torch.no_grad():
+        maps = model(input_ids=ids, output_attentions=True).attentions[0]
+        for head in range(4):
+            pooled = partial_class_for("roberta").from_source(source, sets.group(0, head), partial_layers=[0],
+                                                              reconstruction="fixed").double().eval()
+            expected = pooled(input_ids=ids, output_attentions=True).attentions[0]
+            torch.testing.assert_close(maps[:, head], expected[:, head], rtol=0, atol=1e-12)

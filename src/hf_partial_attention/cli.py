@@ -235,6 +235,21 @@ def _run_derive_layers(args, fmt) -> int:
     return 0
 
 
+def _run_derive_layer_buckets(args) -> int:
+    from .analysis.layers import derive_layer_buckets
+
+    if args.scope != "per_query":
+        raise ValueError(f"--scope {args.scope} with length buckets: buckets hold per-query patterns; drop --scope.")
+    result = derive_layer_buckets(args.dir, args.k, granularity=args.granularity, family=args.family,
+                                  objective=args.objective, bucket_k=dict(args.bucket_k or ()))
+    for row in result["patterns"]:
+        if row["k"] in args.k:
+            errors = ", ".join(f"b={b}: {e:.4f}" for b, e in row["predicted_per_bucket"].items())
+            print(f"k={row['k']}: {row['path']} (per {args.granularity}, length buckets; predicted error per "
+                  f"bucket {errors}; no held-out measurement yet)")
+    return 0
+
+
 def _run_derive(args) -> int:
     from .analysis.lengths import bucket_covariance_files, derive_lengths
     from .analysis.workflow import COVARIANCE_FILE, derive
@@ -242,10 +257,11 @@ def _run_derive(args) -> int:
     buckets = bucket_covariance_files(args.dir)
     fmt = lambda v: "not measured" if v is None else f"{v:.4f}"  # noqa: E731
     if args.granularity != "pooled":
-        if buckets or args.bucket_k:
-            raise ValueError(f"--granularity {args.granularity} with length buckets ({args.dir!r} holds covariance_len* files): "
-                             "not available yet; derive per layer from a folder of fixed windows (analyze "
-                             "--granularity layer without --inputs) or drop --granularity.")
+        if buckets:
+            return _run_derive_layer_buckets(args)
+        if args.bucket_k:
+            raise ValueError(f"--bucket-k {args.bucket_k} needs length buckets: {args.dir!r} holds no "
+                             "covariance_len*.safetensors (run `analyze --inputs ...` into it first).")
         return _run_derive_layers(args, fmt)
     # the fixed windows first: their per_query_k<k> patterns are what the buckets are compared with
     if os.path.isfile(os.path.join(args.dir, COVARIANCE_FILE)) or not buckets:

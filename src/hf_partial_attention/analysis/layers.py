@@ -27,7 +27,7 @@ from .selection import select_patterns
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["derive_layers", "LayerErrorMeter"]
+__all__ = ["derive_layers", "derive_layer_buckets", "LayerErrorMeter"]
 
 
 class LayerErrorMeter:
@@ -156,4 +156,74 @@ def derive_layers(out: str, ks, *, granularity: str = "layer", family: str = "pe
         kept = [r for r in previous.get("patterns", []) if r["k"] not in ks and os.path.isfile(r["path"])]
         result["patterns"] = sorted([*kept, *rows], key=lambda r: r["k"])
     update_results(out, f"derive_{tag}", result)
+    return result
+
+
+def derive_layer_buckets(out: str, ks, *, granularity: str = "layer", family: str = "per_query",
+                         objective: str = "paper", centered: bool | None = None,
+                         bucket_k: dict[int, int] | None = None) -> dict:
+    """Length buckets per layer or per (layer, head): for each k, every group's P and R of every bucket b (k_b < b;
+    the others run exactly) from that bucket's covariance (``analyze --inputs ... --granularity layer|head``), saved
+    as `LayerPatterns` of `PatternBuckets` in ``patterns/buckets_<tag>_k<k>.safetensors``. No held-out measurement
+    yet: ``predicted`` errors per bucket (the groups' variance-weighted mean) go into the ``lengths_<tag>`` section of
+    ``results.json``."""
+    from .lengths import bucket_covariance_files
+    from .workflow import load_results, update_results
+    from ..pattern_buckets import PatternBuckets
+
+    start = time.perf_counter()
+    covs = {b: ScoreCovariance.load(p) for b, p in bucket_covariance_files(out).items()}
+    if not covs:
+        raise ValueError(f"{out!r} holds no covariance_len*.safetensors; run `analyze --inputs ...` into it first.")
+    coarse = sorted({c.granularity for c in covs.values()} - ({"head"} if granularity == "head" else {"layer", "head"}))
+    if coarse:
+        raise ValueError(f"{out!r} holds bucket covariances collected with granularity {coarse}: P and R per "
+                         f"{granularity} need each {granularity}'s own; rerun `hf-partial-attention analyze --inputs "
+                         f"... --granularity {granularity}` into it.")
+    lengths, n = list(covs), max(covs)
+    bucket_k = {int(b): int(k) for b, k in (bucket_k or {}).items()}
+    ks = sorted({int(k) for k in ks})
+    if not ks or not 1 <= ks[0] <= ks[-1] < n:
+        raise ValueError(f"k must be in [1, {n - 1}] (below the longest bucket), got {ks}.")
+    longest = covs[n]
+    heads = longest.heads if granularity == "head" else [None]
+    groups = [(layer, head) for layer in longest.layers for head in heads]
+    tag = "_".join(["per_query", *([family] if family != "per_query" else []),
+                    *([objective] if objective != "paper" else []), granularity])
+    meta = longest.metadata
+    rows = []
+    os.makedirs(os.path.join(out, "patterns"), exist_ok=True)
+    for k in ks:
+        k_of = {b: bucket_k.get(b, k) if b != n else k for b in lengths}
+        fitted = {(b, group): select_patterns(covs[b], [k_of[b]], "per_query", layer=group[0], head=group[1],
+                                              family=family, centered=centered, objective=objective)[k_of[b]]
+                  for b in lengths if k_of[b] < b for group in groups}
+        exact = [b for b in lengths if k_of[b] >= b]
+
+        def buckets(group):
+            return PatternBuckets({b: fitted[(b, group)] for b in lengths if (b, group) in fitted}, exact, k=k)
+
+        sets = LayerPatterns({layer: buckets((layer, None)) if granularity == "layer" else
+                              [buckets((layer, head)) for head in heads] for layer in longest.layers},
+                             metadata={"source_model": meta.get("model"), "source_model_id": meta.get("model_id"),
+                                       "granularity": granularity, "objective": objective, "family": family,
+                                       "lengths": lengths, "kind": meta.get("kind")})
+        suffix = "".join(f"_b{b}k{kb}" for b, kb in sorted(bucket_k.items()))
+        path = os.path.join(out, "patterns", f"buckets_{tag}_k{k}{suffix}.safetensors")
+        sets.save(path)
+        predicted = {}
+        for b in lengths:
+            if k_of[b] >= b:
+                predicted[str(b)] = 0.0
+                continue
+            var = {g: covs[b].total_variance(layer=g[0], head=g[1], centered=centered) for g in groups}
+            predicted[str(b)] = sum(fitted[(b, g)].normalized_error * var[g] for g in groups) / sum(var.values())
+        rows.append({"k": k, "path": path, "lengths_k": [k_of[b] for b in lengths], "predicted_per_bucket": predicted})
+    result = {"granularity": granularity, "lengths": lengths, "patterns": rows,
+              "seconds": round(time.perf_counter() - start, 1)}
+    previous = load_results(out).get(f"lengths_{tag}")
+    if previous:
+        kept = [r for r in previous.get("patterns", []) if r["k"] not in ks and os.path.isfile(r["path"])]
+        result["patterns"] = sorted([*kept, *rows], key=lambda r: r["k"])
+    update_results(out, f"lengths_{tag}", result)
     return result
