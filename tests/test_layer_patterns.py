@@ -299,6 +299,8 @@ def test_cli_derive_per_head_on_minilm(minilm_path, tmp_path, capsys):
     assert cli.main(["convert", row["path"], "--out", ckpt, "--model", str(source)]) == 0
     model = AutoModel.from_pretrained(ckpt)
     assert model.config.partial_granularity == "head"
+    card = open(os.path.join(ckpt, "README.md"), encoding="utf-8").read()
+    assert "(H, n, k) = (H = 12, 16, 4)" in card and "every head has its own P" in card
     assert torch.equal(model.get_pattern(0, head=5).indices, LayerPatterns.load(row["path"]).group(0, 5)[16].indices)
 
 

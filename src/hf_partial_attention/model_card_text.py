@@ -85,12 +85,19 @@ def partial_section(config, prefix: str, paths: tuple[str, str] | None = None) -
     bias = " plus a per-query bias b_i" if config.partial_use_bias else ""
     p_line = (f"`{owner}partial_pattern.indices`, an int64 buffer of shape (n, k) = ({n}, {k}), shared by all\n"
               "  partial layers and heads; it never changes during training.")
-    if getattr(config, "partial_granularity", "pooled") == "layer":  # each layer its own P and R (format 4)
+    granularity = getattr(config, "partial_granularity", "pooled")
+    if granularity != "pooled":  # each layer (or head) its own P and R (format 4)
         held = "trainable" if config.reconstruction == "per_layer" else "a fixed buffer"
-        mode = f"each partial layer l its own, `{owner}partial_pattern_layer{{l}}.reconstruction` ({held})"
+        heads = config.num_attention_heads
+        lead = f"H = {heads}, " if granularity == "head" else ""
+        dims = "(H, n, k)" if granularity == "head" else "(n, k)"
+        mode = (f"each partial layer l its own, `{owner}partial_pattern_layer{{l}}.reconstruction` ({held}"
+                + (f"; shape (H, n, n − k, k), one R per head" if granularity == "head" else "") + ")")
+        whose = "each head's own covariance (`derive --granularity head`): every head" if granularity == "head" \
+            else "that layer's own covariance (`derive --granularity layer`), shared by its heads"
         p_line = (f"`{owner}partial_pattern_layer{{l}}.indices` for each partial layer l, an int64 buffer of shape "
-                  f"(n, k) = ({n}, {k}),\n  fitted on that layer's own covariance (`derive --granularity layer`) "
-                  "and shared by its heads; it never changes during training.")
+                  f"{dims} = ({lead}{n}, {k}),\n  fitted on {whose}"
+                  + (" has its own P" if granularity == "head" else "") + "; it never changes during training.")
     return f"""## Partial attention: P and R
 
 In layers {layers} (of {total}; {_exact_layers_phrase(layers, total)}), query i computes the exact
