@@ -71,27 +71,43 @@ def test_a_pooled_model_with_layer_0s_pattern_differs_at_layer_1(roberta_layers)
     assert (a[2] - b[2]).abs().max() > 1e-6  # float64: 1e-15 would be rounding
 
 
-@pytest.mark.parametrize("model_type", ["roberta", "modernbert", "distilbert", "bert"])
-def test_save_load_remote_code_and_format_4(model_type, tmp_path):
-    patterns = layer_patterns(model_type)
-    cls = partial_class_for(model_type)
-    model = cls.from_source(source_model(model_type), patterns).eval()
-    model.save_pretrained(tmp_path)
-    config = json.load(open(tmp_path / "config.json"))
-    assert (config["partial_format_version"], config["partial_granularity"]) == (4, "layer")
-    names = [n for n in load_file(tmp_path / "model.safetensors") if "partial_pattern" in n]
+def _save_and_load(model_type: str, patterns: LayerPatterns, folder) -> str:
+    """Save the converted model, reload it with the plugin (identical outputs and P), write the reference for the
+    remote-code check; returns its job line for `check_remote_loads`."""
+    model = partial_class_for(model_type).from_source(source_model(model_type), patterns).eval()
+    model.save_pretrained(folder)
+    config = json.load(open(folder / "config.json"))
+    assert (config["partial_format_version"], config["partial_granularity"]) == (4, patterns.granularity)
+    names = [n for n in load_file(folder / "model.safetensors") if "partial_pattern" in n]
     assert {n.split("partial_pattern_")[1].split(".")[0] for n in names} == {
         f"layer{l}" for l in model.config.partial_layers}
     ids, mask = batch()
+    loaded = partial_class_for(model_type).from_pretrained(folder).eval()
     with torch.no_grad():
         expected = model(input_ids=ids, attention_mask=mask).last_hidden_state
-        loaded = cls.from_pretrained(tmp_path).eval()
         torch.testing.assert_close(loaded(input_ids=ids, attention_mask=mask).last_hidden_state, expected,
                                    rtol=0, atol=0)
+    heads = [None] if patterns.heads is None else range(patterns.heads)
     for layer in model.config.partial_layers:
-        assert torch.equal(loaded.get_pattern(layer).indices, patterns[layer][N].indices)
-    _reference(model, str(tmp_path), ids, mask)
-    check_remote_loads([f"{tmp_path} AutoModel"], tmp_path)
+        for head in heads:
+            assert torch.equal(loaded.get_pattern(layer, head=head).indices, patterns.group(layer, head)[N].indices)
+    _reference(model, str(folder), ids, mask)
+    return f"{folder} AutoModel"
+
+
+def test_save_load_remote_code_and_format_4(tmp_path):
+    """P and R per layer (BERT, RoBERTa, ModernBERT, DistilBERT) and per head (RoBERTa, ModernBERT): format 4, one
+    pattern module per partial layer (the head dimension leading per head), identical after loading with the plugin
+    and by remote code without it (one process for all)."""
+    jobs = [_save_and_load(t, layer_patterns(t), tmp_path / f"{t}_layer")
+            for t in ("bert", "roberta", "modernbert", "distilbert")]
+    for t in ("roberta", "modernbert"):
+        patterns = head_patterns(t)
+        jobs.append(_save_and_load(t, patterns, tmp_path / f"{t}_head"))
+        weights = load_file(tmp_path / f"{t}_head" / "model.safetensors")
+        shapes = [tensor.shape for name, tensor in weights.items() if "partial_pattern" in name]
+        assert shapes and all(shape[0] == 4 for shape in shapes)  # the head dimension leads
+    check_remote_loads(jobs, tmp_path)
 
 
 def test_a_checkpoint_missing_a_layers_p_is_refused(roberta_layers, tmp_path):
@@ -239,28 +255,13 @@ def test_every_kernel_equals_the_reference_per_head(roberta_heads, reconstructio
                                    atol=1e-10)
 
 
-@pytest.mark.parametrize("model_type", ["roberta", "modernbert"])
-def test_per_head_save_load_and_remote_code(model_type, tmp_path):
-    patterns = head_patterns(model_type)
-    model = partial_class_for(model_type).from_source(source_model(model_type), patterns).eval()
-    model.save_pretrained(tmp_path)
-    assert json.load(open(tmp_path / "config.json"))["partial_granularity"] == "head"
-    shapes = {n: tuple(t.shape) for n, t in load_file(tmp_path / "model.safetensors").items() if "partial_pattern" in n}
-    assert shapes and all(shape[0] == 4 for shape in shapes.values())  # the head dimension leads
-    ids, mask = batch()
-    loaded = partial_class_for(model_type).from_pretrained(tmp_path).eval()
-    with torch.no_grad():
-        expected = model(input_ids=ids, attention_mask=mask).last_hidden_state
-        torch.testing.assert_close(loaded(input_ids=ids, attention_mask=mask).last_hidden_state, expected,
-                                   rtol=0, atol=0)
-    layer = model.config.partial_layers[0]
-    for head in range(4):
-        assert torch.equal(loaded.get_pattern(layer, head=head).indices, patterns.group(layer, head)[N].indices)
-    back = loaded.get_layer_patterns()
-    assert back.heads == 4 and torch.equal(back.group(layer, 3)[N].reconstruction,
-                                           patterns.group(layer, 3)[N].reconstruction)
-    _reference(model, str(tmp_path), ids, mask)
-    check_remote_loads([f"{tmp_path} AutoModel"], tmp_path)
+def test_get_layer_patterns_gives_back_what_was_installed(roberta_heads):
+    model = partial_class_for("roberta").from_source(source_model("roberta"), roberta_heads)
+    back = model.get_layer_patterns()
+    assert back.heads == 4 and list(back.layers) == [0, 1]
+    assert torch.equal(back.group(1, 3)[N].reconstruction, roberta_heads.group(1, 3)[N].reconstruction)
+    model.set_pattern(back)  # and takes it back
+    assert torch.equal(model.get_pattern(1, head=2).indices, roberta_heads.group(1, 2)[N].indices)
 
 
 def test_per_head_refusals(roberta_heads, roberta_layers, tmp_path):
