@@ -352,3 +352,38 @@ def test_length_buckets_per_head_through_the_cli(encoders, tmp_path, capsys):
                                                               reconstruction="fixed").double().eval()
             expected = pooled(input_ids=ids, output_attentions=True).attentions[0]
             torch.testing.assert_close(maps[:, head], expected[:, head], rtol=0, atol=1e-12)
+
+
+def test_the_triton_kernel_per_head_under_the_interpreter_equals_the_reference():
+    """P and R per head through the Triton kernel (TRITON_INTERPRET=1, conftest): outputs and gradients equal the
+    reference kernel's in float32 (a RoBERTa with 2 heads: head_dim 16, the kernel's smallest tile)."""
+    import triton  # noqa: F401  (a dev dependency: missing, this test fails instead of skipping)
+
+    from hf_partial_attention.analysis import collect_covariance, select_pattern
+    from hf_partial_attention.architectures import architecture_for
+    from test_encoders import tiny_config
+
+    config = tiny_config("roberta")
+    config.num_attention_heads = 2
+    torch.manual_seed(0)
+    source = architecture_for("roberta").source_class("AutoModel")(config).eval()
+    windows = torch.randint(6, 99, (64, N), generator=torch.Generator().manual_seed(0))  # (S, n)
+    cov = collect_covariance(source, windows, seq_len=N, progress=False, distributed=False, granularity="head")
+    patterns = LayerPatterns({layer: [select_pattern(cov, 5, layer=layer, head=head) for head in cov.heads]
+                              for layer in cov.layers})
+    assert not torch.equal(patterns.group(0, 0)[N].indices, patterns.group(0, 1)[N].indices)
+    model = partial_class_for("roberta").from_source(source, patterns).train()  # dropout is 0
+    ids, mask = batch()
+    results = {}
+    for kernel in ("gather", "triton"):
+        model.zero_grad()
+        model.set_partial_implementation(kernel)
+        out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        (out * torch.linspace(-1, 1, out.shape[-1]) * mask[..., None]).sum().backward()
+        results[kernel] = out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    (ref, ref_grads), (out, grads) = results["gather"], results["triton"]
+    real = mask.bool()
+    torch.testing.assert_close(out[real], ref[real], atol=2e-5, rtol=1e-4)
+    assert set(grads) == set(ref_grads) and any("reconstruction" in n for n in grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], atol=5e-5, rtol=1e-3, msg=name)

@@ -23,7 +23,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .attention_common import PartialTensors
+from .attention_common import PartialTensors, needs_grad
+from .attention_heads import all_heads_attention
 from .attention_dispatch import attention_function_name, kernel_for, kernel_function
 from .attention_lengths import bucketed_attention, exact_attention
 from .configuration_partial import PARTIAL_IMPLEMENTATIONS
@@ -151,7 +152,13 @@ def _partial_function(implementation: str) -> Callable:
             tensors = layer_tensors(module, length) if tensors is None else tensors  # P, R: read once, passed down
             if not isinstance(tensors, list):
                 return run_kernel(tensors, query, key, value, attention_mask)
-            # P and R per head: each head by the kernel of its own P and R, on its own slice of q, k, v
+            # P and R per head. Under autograd (but for the reference and Triton settings): every head in one pass,
+            # where one kernel call per head would pay for H small backward passes (`attention_heads`).
+            if implementation not in ("gather", "triton") and needs_grad(
+                    query, key, value, *(t.reconstruction for t in tensors), *(t.bias for t in tensors)):
+                return all_heads_attention(module, query, key, value, attention_mask, scaling,
+                                           dropout if module.training else 0.0, tensors)
+            # Otherwise each head by the kernel of its own P and R, on its own slice of q, k, v
             outs, maps = [], []
             for h, head_tensors in enumerate(tensors):
                 mask = (attention_mask if attention_mask is None or attention_mask.shape[1] == 1
