@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
-from tqdm.auto import tqdm
 
 from hf_partial_attention import partial_class_for
 from hf_partial_attention.analysis.collect import display_name, load_model_and_tokenizer
@@ -32,23 +31,12 @@ from hf_partial_attention.analysis.workflow import COVARIANCE_FILE, HELDOUT_FILE
 from hf_partial_attention.pattern_layers import LayerPatterns
 
 from .lengths import spearman
+from .objectives import model_outputs
 
 __all__ = ["run_granularity", "granularity_markdown", "GRANULARITIES", "GOAL_ONE_MINUS_COS"]
 
 GRANULARITIES = ("pooled", "layer", "head")
 GOAL_ONE_MINUS_COS = 0.050  # issue 34's goal for converted MiniLM at k = 16 on held-out windows
-
-
-@torch.no_grad()
-def _outputs(model, batches, progress: bool, desc: str):
-    """Mean-pooled embeddings ``(N, hidden)`` and every layer's hidden states."""
-    pooled, layers = [], []
-    for batch in tqdm(batches, desc=desc, disable=not progress, leave=False):
-        out = model(**batch, output_hidden_states=True)
-        mask = batch["attention_mask"].unsqueeze(-1).to(out.last_hidden_state.dtype)  # (b, T, 1)
-        pooled.append((out.last_hidden_state * mask).sum(1) / mask.sum(1).clamp_min(1.0))
-        layers.append(out.hidden_states[1:])
-    return torch.cat(pooled), [torch.cat([b[i] for b in layers]) for i in range(len(layers[0]))]
 
 
 def _pairwise(embeddings: torch.Tensor) -> torch.Tensor:
@@ -88,7 +76,7 @@ def run_granularity(out: str, model: str | None = None, *, ks=(16,), objectives=
     original, _ = load_model_and_tokenizer(cov.metadata["model"], load_tokenizer=False)
     original = original.eval()
     batches = window_batches(windows, batch_size)
-    ref_pooled, ref_layers = _outputs(original, batches, progress, "original")
+    ref_pooled, ref_layers = model_outputs(original, batches, progress, "original")
     ref_pairs = _pairwise(ref_pooled)
     cls = partial_class_for(original.config.model_type)
     rows = []
@@ -98,7 +86,7 @@ def run_granularity(out: str, model: str | None = None, *, ks=(16,), objectives=
                 t = time.perf_counter()
                 pattern = patterns_for(cov, k, objective, granularity)
                 converted = cls.from_source(original, pattern, reconstruction="fixed").eval()
-                pooled, layers = _outputs(converted, batches, progress, f"k={k} {objective} {granularity}")
+                pooled, layers = model_outputs(converted, batches, progress, f"k={k} {objective} {granularity}")
                 cos = embedding_cosines(ref_pooled, pooled)
                 rows.append({"k": k, "objective": objective, "granularity": granularity,
                              "one_minus_cos": float(1 - cos.mean()), "cos_min": float(cos.min()),

@@ -24,11 +24,11 @@ from hf_partial_attention.analysis.covariance import ScoreCovariance
 from hf_partial_attention.analysis.embeddings import embedding_cosines, summarize_cosines, window_batches
 from hf_partial_attention.analysis.selection import OBJECTIVES, select_pattern
 
-__all__ = ["compare_objectives", "objectives_markdown"]
+__all__ = ["compare_objectives", "objectives_markdown", "model_outputs"]
 
 
 @torch.no_grad()
-def _outputs(model, batches, progress: bool, desc: str):
+def model_outputs(model, batches, progress: bool, desc: str):
     """Mean-pooled embeddings ``(N, hidden)`` and every layer's hidden states, batch by batch."""
     pooled, layers = [], []
     for batch in tqdm(batches, desc=desc, disable=not progress, leave=False):
@@ -59,13 +59,13 @@ def compare_objectives(analysis_dir: str, ks=(8, 16), objectives=OBJECTIVES, *, 
     windows = load_file(held)["input_ids"][:max_windows]
     original, _ = load_model_and_tokenizer(cov.metadata["model"], load_tokenizer=False)
     batches = window_batches(windows, batch_size)
-    ref_pooled, ref_layers = _outputs(original, batches, progress, "original")
+    ref_pooled, ref_layers = model_outputs(original, batches, progress, "original")
     rows = []
     for k in sorted(set(ks)):
         for objective in objectives:
             pattern = select_pattern(cov, k, objective=objective)
             model = PartialBertModel.from_bert(original, pattern).eval()
-            pooled, layers = _outputs(model, batches, progress, f"k={k} {objective}")
+            pooled, layers = model_outputs(model, batches, progress, f"k={k} {objective}")
             cos = summarize_cosines(embedding_cosines(ref_pooled, pooled))
             layer_err = [float((h - r).norm() / r.norm()) for h, r in zip(layers, ref_layers)]
             rows.append({"k": k, "objective": objective, "score_error": pattern.normalized_error,

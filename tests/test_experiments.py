@@ -322,7 +322,7 @@ def test_granularity_small(tmp_path, minilm_path, capsys):
     from safetensors.torch import load_file
     from transformers import AutoModel
 
-    from experiments.granularity import _outputs
+    from experiments.objectives import model_outputs
 
     run, results = str(tmp_path / "run"), str(tmp_path / "results")
     assert studies_cli.main(["granularity", run, "--results", results, "--k", "4", "--objectives", "paper",
@@ -338,8 +338,8 @@ def test_granularity_small(tmp_path, minilm_path, capsys):
     original = AutoModel.from_pretrained(minilm_path).eval()
     batches = window_batches(load_file(os.path.join(run, "heldout_windows.safetensors"))["input_ids"], 16)
     pooled = PartialBertModel.from_bert(original, select_pattern(cov, 4), reconstruction="fixed").eval()
-    ref, _ = _outputs(original, batches, False, "")
-    got, _ = _outputs(pooled, batches, False, "")
+    ref, _ = model_outputs(original, batches, False, "")
+    got, _ = model_outputs(pooled, batches, False, "")
     assert abs(float(1 - embedding_cosines(ref, got).mean()) - rows["pooled"]["one_minus_cos"]) < 1e-6
     text = open(os.path.join(results, "granularity.md")).read()
     assert "| 4 | paper | head |" in text and minilm_path not in text

@@ -31,6 +31,17 @@ def layer_patterns(model_type: str, k: int = 5) -> LayerPatterns:
 
 
 @pytest.fixture(scope="module")
+def minilm2(tmp_path_factory, minilm_path):
+    """The real MiniLM's first 2 layers and its tokenizer, saved as a model folder (what the CLI reads)."""
+    from transformers import AutoTokenizer, BertModel
+
+    source = tmp_path_factory.mktemp("minilm2")
+    BertModel.from_pretrained(minilm_path, num_hidden_layers=2).save_pretrained(source)
+    AutoTokenizer.from_pretrained(minilm_path).save_pretrained(source)
+    return source
+
+
+@pytest.fixture(scope="module")
 def roberta_layers():
     return layer_patterns("roberta")
 
@@ -150,17 +161,12 @@ def test_the_file_round_trips_and_a_pooled_reader_refuses_it(roberta_layers, tmp
         LayerPatterns({0: roberta_layers[0], 1: AttentionPattern.local(N, 6)})
 
 
-def test_cli_analyze_derive_convert_load_per_layer(minilm_path, tmp_path, capsys):
+def test_cli_analyze_derive_convert_load_per_layer(minilm2, tmp_path, capsys):
     """`analyze --granularity layer` → `derive --granularity layer` (held-out error per layer and pooled, beside the
     pooled pattern's) → `convert` (per_layer R by default) → AutoModel on the real MiniLM's first 2 layers."""
-    from transformers import AutoModel, BertModel
+    from transformers import AutoModel
 
-    source = tmp_path / "minilm2"
-    small = BertModel.from_pretrained(minilm_path, num_hidden_layers=2)
-    small.save_pretrained(source)
-    from transformers import AutoTokenizer
-
-    AutoTokenizer.from_pretrained(minilm_path).save_pretrained(source)
+    source = minilm2
     run = str(tmp_path / "run")
     assert cli.main(["analyze", "--model", str(source), "--seq-len", "16", "--max-sequences", "48", "--granularity",
                      "layer", "--heldout-sequences", "8", "--out", run, "--no-progress"]) == 0
@@ -280,14 +286,12 @@ def test_per_head_refusals(roberta_heads, roberta_layers, tmp_path):
     assert back.heads == 4 and torch.equal(back.group(2, 3)[N].indices, roberta_heads.group(2, 3)[N].indices)
 
 
-def test_cli_derive_per_head_on_minilm(minilm_path, tmp_path, capsys):
+def test_cli_derive_per_head_on_minilm(minilm2, tmp_path, capsys):
     """`analyze --granularity head` → `derive --granularity head`: each head's P and R leave less held-out error than
     one pooled P and R at the same k; `convert` installs them, one per head."""
-    from transformers import AutoModel, AutoTokenizer, BertModel
+    from transformers import AutoModel
 
-    source = tmp_path / "minilm2"
-    BertModel.from_pretrained(minilm_path, num_hidden_layers=2).save_pretrained(source)
-    AutoTokenizer.from_pretrained(minilm_path).save_pretrained(source)
+    source = minilm2
     run = str(tmp_path / "run")
     assert cli.main(["analyze", "--model", str(source), "--seq-len", "16", "--max-sequences", "48", "--granularity",
                      "head", "--heldout-sequences", "8", "--out", run, "--no-progress"]) == 0
@@ -361,7 +365,7 @@ def test_the_triton_kernel_per_head_under_the_interpreter_equals_the_reference()
 
     from hf_partial_attention.analysis import collect_covariance, select_pattern
     from hf_partial_attention.architectures import architecture_for
-    from test_encoders import tiny_config
+    from test_encoders import check_triton_equals_gather, tiny_config
 
     config = tiny_config("roberta")
     config.num_attention_heads = 2
@@ -372,18 +376,4 @@ def test_the_triton_kernel_per_head_under_the_interpreter_equals_the_reference()
     patterns = LayerPatterns({layer: [select_pattern(cov, 5, layer=layer, head=head) for head in cov.heads]
                               for layer in cov.layers})
     assert not torch.equal(patterns.group(0, 0)[N].indices, patterns.group(0, 1)[N].indices)
-    model = partial_class_for("roberta").from_source(source, patterns).train()  # dropout is 0
-    ids, mask = batch()
-    results = {}
-    for kernel in ("gather", "triton"):
-        model.zero_grad()
-        model.set_partial_implementation(kernel)
-        out = model(input_ids=ids, attention_mask=mask).last_hidden_state
-        (out * torch.linspace(-1, 1, out.shape[-1]) * mask[..., None]).sum().backward()
-        results[kernel] = out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    (ref, ref_grads), (out, grads) = results["gather"], results["triton"]
-    real = mask.bool()
-    torch.testing.assert_close(out[real], ref[real], atol=2e-5, rtol=1e-4)
-    assert set(grads) == set(ref_grads) and any("reconstruction" in n for n in grads)
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, ref_grads[name], atol=5e-5, rtol=1e-3, msg=name)
+    check_triton_equals_gather(partial_class_for("roberta").from_source(source, patterns))  # dropout is 0

@@ -12,7 +12,7 @@ from torch import nn
 
 from .attention_common import PartialTensors, first_keys, masked_exact_scores
 
-__all__ = ["gather_attention", "reconstruct_scores"]
+__all__ = ["gather_attention", "reconstruct_scores", "attend"]
 
 
 def reconstruct_scores(exact: torch.Tensor, reconstruction: torch.Tensor, bias: torch.Tensor | None,
@@ -53,6 +53,13 @@ def gather_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     scores = reconstruct_scores(exact, reconstruction.to(exact.dtype), None if bias is None else bias.to(exact.dtype),
                                 layout.inverse_permutation)
     scores = first_keys(scores, query.shape[2])  # (B, H, T, T): reconstructed scores of keys beyond the input are dropped
+    return attend(module, scores, additive, value, dropout)
+
+
+def attend(module: nn.Module, scores: torch.Tensor, additive: torch.Tensor | None, value: torch.Tensor,
+           dropout: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full scores ``(B, H, T, T)`` in key order to ``(output (B, T, H, D), probabilities)``: mask, softmax,
+    dropout (in training mode), ·V; autograd differentiates it (the reference's and `attention_heads`' last steps)."""
     if additive is not None:
         scores = scores + additive
     probs = nn.functional.softmax(scores, dim=-1)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .attention_common import PartialTensors, bias_in_key_order, check_length, masked_keys
+from .attention_gather import attend
 
 __all__ = ["all_heads_attention"]
 
@@ -38,15 +39,11 @@ def all_heads_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     exact = dense.gather(-1, indices.clamp(max=t - 1).expand(b, h, t, k)) * scaling  # (B, H, T, k)
     zero = (indices >= t)[None]  # (1, H, T, k)
     if masked is not None:  # masked keys enter R with score zero, as in every kernel
-        zero = zero | masked.expand(-1, h, -1, -1).gather(-1, indices.clamp(max=t - 1).expand(masked.shape[0], h, t, k))
+        at = indices.clamp(max=t - 1).expand(masked.shape[0], h, t, k)  # (B|1, H, T, k)
+        zero = zero | masked.expand(-1, h, -1, -1).gather(-1, at)
     exact = exact.masked_fill(zero, 0.0)
     scores = torch.einsum("bhtk,htkn->bhtn", exact, w)  # (B, H, T, T) in key order
     if heads[0].bias is not None:
         bias = torch.stack([bias_in_key_order(p.layout, p.bias, query.dtype, query.device)[:t, :t] for p in heads])
         scores = scores + bias  # (H, T, T) broadcast over the batch
-    if additive is not None:
-        scores = scores + additive
-    probs = nn.functional.softmax(scores, dim=-1)
-    probs = nn.functional.dropout(probs, p=dropout, training=module.training)
-    out = torch.matmul(probs, value)  # (B, H, T, D)
-    return out.transpose(1, 2).contiguous(), probs  # (B, T, H, D)
+    return attend(module, scores, additive, value, dropout)
