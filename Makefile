@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test test-fast demo paper related bench bench-model bench-quick objectives lengths recover granularity table1 clean
+.PHONY: setup test test-fast demo paper related bench bench-model bench-quick objectives lengths recover granularity granularity-lengths table1 clean
 
 setup: $(STAMP)
 
@@ -46,6 +46,11 @@ objectives: setup
 # One P and R vs per layer vs per head at the same k on the demo's MiniLM and text (a few minutes) -> results/granularity/.
 granularity: setup
 	$(PY) -m experiments granularity runs/granularity --results results/granularity
+
+# Pooled / per layer / per head P and R, one k or a k per layer at k = 16's saving, with length buckets, on held-out
+# inputs (about 15 min) -> results/granularity_lengths/.
+granularity-lengths: setup
+	$(PY) -m experiments granularity-lengths --out runs/granularity_lengths --results results/granularity_lengths
 
 # Zero-fill vs length buckets vs conditional R on held-out inputs of real lengths (about 15 min) -> results/lengths/.
 lengths: setup

@@ -1,4 +1,4 @@
-"""Command line: ``python -m experiments {demo,paper,objectives,lengths,recover,granularity,table1} ...`` (the Makefile's targets).
+"""Command line: ``python -m experiments {demo,paper,objectives,lengths,recover,granularity,granularity-lengths,table1} ...`` (the Makefile's targets).
 
 Errors a user can cause (`hf_partial_attention.cli.USER_ERRORS`: a wrong value, a missing file) print as one line,
 ``error: <what and the fix>``, on stderr and exit with 2; ``-v`` shows the traceback instead. ``table1``'s flags
@@ -187,6 +187,33 @@ def _run_granularity(args) -> int:
     return 0
 
 
+def _granularity_lengths_args(p):
+    from hf_partial_attention.analysis.selection import OBJECTIVES
+
+    p.add_argument("--out", default="runs/granularity_lengths", help="run folder (per-head bucket covariances, "
+                   "patterns; reused when there)")
+    p.add_argument("--results", default="results/granularity_lengths", help="where granularity_lengths.json/.md go")
+    p.add_argument("--model", default=None, help="model path or Hub id (default: the demo's MiniLM)")
+    p.add_argument("--k", type=int, default=16, help="the uniform k; the budget arms spend its saving")
+    p.add_argument("--lengths", type=int, nargs="+", default=[16, 32, 64, 128], help="length buckets (the last is n)")
+    p.add_argument("--objective", default="fisher", choices=OBJECTIVES, help="the greedy's objective")
+    p.add_argument("--fit-inputs", type=int, default=None, help="sentences and paragraphs to fit on (default: all)")
+    p.add_argument("--max-heldout", type=int, default=600, help="held-out inputs of each kind")
+    p.add_argument("--heldout-windows", type=int, default=64, help="held-out windows of n tokens")
+
+
+def _run_granularity_lengths(args) -> int:
+    from .granularity_lengths import run_granularity_lengths
+
+    result = run_granularity_lengths(args.out, args.results, args.model, k=args.k, lengths=tuple(args.lengths),
+                                     objective=args.objective, fit_inputs=args.fit_inputs,
+                                     max_heldout=args.max_heldout, heldout_windows=args.heldout_windows,
+                                     progress=not args.no_progress,
+                                     command=shlex.join([*PROG.split(), *args.argv]))
+    print(f"Wrote {os.path.join(args.results, 'granularity_lengths.md')} in {result['total_seconds']:.0f} s")
+    return 0
+
+
 _SUBCOMMANDS = {
     "demo": ("the whole analysis on the real MiniLM and pydoc text (make demo)", _demo_args, _run_demo),
     "paper": ("the analysis at the paper's scale: whole matrix at n = 128 (make paper)", _paper_args, _run_paper),
@@ -198,6 +225,9 @@ _SUBCOMMANDS = {
                 "(make recover)", _recover_args, _run_recover),
     "granularity": ("one P and R vs per layer vs per head at the same k, judged at the output (make granularity)",
                     _granularity_args, _run_granularity),
+    "granularity-lengths": ("pooled / per layer / per head P and R, one k or a k per layer at its saving, with length "
+                            "buckets, on held-out inputs (make granularity-lengths)", _granularity_lengths_args,
+                            _run_granularity_lengths),
 }
 COMMANDS = (*_SUBCOMMANDS, "table1")  # every study, as `--help` lists them
 _TABLE1_HELP = ("Table 1 on the real MiniLM: conversion loses, training with partial attention recovers? "

@@ -47,7 +47,8 @@ from .lengths_report import plot_against_length, render
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["run_lengths", "held_out_documents", "fit_documents", "spearman"]
+__all__ = ["run_lengths", "held_out_documents", "held_out_inputs", "fit_documents", "spearman", "run_inputs",
+           "embedding_metrics"]
 
 LENGTHS = (16, 32, 64, 128)
 README_PACKAGES = ("tqdm", "torch", "transformers", "datasets", "huggingface_hub", "tokenizers", "accelerate",
@@ -78,6 +79,23 @@ def held_out_documents(packages=README_PACKAGES) -> list[list[str]]:
     return docs
 
 
+def held_out_inputs(tok, max_heldout: int, heldout_windows: int, n: int = LENGTHS[-1]):
+    """``({"sentences", "paragraphs", "pairs": TokenizedInputs}, windows)``: at most ``max_heldout`` inputs of each
+    kind from `held_out_documents` (evenly spaced), truncated to n tokens, and ``heldout_windows`` windows of n (None for 0)."""
+    docs = held_out_documents()
+    kinds = {"sentences": [s for d in docs for p in d for s in split_sentences(p)],
+             "paragraphs": [p for d in docs for p in d],
+             "pairs": [(a, b) for d in docs for p in d for a, b in zip(split_sentences(p), split_sentences(p)[1:])]}
+    kinds = {name: inputs[:: max(1, len(inputs) // max_heldout)][:max_heldout] for name, inputs in kinds.items()}
+    tokens = {name: tokenize_inputs(tok, inputs, n) for name, inputs in kinds.items()}
+    if not heldout_windows:
+        return tokens, None
+    window_ids = make_windows(tok, [" ".join(p for p in d) for d in docs], n, heldout_windows)  # (W, n)
+    windows = TokenizedInputs(window_ids, torch.zeros_like(window_ids),
+                              torch.full((len(window_ids),), window_ids.shape[1], dtype=torch.long))
+    return tokens, windows
+
+
 def fit_documents() -> list[list[str]]:
     """The demo text's documents (pydoc topics), each as its sentences and its paragraphs (real inputs of both)."""
     docs = []
@@ -104,7 +122,7 @@ def _encode(model, batch: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:
     return emb, [h.double() * mask for h in out.hidden_states[1:]]  # per layer, zero at padding
 
 
-def _run(model, tokens, index: list[int], batch_size: int, install=None):
+def run_inputs(model, tokens, index: list[int], batch_size: int, install=None):
     """Embeddings ``(S, hidden)`` of the inputs ``index`` and each layer's hidden states (real positions only),
     in batches of inputs of similar length; ``install(T)``: called before each batch of one length T (conditional)."""
     order = sorted(index, key=lambda i: int(tokens.lengths[i]))
@@ -124,7 +142,7 @@ def _run(model, tokens, index: list[int], batch_size: int, install=None):
     return torch.stack([embs[i] for i in index]), [hidden[i] for i in index]
 
 
-def _metrics(ref, arm) -> dict:
+def embedding_metrics(ref, arm) -> dict:
     (e0, h0), (e1, h1) = ref, arm
     cos = torch.nn.functional.cosine_similarity(e0, e1, dim=-1)
     n0, n1 = torch.nn.functional.normalize(e0, dim=-1), torch.nn.functional.normalize(e1, dim=-1)
@@ -188,15 +206,7 @@ def run_lengths(out: str = "runs/lengths", results: str = "results/lengths", mod
     t = time.perf_counter()
     original, tok = load_model_and_tokenizer(model_path)
     original.eval()
-    docs = held_out_documents()
-    kinds = {"sentences": [s for d in docs for p in d for s in split_sentences(p)],
-             "paragraphs": [p for d in docs for p in d],
-             "pairs": [(a, b) for d in docs for p in d for a, b in zip(split_sentences(p), split_sentences(p)[1:])]}
-    kinds = {name: inputs[:: max(1, len(inputs) // max_heldout)][:max_heldout] for name, inputs in kinds.items()}
-    tokens = {name: tokenize_inputs(tok, inputs, LENGTHS[-1]) for name, inputs in kinds.items()}
-    window_ids = make_windows(tok, [" ".join(p for p in d) for d in docs], LENGTHS[-1], heldout_windows)
-    windows = TokenizedInputs(window_ids, torch.zeros_like(window_ids),
-                              torch.full((len(window_ids),), window_ids.shape[1], dtype=torch.long))
+    tokens, windows = held_out_inputs(tok, max_heldout, heldout_windows)
     cov = ScoreCovariance.load(os.path.join(windows_dir, COVARIANCE_FILE))
     rows = []
     for k in ks:
@@ -220,12 +230,12 @@ def run_lengths(out: str = "runs/lengths", results: str = "results/lengths", mod
                 index = [i for i, bb in enumerate(bucket_of) if bb == b]
                 if len(index) < 3:
                     continue
-                ref = _run(original, tk, index, batch_size)
+                ref = run_inputs(original, tk, index, batch_size)
                 for arm, m in arms.items():
                     install = installers.get(arm)
-                    got = _run(m, tk, index, batch_size, install)
+                    got = run_inputs(m, tk, index, batch_size, install)
                     row = {"k": k, "arm": arm, "inputs_kind": kind, "bucket": b,
-                           "lengths": [int(tk.lengths[i]) for i in index], **_metrics(ref, got)}
+                           "lengths": [int(tk.lengths[i]) for i in index], **embedding_metrics(ref, got)}
                     rows.append(row)
                     logger.info("k=%d %s %s b=%d: 1-cos %.4f, spearman %s", k, arm, kind, b, row["one_minus_cos"],
                                 row["spearman"])

@@ -25,13 +25,10 @@ import os
 import shutil
 import time
 
-import torch
-
 from hf_partial_attention.analysis.defaults import resolve_model
-from hf_partial_attention.analysis.inputs import split_sentences, tokenize_inputs
 from hf_partial_attention.pattern_buckets import bucket_for
 
-from .lengths import LENGTHS, _metrics, _run, fit_documents, held_out_documents
+from .lengths import LENGTHS, embedding_metrics, fit_documents, held_out_inputs, run_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -81,18 +78,9 @@ def _training_set(tokenizer, n: int, max_inputs: int | None):
                               "length": [len(x) for x in enc["input_ids"]]})
 
 
-def _heldout(tokenizer, n: int, max_heldout: int):
-    docs = held_out_documents()
-    kinds = {"sentences": [s for d in docs for p in d for s in split_sentences(p)],
-             "paragraphs": [p for d in docs for p in d],
-             "pairs": [(a, b) for d in docs for p in d for a, b in zip(split_sentences(p), split_sentences(p)[1:])]}
-    kinds = {name: inputs[:: max(1, len(inputs) // max_heldout)][:max_heldout] for name, inputs in kinds.items()}
-    return {name: tokenize_inputs(tokenizer, inputs, n) for name, inputs in kinds.items()}
-
-
 def measure(original, models: dict, tokens: dict, lengths, batch_size: int = 16) -> list[dict]:
     """Per model, kind of input and length bucket: 1 − cos and pairwise Spearman against ``original``
-    (`lengths._metrics`), and the overall mean 1 − cos of each kind (bucket ``"all"``)."""
+    (`lengths.embedding_metrics`), and the overall mean 1 − cos of each kind (bucket ``"all"``)."""
     rows = []
     for kind, tk in tokens.items():
         bucket_of = [bucket_for(list(lengths), int(x)) for x in tk.lengths]
@@ -101,9 +89,9 @@ def measure(original, models: dict, tokens: dict, lengths, batch_size: int = 16)
         for b, index in groups.items():
             if len(index) < 3:
                 continue
-            ref = _run(original, tk, index, batch_size)
+            ref = run_inputs(original, tk, index, batch_size)
             for name, model in models.items():
-                m = _metrics(ref, _run(model, tk, index, batch_size))
+                m = embedding_metrics(ref, run_inputs(model, tk, index, batch_size))
                 m.pop("one_minus_cos_each")
                 rows.append({"model": name, "inputs_kind": kind, "bucket": b,
                              "lengths": [int(tk.lengths[i]) for i in index], **m})
@@ -218,7 +206,7 @@ def run_recover(out: str = "runs/recover", results: str = "results/recovery", mo
     drift = trainer.reconstruction_stats().get("reconstruction_drift/mean", 0.0)
     student.eval()
     converted_model = PartialBertModel.from_pretrained(converted_dir, add_pooling_layer=False).eval()
-    tokens = _heldout(tokenizer, n, max_heldout)
+    tokens, _ = held_out_inputs(tokenizer, max_heldout, 0, n)
     rows = measure(original, {"converted": converted_model, "recovered": student}, tokens, lengths)
     result = {"command": command or "python -m experiments recover", "model": model_id, "k": k,
               "lengths": lengths, "partial_layers": list(student.config.partial_layers),

@@ -281,7 +281,8 @@ def test_recover_small(tmp_path, minilm_path, capsys):
     from transformers import AutoTokenizer, BertModel
 
     import hf_partial_attention  # noqa: F401  (registers PartialBert with the Auto classes)
-    from experiments.recover import _heldout, measure
+    from experiments.lengths import held_out_inputs
+    from experiments.recover import measure
     from hf_partial_attention.modeling_partial_bert import PartialBertModel
 
     out, results = str(tmp_path / "run"), str(tmp_path / "results")
@@ -301,7 +302,7 @@ def test_recover_small(tmp_path, minilm_path, capsys):
     saved = PartialBertModel.from_pretrained(folder, add_pooling_layer=False).eval()
     assert saved.config.partial_lengths_k == [16, 16, 20, 16]  # bucket 64 at its own k (--bucket-k)
     original = BertModel.from_pretrained(minilm_path, add_pooling_layer=False).eval()
-    again = measure(original, {"recovered": saved}, {"sentences": _heldout(tok, 128, 24)["sentences"]}, data["lengths"])
+    again = measure(original, {"recovered": saved}, {"sentences": held_out_inputs(tok, 24, 0, 128)[0]["sentences"]}, data["lengths"])
     again = {r["bucket"]: r for r in again}
     assert again["all"]["one_minus_cos"] == pytest.approx(rec["one_minus_cos"], rel=1e-6, abs=1e-9)
     st = SentenceTransformer(folder, trust_remote_code=True, device="cpu")
@@ -343,3 +344,47 @@ def test_granularity_small(tmp_path, minilm_path, capsys):
     assert abs(float(1 - embedding_cosines(ref, got).mean()) - rows["pooled"]["one_minus_cos"]) < 1e-6
     text = open(os.path.join(results, "granularity.md")).read()
     assert "| 4 | paper | head |" in text and minilm_path not in text
+
+
+def test_granularity_lengths_small(tmp_path, minilm_path, capsys):
+    """The tiny version of `make granularity-lengths` (buckets 16 and 32, k = 4): the five arms measured on every kind
+    of input, the budgeted arms with a k per partial layer that costs no more than k = 4 in every layer, and the
+    pooled arm equal to a conversion of the pooled fit recomputed here from the same covariances."""
+    from hf_partial_attention import PartialBertModel
+    from hf_partial_attention.analysis.covariance import ScoreCovariance
+    from hf_partial_attention.analysis.lengths import bucket_covariance_files
+    from hf_partial_attention.analysis.selection import select_pattern
+    from hf_partial_attention.cost import score_cost
+    from hf_partial_attention.pattern_buckets import PatternBuckets
+    from transformers import AutoModel, AutoTokenizer
+
+    from experiments.lengths import held_out_inputs
+    from experiments.recover import measure
+
+    run, results = str(tmp_path / "run"), str(tmp_path / "results")
+    assert studies_cli.main(["granularity-lengths", "--out", run, "--results", results, "--k", "4", "--lengths", "16",
+                             "32", "--fit-inputs", "80", "--max-heldout", "12", "--heldout-windows", "4",
+                             "--no-progress"]) == 0
+    assert capsys.readouterr().out.startswith(f"Wrote {os.path.join(results, 'granularity_lengths.md')} in ")
+    data = json.load(open(os.path.join(results, "granularity_lengths.json")))
+    assert data["arms"] == ["pooled uniform", "layer uniform", "layer budget", "head uniform", "head budget"]
+    assert {(r["model"], r["inputs_kind"]) for r in data["rows"]} >= {
+        (arm, kind) for arm in data["arms"] for kind in ("sentences", "paragraphs", "pairs", "windows")}
+    for arm in ("layer budget", "head budget"):
+        ks = data["saving"][arm]["ks"]
+        assert sorted(ks) == ["0", "1", "2", "3", "4"] and len({tuple(v) for v in ks.values()}) > 1
+        assert sum(score_cost(32, v[-1], 32).total for v in ks.values()) <= 5 * score_cost(32, 4, 32).total
+    assert data["saving"]["head uniform"]["ks"]["0"] == [4, 4]
+    text = open(os.path.join(results, "granularity_lengths.md")).read()
+    assert "## Goals (issue 34" in text and "`head budget`" in text and minilm_path not in text
+    # the pooled arm: P and R of the summed covariances, converted, measured the same way
+    covs = {b: ScoreCovariance.load(p) for b, p in bucket_covariance_files(run).items()}
+    assert all(c.granularity == "head" for c in covs.values())
+    pooled = PatternBuckets({b: select_pattern(covs[b], 4, objective="fisher") for b in (16, 32)}, k=4)
+    original = AutoModel.from_pretrained(minilm_path).eval()
+    model = PartialBertModel.from_bert(original, pooled, reconstruction="fixed").eval()
+    tokens, _ = held_out_inputs(AutoTokenizer.from_pretrained(minilm_path), 12, 0, 32)
+    expected = measure(original, {"pooled uniform": model}, {"sentences": tokens["sentences"]}, (16, 32))
+    got = {(r["inputs_kind"], r["bucket"]): r["one_minus_cos"] for r in data["rows"] if r["model"] == "pooled uniform"}
+    for r in expected:
+        assert got[("sentences", r["bucket"])] == pytest.approx(r["one_minus_cos"], rel=1e-6)

@@ -88,7 +88,8 @@ def _save_and_load(model_type: str, patterns: LayerPatterns, folder) -> str:
     model = partial_class_for(model_type).from_source(source_model(model_type), patterns).eval()
     model.save_pretrained(folder)
     config = json.load(open(folder / "config.json"))
-    assert (config["partial_format_version"], config["partial_granularity"]) == (4, patterns.granularity)
+    version = 4 if patterns.layers_k(model.config.partial_layers) is None else 5  # 5: a k per layer
+    assert (config["partial_format_version"], config["partial_granularity"]) == (version, patterns.granularity)
     names = [n for n in load_file(folder / "model.safetensors") if "partial_pattern" in n]
     assert {n.split("partial_pattern_")[1].split(".")[0] for n in names} == {
         f"layer{l}" for l in model.config.partial_layers}
@@ -109,12 +110,16 @@ def _save_and_load(model_type: str, patterns: LayerPatterns, folder) -> str:
 def test_save_load_remote_code_and_format_4(tmp_path):
     """P and R per layer (BERT, RoBERTa, ModernBERT, DistilBERT) and per head (RoBERTa, ModernBERT): format 4, one
     pattern module per partial layer (the head dimension leading per head), identical after loading with the plugin
-    and by remote code without it (one process for all)."""
+    and by remote code without it (one process for all); per head with a k per layer (RoBERTa, ModernBERT): format
+    5."""
     jobs = [_save_and_load(t, layer_patterns(t), tmp_path / f"{t}_layer")
             for t in ("bert", "roberta", "modernbert", "distilbert")]
     for t in ("roberta", "modernbert"):
         patterns = head_patterns(t)
         jobs.append(_save_and_load(t, patterns, tmp_path / f"{t}_head"))
+        # a k per layer (`derive --saving`): layer 0 at k = 3, layer 1 at 6, per head (format 5)
+        budgeted = LayerPatterns({0: head_patterns(t, 3)[0], 1: head_patterns(t, 6)[1], 2: patterns[2]})
+        jobs.append(_save_and_load(t, budgeted, tmp_path / f"{t}_budget"))
         weights = load_file(tmp_path / f"{t}_head" / "model.safetensors")
         shapes = [tensor.shape for name, tensor in weights.items() if "partial_pattern" in name]
         assert shapes and all(shape[0] == 4 for shape in shapes)  # the head dimension leads
@@ -157,8 +162,10 @@ def test_the_file_round_trips_and_a_pooled_reader_refuses_it(roberta_layers, tmp
         assert torch.equal(back[layer][N].reconstruction, roberta_layers[layer][N].reconstruction)
     with pytest.raises(ValueError, match="not a pattern file"):
         PatternBuckets.load(path)
-    with pytest.raises(ValueError, match="buckets .* with k"):
-        LayerPatterns({0: roberta_layers[0], 1: AttentionPattern.local(N, 6)})
+    other_buckets = PatternBuckets({8: AttentionPattern.local(8, 3), N: AttentionPattern.local(N, 5)})
+    with pytest.raises(ValueError, match=r"buckets \[8, 16\].*same buckets"):
+        LayerPatterns({0: roberta_layers[0], 1: other_buckets})
+    assert LayerPatterns({0: roberta_layers[0], 1: AttentionPattern.local(N, 6)}).layers_k() == [[5], [6]]
 
 
 def test_cli_analyze_derive_convert_load_per_layer(minilm2, tmp_path, capsys):

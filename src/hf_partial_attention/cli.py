@@ -23,8 +23,10 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .cli_derive import derive_arguments, parse_bucket_k, run_derive
+
 __all__ = ["main", "register_command", "COMMANDS", "build_parser", "USER_ERRORS", "HelpFormatter",
-           "common_arguments", "report_user_error"]
+           "common_arguments", "report_user_error", "parse_bucket_k"]
 
 # What a user's input raises (the library's errors name the value and the fix): one line, not a traceback. Other
 # exceptions (TypeError, RuntimeError, ...) are bugs and keep their traceback.
@@ -178,119 +180,6 @@ def _run_analyze(args) -> int:
     return 0
 
 
-def parse_bucket_k(text: str) -> tuple[int, int]:
-    """``"64=24"`` -> ``(64, 24)`` (argparse names the value when this raises)."""
-    try:
-        b, k = (int(v) for v in text.split("="))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not B=K (a bucket length and its k, e.g. 64=24)") from None
-    return b, k
-
-
-def _derive_args(p):
-    from .analysis.selection import FAMILIES, OBJECTIVES
-
-    p.add_argument("dir", help="folder written by `analyze`")
-    p.add_argument("--k", type=int, nargs="+", default=[16, 24, 32, 48],
-                   help="exact scores per query (whole scope: in all), each in [1, n]; saves work only for k < d_h")
-    p.add_argument("--scope", default="per_query", choices=["per_query", "whole"],
-                   help="per-query P_i (what the model runs) or one P over the n² pairs (analysis)")
-    p.add_argument("--family", default="per_query", choices=FAMILIES,
-                   help="constrain per-query P to a family whose exact part is one dense GEMM (columns, blocks, "
-                        "windows), shared diagonals (bands), or blocks of 32 rows sharing P and R (shared_blocks: "
-                        "the tiled kernel); see hf_partial_attention.analysis.selection")
-    p.add_argument("--objective", default="paper", choices=OBJECTIVES,
-                   help="error the greedy minimises: paper (eq. 8, every score alike; what `make demo` derives), shift "
-                        "(modulo a per-row constant) or fisher (weighted by the attention probabilities). "
-                        "results/objectives/objectives.md finds fisher closest at the output of converted MiniLM "
-                        "although its score error is higher; compare them on your model with the repository's "
-                        "`python -m experiments objectives`. "
-                        "Files of another objective than paper are named <scope>_<objective>_k<k>")
-    p.add_argument("--bucket-k", nargs="+", default=None, metavar="B=K", type=parse_bucket_k,
-                   help="length buckets: a bucket that takes its own k instead of --k, e.g. 64=24 (partial_lengths_k; "
-                        "files buckets_k<k>_b<b>k<k_b>)")
-    p.add_argument("--granularity", default="pooled", choices=["pooled", "layer", "head"],
-                   help="one P and R for every layer (the paper's), each layer its own or each head of each layer "
-                        "its own, fitted on its own covariance (needs analyze --granularity layer / head; files "
-                        "<scope>_layer_k<k> / <scope>_head_k<k>; convert installs them)")
-    p.add_argument("--no-evaluate", action="store_true", help="skip the held-out measurement")
-    p.add_argument("--no-baselines", action="store_true", help="skip the equal-cost baselines")
-    p.add_argument("--batch-size", type=int, default=8, help="held-out windows per forward pass")
-    common_arguments(p)
-
-
-def _run_derive_layers(args, fmt) -> int:
-    from .analysis.layers import derive_layers
-
-    if args.scope != "per_query":
-        raise ValueError(f"--granularity {args.granularity} fits per-query patterns; drop --scope {args.scope}.")
-    result = derive_layers(args.dir, args.k, granularity=args.granularity, family=args.family,
-                           objective=args.objective, evaluate=not args.no_evaluate, batch_size=args.batch_size,
-                           progress=not args.no_progress)
-    groups = f"{len(result['layers'])} layers" + (f" x {len(result['heads'])} heads" if result["heads"] else "")
-    for row in result["patterns"]:
-        if row["k"] in args.k:
-            print(f"k={row['k']}: {row['path']} (per {args.granularity}, {groups}; held-out error "
-                  f"{fmt(row.get('heldout'))}, the pooled pattern's {fmt(row.get('heldout_pooled_pattern'))})")
-    return 0
-
-
-def _run_derive_layer_buckets(args) -> int:
-    from .analysis.layers import derive_layer_buckets
-
-    if args.scope != "per_query":
-        raise ValueError(f"--scope {args.scope} with length buckets: buckets hold per-query patterns; drop --scope.")
-    result = derive_layer_buckets(args.dir, args.k, granularity=args.granularity, family=args.family,
-                                  objective=args.objective, bucket_k=dict(args.bucket_k or ()))
-    for row in result["patterns"]:
-        if row["k"] in args.k:
-            errors = ", ".join(f"b={b}: {e:.4f}" for b, e in row["predicted_per_bucket"].items())
-            print(f"k={row['k']}: {row['path']} (per {args.granularity}, length buckets; predicted error per "
-                  f"bucket {errors}; no held-out measurement yet)")
-    return 0
-
-
-def _run_derive(args) -> int:
-    from .analysis.lengths import bucket_covariance_files, derive_lengths
-    from .analysis.workflow import COVARIANCE_FILE, derive
-
-    buckets = bucket_covariance_files(args.dir)
-    fmt = lambda v: "not measured" if v is None else f"{v:.4f}"  # noqa: E731
-    if args.granularity != "pooled":
-        if buckets:
-            return _run_derive_layer_buckets(args)
-        if args.bucket_k:
-            raise ValueError(f"--bucket-k {args.bucket_k} needs length buckets: {args.dir!r} holds no "
-                             "covariance_len*.safetensors (run `analyze --inputs ...` into it first).")
-        return _run_derive_layers(args, fmt)
-    # the fixed windows first: their per_query_k<k> patterns are what the buckets are compared with
-    if os.path.isfile(os.path.join(args.dir, COVARIANCE_FILE)) or not buckets:
-        result = derive(args.dir, args.k, args.scope, evaluate=not args.no_evaluate, baselines=not args.no_baselines,
-                        batch_size=args.batch_size, progress=not args.no_progress, family=args.family,
-                        objective=args.objective)
-        for row in result["patterns"]:
-            if row["k"] in args.k:  # this run's; the report also lists the folder's earlier ones
-                print(f"k={row['k']}: {row['path']} (predicted error {fmt(row['predicted'])}, "
-                      f"held-out {fmt(row.get('heldout'))})")
-    if args.bucket_k and not buckets:
-        raise ValueError(f"--bucket-k {args.bucket_k} needs length buckets: {args.dir!r} holds no "
-                         "covariance_len*.safetensors (run `analyze --inputs ...` into it first).")
-    if buckets:
-        if args.scope != "per_query":
-            raise ValueError(f"--scope {args.scope} with length buckets: buckets hold per-query patterns; drop "
-                             "--scope or derive from a folder without covariance_len*.safetensors.")
-        result = derive_lengths(args.dir, args.k, family=args.family, objective=args.objective,
-                                evaluate=not args.no_evaluate, batch_size=args.batch_size,
-                                progress=not args.no_progress, bucket_k=dict(args.bucket_k or ()))
-        for entry in result["ks"].values():
-            errors = ", ".join(f"b={r['length']}" + (f" (k={r['k']})" if r["k"] != entry["k"] and not r["exact"] else "")
-                               + ": " + ("exact" if r["exact"] else fmt(r.get("heldout")))
-                               for r in entry["buckets"])
-            print(f"k={entry['k']}: {entry['path']} (held-out error per bucket {errors})")
-    print(f"Report: {os.path.join(args.dir, 'report.md')}")
-    return 0
-
-
 def _convert_args(p):
     p.add_argument("pattern", help="pattern file (patterns/per_query_k32.safetensors) or length buckets "
                                    "(patterns/buckets_k16.safetensors)")
@@ -325,7 +214,7 @@ def _run_convert(args) -> int:
 register_command("analyze", "covariance of a model's attention scores on text, spectra and figures",
                  _analyze_args, _run_analyze)
 register_command("derive", "greedy patterns for several k from an analyze folder, held-out error, baselines",
-                 _derive_args, _run_derive)
+                 lambda p: (derive_arguments(p), common_arguments(p)), run_derive)
 register_command("convert", "partial checkpoint (PartialBert, PartialRoberta, ...) from a pattern file", _convert_args,
                  _run_convert)
 

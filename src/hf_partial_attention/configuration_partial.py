@@ -28,7 +28,9 @@ PARTIAL_IMPLEMENTATIONS = ("auto", *KERNEL_NAMES)
 #    Checkpoints of architectures other than BERT (`configuration_partial_encoders`) start at format 2.
 # 4: P and R per layer or per head (`partial_granularity`): ``...partial_pattern_layer{l}...``, with a leading head
 #    dimension per head. Written only by such a checkpoint; a pooled one keeps the oldest format that holds it.
-CHECKPOINT_FORMAT_VERSION = 4
+# 5: a k per layer (`partial_layers_k`, from `derive --saving`): layer l's P in bucket b is (b, k_lb). Written only by
+#    a checkpoint whose layers differ in k.
+CHECKPOINT_FORMAT_VERSION = 5
 # Runtime settings: like `attn_implementation`, never written to (nor read from) config.json.
 _NOT_SERIALIZED = ("partial_implementation",)
 
@@ -48,6 +50,7 @@ class PartialConfigMixin:
     reconstruction: str = "common"
     partial_layers: list[int] | None = None
     partial_granularity: str = "pooled"
+    partial_layers_k: list[list[int]] | None = None
     partial_use_bias: bool = False
     partial_tie_shared_rows: bool = False
     partial_default_correlation: float = 0.9
@@ -130,6 +133,7 @@ class PartialConfigMixin:
                 f"{self.partial_granularity!r}: each layer has its own P, and an R maps the scores of its own P; use "
                 "reconstruction='per_layer' (each layer's R trainable) or 'fixed'.")
         self._check_implementation()
+        self._check_layers_k()
         bad = [layer for layer in self.partial_layers if not 0 <= layer < self.num_hidden_layers]
         if bad:
             raise ValueError(
@@ -175,11 +179,41 @@ class PartialConfigMixin:
                              "partial_k to the longest bucket's k.")
         self.partial_lengths_k = list(ks)
 
-    def bucket_k(self, length: int | None = None) -> int:
-        """k of bucket ``length`` (default n): the exact scores per query of its P."""
+    def _check_layers_k(self) -> None:
+        rows = self.partial_layers_k
+        if rows is None:
+            return
+        if self.partial_granularity == "pooled":
+            raise ValueError("partial_layers_k (a k per layer) needs a P per layer: set partial_granularity='layer' or "
+                             "'head' (one pooled P has one k), or drop partial_layers_k.")
+        lengths, layers = self.partial_lengths, self.partial_layers
+        if (not isinstance(rows, (list, tuple)) or len(rows) != len(layers) or not all(
+                isinstance(row, (list, tuple)) and len(row) == len(lengths)
+                and all(isinstance(k, int) and not isinstance(k, bool) for k in row) for row in rows)):
+            raise ValueError(f"partial_layers_k must hold one list per layer of partial_layers={layers}, each a k per "
+                             f"bucket of partial_lengths={lengths}, got {rows!r}.")
+        for layer, row in zip(layers, rows):
+            for b, k, top in zip(lengths, row, self.partial_lengths_k):
+                if (top == b) != (k == b) or not 1 <= k <= top:
+                    raise ValueError(
+                        f"partial_layers_k: layer {layer} has k = {k} in bucket {b}; each layer's k must be in [1, "
+                        f"partial_lengths_k's {top}] (partial_lengths_k holds the largest k of each bucket), and b "
+                        "exactly in a bucket that runs exactly (k_b = b) in partial_lengths_k, only there.")
+        tops = [max(column) for column in zip(*rows)]
+        if tops != list(self.partial_lengths_k):
+            raise ValueError(f"partial_lengths_k={self.partial_lengths_k} must be each bucket's largest k of "
+                             f"partial_layers_k ({tops}); set partial_lengths_k={tops} and partial_k={tops[-1]}.")
+        self.partial_layers_k = [list(row) for row in rows]
+
+    def bucket_k(self, length: int | None = None, layer: int | None = None) -> int:
+        """k of bucket ``length`` (default n): the exact scores per query of its P; of ``layer`` when the layers
+        have a k each (``partial_layers_k``; the bucket's largest otherwise)."""
+        index = len(self.partial_lengths) - 1 if length is None else self.partial_lengths.index(length)
+        if self.partial_layers_k is not None and layer is not None and layer in self.partial_layers:
+            return self.partial_layers_k[self.partial_layers.index(layer)][index]
         if length is None or length == self.partial_seq_len:
             return self.partial_k
-        return self.partial_lengths_k[self.partial_lengths.index(length)]
+        return self.partial_lengths_k[index]
 
     @property
     def partial_buckets(self) -> list[int]:
@@ -193,8 +227,10 @@ class PartialConfigMixin:
 
     @property
     def required_format_version(self) -> int:
-        """The oldest checkpoint format that holds these fields: 4 for P and R per layer, 3 when partial buckets
-        differ in k, else 2."""
+        """The oldest checkpoint format that holds these fields: 5 for a k per layer, 4 for P and R per layer, 3
+        when partial buckets differ in k, else 2."""
+        if self.partial_layers_k is not None:
+            return 5
         if self.partial_granularity != "pooled":
             return 4
         return 3 if len({self.bucket_k(b) for b in (*self.partial_buckets, None)}) > 1 else 2

@@ -52,6 +52,12 @@ class PartialBertConfig(PartialConfigMixin, BertConfig):
             derive --granularity layer`), at the same k; R is then `"fixed"` or `"per_layer"` (trainable), and
             checkpoints are of format 4. `"head"`: each head of each partial layer its own P and R (from
             `derive --granularity head`), held per layer with a leading head dimension.
+        partial_layers_k (`list[list[int]]`, *optional*):
+            A k per layer (from `derive --saving`, which spends a QKᵀ budget where the greedy's error falls most):
+            one list per layer of `partial_layers` (same order), each a k per bucket of `partial_lengths`; layer l's
+            P in bucket b is (b, k_lb) (its heads share it). `partial_lengths_k` (and `partial_k`) are then each
+            bucket's largest, and a bucket runs exactly in every layer or in none. Needs `partial_granularity`
+            "layer" or "head"; checkpoints are of format 5. Defaults to `partial_lengths_k` in every layer.
         partial_use_bias (`bool`, defaults to `False`):
             Add a per-query bias b_i (n x (n-k)) to the reconstructed scores (centred fit of R).
         partial_tie_shared_rows (`bool`, defaults to `False`):

@@ -132,12 +132,22 @@ def partial_config(source, pattern: AttentionPattern | PatternBuckets | LayerPat
     fields = source.config.to_dict()
     for drop in _NOT_BERT_FIELDS:
         fields.pop(drop, None)
+    fields.pop("partial_layers_k", None)  # the pattern's (below), not a partial source's
     fields.update(partial_seq_len=pattern.seq_len, partial_k=pattern.k, partial_lengths=pattern.lengths,
                   partial_lengths_k=pattern.lengths_k, partial_use_bias=pattern.has_bias)
     if isinstance(pattern, LayerPatterns):
         # each layer (or head) its own P, so its own R: trainable per layer unless the caller fixes it
         fields.update(partial_granularity=pattern.granularity, reconstruction="per_layer")
     fields.update(overrides)
+    if isinstance(pattern, LayerPatterns) and "partial_layers_k" not in overrides:
+        # a k per layer (`derive --saving`): the partial layers' own, known once the config has chosen them
+        layers = [layer for layer in config_class(**fields).partial_layers if layer in pattern.layers]
+        rows = [pattern.layer_lengths_k(layer) for layer in layers]
+        if rows:  # (a layer the pattern lacks is refused by name when the model is built)
+            tops = [max(column) for column in zip(*rows)]
+            fields.update(partial_lengths_k=tops, partial_k=tops[-1])
+            if any(row != rows[0] for row in rows):
+                fields.update(partial_layers_k=rows)
     if isinstance(source.config._name_or_path, str) and source.config._name_or_path:
         fields.setdefault("partial_base_model", source.config._name_or_path)
     return config_class(**fields)

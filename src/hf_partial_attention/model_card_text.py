@@ -66,6 +66,24 @@ def _buckets_section(config, prefix: str, d_head: int, paths: tuple[str, str] | 
 """
 
 
+def _layers_k_section(config, d_head: int) -> str:
+    """The k of each partial layer (``partial_layers_k``, from ``derive --saving``; empty when the layers share k)."""
+    rows = getattr(config, "partial_layers_k", None)
+    if not rows:
+        return ""
+    lengths = list(config.partial_lengths)
+    saving = {layer: score_cost(lengths[-1], row[-1], d_head).saving for layer, row in zip(config.partial_layers, rows)}
+    lines = "\n".join(f"| {layer} | " + " | ".join(str(k) for k in row) + f" | {100 * saving[layer]:.1f} % |"
+                      for layer, row in zip(config.partial_layers, rows))
+    return f"""- **A k per layer** (`partial_layers_k`, chosen by `derive --saving` to spend the QKᵀ budget where the greedy's
+  error falls most); k = the largest of them above, each layer's P (n, k_l) and R (n, n − k_l, k_l):
+
+| layer | {" | ".join(f"k at b = {b}" for b in lengths)} | saving at n |
+|---:|{"---:|" * len(lengths)}---:|
+{lines}
+"""
+
+
 def partial_section(config, prefix: str, paths: tuple[str, str] | None = None) -> str:
     """P and R (names, shapes, R mode) and the attention cost of a partial config; ``paths``: where the model holds
     the pattern modules and layer l's attention (`_names`; BERT's layout by default)."""
@@ -74,7 +92,12 @@ def partial_section(config, prefix: str, paths: tuple[str, str] | None = None) -
     layers, total = list(config.partial_layers), config.num_hidden_layers
     d_head = config.hidden_size // config.num_attention_heads
     cost = score_cost(n, k, d_head).per_query(n)  # one query row: k·d_h exact, (n−k)·k reconstructed
-    model_saving = cost.saving * len(layers) / total
+    layers_k = getattr(config, "partial_layers_k", None)
+    # a k per layer: each layer's own saving (their mean in the partial layers)
+    layer_savings = ([score_cost(n, row[-1], d_head).saving for row in layers_k] if layers_k
+                     else [cost.saving] * len(layers))
+    model_saving = sum(layer_savings) / total
+    partial_saving = sum(layer_savings) / max(len(layers), 1)
     mode = {
         "fixed": f"fixed: a buffer `{owner}partial_pattern.reconstruction`, never trained",
         "common": f"common: one trainable tensor `{owner}partial_pattern.reconstruction` shared by all "
@@ -108,7 +131,7 @@ padding mask and the softmax.
 - **P**: {p_line}
 - **R**: shape (n, n − k, k) = ({n}, {n - k}, {k}); {mode}.
 - Inputs must have at most n = {n} tokens; shorter inputs behave as if padded with zero scores.
-{_buckets_section(config, prefix, d_head, paths)}
+{_buckets_section(config, prefix, d_head, paths)}{_layers_k_section(config, d_head)}
 ## Attention cost
 
 Multiply-adds of the scores QKᵀ per query and head: exact part `k·d_h`, reconstruction `(n − k)·k`, dense
@@ -117,10 +140,17 @@ Multiply-adds of the scores QKᵀ per query and head: exact part `k·d_h`, recon
     saving = 1 − (k·d_h + (n − k)·k) / (n·d_h)
 
 Here n = {n}, k = {k}, d_h = {d_head}: {cost.total} instead of {cost.dense}
-multiply-adds, a saving of **{100 * cost.saving:.1f} %** in each partial layer, {100 * model_saving:.1f} % of
+multiply-adds, {_saving_phrase(cost.saving, layers_k, partial_saving)}, {100 * model_saving:.1f} % of
 the model's QKᵀ over all {total} layers. Softmax and the product with V are unchanged; wall-clock gains depend
 on the kernel.
 """
+
+
+def _saving_phrase(saving: float, layers_k, partial_saving: float) -> str:
+    if not layers_k:
+        return f"a saving of **{100 * saving:.1f} %** in each partial layer"
+    return (f"a saving of {100 * saving:.1f} % at the largest k; at each layer's own k (table above) **"
+            f"{100 * partial_saving:.1f} %** over the partial layers")
 
 
 def _method(record: dict[str, Any]) -> str:

@@ -70,7 +70,8 @@ class PartialModelMixin:
             check_layers(config, pattern)
             for layer in layers:
                 for head in self._heads():
-                    check_buckets(config, pattern.group(layer, head) if isinstance(pattern, LayerPatterns) else pattern)
+                    check_buckets(config, pattern.group(layer, head) if isinstance(pattern, LayerPatterns) else pattern,
+                                  layer)
         for layer in layers:
             for length in (None, *config.partial_buckets):
                 module = PartialPattern(config, pattern, length, layer)
@@ -268,7 +269,7 @@ class PartialModelMixin:
     def get_patterns(self, layer: int | None = None, head: int | None = None) -> PatternBuckets:
         """Every bucket's P and R (of `layer` when R or P is per layer, of `head` per head) as `PatternBuckets`."""
         return PatternBuckets({b: self.get_pattern(layer, b, head) for b in self._pattern_modules(layer)},
-                              exact_lengths=self.config.exact_lengths, k=self.config.partial_k)
+                              exact_lengths=self.config.exact_lengths, k=self.config.bucket_k(None, layer))
 
     def get_layer_patterns(self) -> LayerPatterns:
         """Every partial layer's (and head's) P and R, every bucket, as `LayerPatterns` (what `set_pattern` takes
@@ -302,7 +303,7 @@ class PartialModelMixin:
     def _set_buckets(self, pattern: AttentionPattern | PatternBuckets, layer: int | None, head: int | None = None
                      ) -> None:
         try:
-            buckets = check_buckets(self.config, pattern)
+            buckets = check_buckets(self.config, pattern, layer)
         except ValueError as err:
             raise ValueError(f"{err} Build the model with from_source(..., pattern).") from err
         if buckets.has_bias != self.config.partial_use_bias:

@@ -46,28 +46,33 @@ def _local_pattern(n: int, k: int, correlation: float) -> AttentionPattern:
     return AttentionPattern.local(n, k, correlation)
 
 
-def default_pattern(config: PartialConfigMixin, length: int | None = None) -> AttentionPattern:
-    """The pattern a model built from a config alone starts with in bucket ``length`` (default n):
-    `AttentionPattern.local`; the last few are cached."""
-    return _local_pattern(length or config.partial_seq_len, config.bucket_k(length),
+def default_pattern(config: PartialConfigMixin, length: int | None = None, layer: int | None = None
+                    ) -> AttentionPattern:
+    """The pattern a model built from a config alone starts with in bucket ``length`` (default n; at ``layer``'s k
+    when the layers have a k each): `AttentionPattern.local`; the last few are cached."""
+    return _local_pattern(length or config.partial_seq_len, config.bucket_k(length, layer),
                           float(config.partial_default_correlation))
 
 
-def check_buckets(config: PartialConfigMixin, pattern: AttentionPattern | PatternBuckets) -> PatternBuckets:
-    """``pattern`` as buckets, checked against the config's n, k and buckets (a ValueError naming the fix)."""
+def check_buckets(config: PartialConfigMixin, pattern: AttentionPattern | PatternBuckets,
+                  layer: int | None = None) -> PatternBuckets:
+    """``pattern`` as buckets, checked against the config's n, k and buckets (``layer``'s ks when the layers have a k
+    each; a ValueError naming the fix)."""
     buckets = PatternBuckets.coerce(pattern)
-    if (buckets.seq_len, buckets.k) != (config.partial_seq_len, config.partial_k):
+    ks = [config.bucket_k(b, layer) for b in config.partial_lengths]
+    if (buckets.seq_len, buckets.k) != (config.partial_seq_len, ks[-1]):
         raise ValueError(f"pattern has seq_len={buckets.seq_len}, k={buckets.k} but the config has "
-                         f"partial_seq_len={config.partial_seq_len}, partial_k={config.partial_k}; build the config "
-                         "from the pattern (from_bert does) or pass a pattern of the config's n and k.")
+                         f"partial_seq_len={config.partial_seq_len}, partial_k={ks[-1]}"
+                         f"{'' if config.partial_layers_k is None else f' at layer {layer} (partial_layers_k)'}; "
+                         "build the config from the pattern (from_bert does) or pass a pattern of the config's n and k.")
     if buckets.lengths != list(config.partial_lengths):
         raise ValueError(f"pattern has length buckets {buckets.lengths} but the config has partial_lengths="
                          f"{config.partial_lengths}; build the config from the pattern (from_bert does) or pass "
                          "buckets of the config's lengths.")
-    if buckets.lengths_k != list(config.partial_lengths_k):
-        raise ValueError(f"pattern has a k per bucket of {buckets.lengths_k} but the config has partial_lengths_k="
-                         f"{config.partial_lengths_k} (buckets {config.partial_lengths}); build the config from the "
-                         "pattern (from_bert does) or pass buckets of the config's ks.")
+    if buckets.lengths_k != ks:
+        raise ValueError(f"pattern has a k per bucket of {buckets.lengths_k} but the config has {ks} (buckets "
+                         f"{config.partial_lengths}{'' if config.partial_layers_k is None else f', layer {layer}'}); "
+                         "build the config from the pattern (from_bert does) or pass buckets of the config's ks.")
     return buckets
 
 
@@ -105,11 +110,11 @@ def initial_for(config: PartialConfigMixin, pattern: AttentionPattern | PatternB
     under construction starts with: the one passed to its constructor (`from_source` passes its own), else the
     default for the config."""
     if pattern is None:
-        return default_pattern(config, length)
+        return default_pattern(config, length, layer)
     check_layers(config, pattern)
     if isinstance(pattern, LayerPatterns):
         pattern = pattern.group(layer, head)
-    return check_buckets(config, pattern)[length or config.partial_seq_len]
+    return check_buckets(config, pattern, layer)[length or config.partial_seq_len]
 
 
 def initial_stack(config: PartialConfigMixin, pattern=None, length: int | None = None,
@@ -166,7 +171,7 @@ class PartialPattern(nn.Module):
     def __init__(self, config: PartialConfigMixin, pattern: AttentionPattern | PatternBuckets | LayerPatterns | None
                  = None, length: int | None = None, layer: int | None = None):
         super().__init__()
-        n, k = length or config.partial_seq_len, config.bucket_k(length)
+        n, k = length or config.partial_seq_len, config.bucket_k(length, layer)
         self.length, self.layer = n, layer
         self.heads = head_count(config)
         lead = () if self.heads is None else (self.heads,)

@@ -5,8 +5,9 @@ The paper fits one P and R on the covariance pooled over layers and heads. Layer
 93 % of its score energy in 8 eigenvectors, layer 5 27 %), so ``derive --granularity layer`` fits each layer's P and
 R on that layer's own covariance; a model built from them (``partial_granularity="layer"``) runs layer l with its
 own P and R. ``derive --granularity head`` goes one step further: each head of each layer its own P and R
-(``partial_granularity="head"``). Every group has the same length buckets, the same k per bucket and the same bias
-flag, so that the QKᵀ cost is the pooled pattern's.
+(``partial_granularity="head"``). Every group has the same length buckets (and the same exact ones) and the same bias
+flag; k per bucket is the same for every group, so that the QKᵀ cost is the pooled pattern's, except after ``derive
+--saving``, which gives each layer its own k (the heads of a layer share it: ``config.partial_layers_k``).
 
 File format (``PATTERN_LAYERS_FORMAT_VERSION``): each group's `PatternBuckets` tensors prefixed ``layer{l}.`` (per
 layer) or ``layer{l}.head{h}.`` (per head), e.g. ``layer{l}.len{b}.indices``; header ``{"format_version", "layers",
@@ -39,16 +40,16 @@ _EXPECTED = ("a per-layer pattern file written by `hf-partial-attention derive -
 
 class LayerPatterns:
     """P and R per layer, ``{layer: PatternBuckets}`` (or ``AttentionPattern``, one bucket), or per (layer, head),
-    ``{layer: [one per head]}``; every group with the same buckets, k per bucket and bias flag, every layer with the
-    same number of heads.
+    ``{layer: [one per head]}``; every group with the same buckets and bias flag, every layer with the same number of
+    heads; the heads of a layer with the same k per bucket (layers may differ: `layers_k`).
 
     Args:
         layers: ``{layer index: pattern}`` or ``{layer index: [pattern of head 0, head 1, ...]}``, at least one.
         metadata: JSON-serialisable facts about the set (source model, objective, ...).
 
     Raises:
-        ValueError: no layer, a negative index, groups whose buckets, ks or bias differ, or layers with different
-            numbers of heads (each named).
+        ValueError: no layer, a negative index, groups whose buckets or bias differ, heads of a layer whose ks differ,
+            or layers with different numbers of heads (each named).
         TypeError: a value that is neither pattern type.
     """
 
@@ -78,11 +79,16 @@ class LayerPatterns:
         self.layers: dict[int, Any] = dict(sorted(groups.items()))
         first_name, first = next(iter(self.groups()))
         for name, b in self.groups():
-            if (b.lengths, b.lengths_k, b.has_bias) != (first.lengths, first.lengths_k, first.has_bias):
+            if (b.lengths, b.exact_lengths, b.has_bias) != (first.lengths, first.exact_lengths, first.has_bias):
                 raise ValueError(
-                    f"{name}'s pattern has buckets {b.lengths} with k {b.lengths_k} (bias {b.has_bias}) but "
-                    f"{first_name}'s has {first.lengths} with k {first.lengths_k} (bias {first.has_bias}); "
-                    "derive every group with the same --k, buckets and --bias (the cost of a layer is its k).")
+                    f"{name}'s pattern has buckets {b.lengths} (exact: {b.exact_lengths}, bias {b.has_bias}) but "
+                    f"{first_name}'s has {first.lengths} (exact: {first.exact_lengths}, bias {first.has_bias}); "
+                    "derive every group with the same buckets and --bias.")
+        for layer, group in groups.items():
+            if isinstance(group, list) and len({tuple(b.lengths_k) for b in group}) > 1:
+                raise ValueError(f"layer {layer}'s heads have different ks per bucket "
+                                 f"{sorted({tuple(b.lengths_k) for b in group})}; the heads of a layer share k (their "
+                                 "P and R are stacked), only layers may differ (`derive --saving`).")
         self.metadata: dict[str, Any] = dict(metadata or {})
 
     @property
@@ -120,7 +126,8 @@ class LayerPatterns:
 
     @property
     def k(self) -> int:
-        return self.first().k
+        """n's k: the largest of the layers' (they differ after `derive --saving`)."""
+        return self.lengths_k[-1]
 
     @property
     def lengths(self) -> list[int]:
@@ -128,7 +135,19 @@ class LayerPatterns:
 
     @property
     def lengths_k(self) -> list[int]:
-        return self.first().lengths_k
+        """The k of each bucket, the largest of the layers' (``config.partial_lengths_k``)."""
+        return [max(column) for column in zip(*(b.lengths_k for _, b in self.groups()))]
+
+    def layer_lengths_k(self, layer: int) -> list[int]:
+        """Layer ``layer``'s k of each bucket (its heads share it)."""
+        group = self[layer]
+        return (group if self.heads is None else group[0]).lengths_k
+
+    def layers_k(self, layers=None) -> list[list[int]] | None:
+        """The ks per bucket of ``layers`` (default: every layer held), in order (``config.partial_layers_k``), or
+        None when they all have the same."""
+        rows = [self.layer_lengths_k(layer) for layer in (self.layers if layers is None else layers)]
+        return None if all(row == rows[0] for row in rows) else rows
 
     @property
     def has_bias(self) -> bool:

@@ -1,0 +1,226 @@
+"""`derive --saving S`: a k per layer that spends a QKᵀ budget where the greedy's error falls most.
+
+One k for every layer spends the same exact scores where a layer's error is already small and where it is large. Given
+a saving S (the fraction of the partial layers' QKᵀ multiply-adds to save in every length bucket), the uniform k of
+bucket b is the largest k whose saving at b is at least S (`uniform_k`; a bucket where only k = b qualifies runs
+exactly); its cost over the partial layers is the budget. The budgeted choice starts every layer at k = 1 and adds one
+exact score per query at a time to the layer whose greedy error (the objective's residual ``Tr(M S)``, summed over the
+layer's heads when P and R are per head) falls most per multiply-add added (`allocate`), while the budget allows: so
+it never costs more than the uniform k, and its saving in every bucket is at least S. The greedy is nested, so one run
+to a large k gives every layer's whole curve (`objective_curve`).
+
+``saving`` is a fraction (``0.4``) or ``"k16"``: the saving of k = 16 in every bucket (``min(16, b)``: buckets b <= 16
+run exactly), so that the budgeted file compares with ``derive --k 16`` at its cost.
+
+Writes ``patterns/[buckets_]<tag>_saving<S>_budget.safetensors`` (`LayerPatterns`, each layer its own k) beside
+``..._uniform.safetensors`` (the uniform k at the same saving) and the ``budget_<tag>`` section of ``results.json``:
+each layer's k per bucket, each bucket's saving and the greedy's predicted error of both.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from typing import Any
+
+import torch
+
+from ..cost import score_cost
+from ..pattern_buckets import PatternBuckets
+from ..pattern_layers import LayerPatterns
+from .covariance import ScoreCovariance
+from .score_metrics import objective_metric
+from .selection import _greedy, covariance_for, select_pattern
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["parse_saving", "uniform_k", "objective_curve", "allocate", "derive_budget"]
+
+_K_SAVING = re.compile(r"^k(\d+)$")
+
+
+def parse_saving(text: str | float) -> str | float:
+    """``"k16"`` (kept as the string) or a fraction in (0, 1); a ValueError naming both forms otherwise."""
+    if isinstance(text, str) and _K_SAVING.match(text.strip()):
+        return text.strip()
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        value = None
+    if value is None or not 0.0 < value < 1.0:
+        raise ValueError(f"saving must be a fraction in (0, 1) (e.g. 0.4: save 40 % of the partial layers' QKᵀ "
+                         f"multiply-adds in every bucket) or k<K> (e.g. k16: the saving of k = 16), got {text!r}.")
+    return value
+
+
+def uniform_k(b: int, d_head: int, saving: str | float) -> int:
+    """The one k of bucket ``b`` at ``saving``: ``min(K, b)`` for ``"k<K>"``, else the largest k in [1, b] whose
+    saving at b is at least ``saving`` (b itself, exact attention, when none below b does)."""
+    saving = parse_saving(saving)
+    if isinstance(saving, str):
+        return min(int(saving[1:]), b)
+    fits = [k for k in range(1, b) if score_cost(b, k, d_head).saving >= saving]
+    if not fits:
+        raise ValueError(f"saving={saving} is out of reach in bucket {b} at d_h={d_head}: k = 1 saves "
+                         f"{score_cost(b, 1, d_head).saving:.3f}; ask for less.")
+    return max(fits)
+
+
+def objective_curve(cov: ScoreCovariance, k_max: int, *, layer: int, head: int | None = None,
+                    objective: str = "paper", family: str = "per_query", centered: bool | None = None) -> torch.Tensor:
+    """``(k_max,)``: the greedy's residual ``Tr(M S)`` (summed over the query rows) after k = 1 .. k_max picks, for
+    layer ``layer`` (head ``head``) of ``cov``, in the objective's units (one nested run)."""
+    if family not in ("per_query", "columns", "blocks", "bands"):
+        raise ValueError(f"--saving needs the greedy's error curve; family={family!r} has none (use per_query, "
+                         "columns, blocks or bands).")
+    c, mean, _ = covariance_for(cov, "per_query", centered, None, layer, head)
+    metric = objective_metric(objective, c.shape[0], mean)
+    _, path = _greedy(c, k_max, "per_query", family, None, metric, order=True)  # (n, k_max)
+    return path.sum(0)  # (k_max,)
+
+
+def allocate(curves: dict[int, torch.Tensor], b: int, d_head: int, budget: int) -> dict[int, int]:
+    """A k per layer (``curves[l][k − 1]``: layer l's error at k) whose summed cost per query row ``k·d_h + (b−k)·k``
+    is at most ``budget``: from k = 1 everywhere, one more exact score at a time to the layer whose error falls most
+    per multiply-add added."""
+    cost = lambda k: k * d_head + (b - k) * k  # noqa: E731  (score_cost(b, k, d_head).total / b)
+    ks = {layer: 1 for layer in curves}
+    spent = sum(cost(1) for _ in curves)
+    if spent > budget:
+        raise ValueError(f"a budget of {budget} multiply-adds per query row cannot give {len(curves)} layers k = 1 "
+                         f"each (bucket {b}); ask for a smaller saving.")
+    while True:
+        best, best_rate = None, -1.0
+        for layer, curve in curves.items():
+            k = ks[layer]
+            if k + 1 > min(len(curve), b - 1):
+                continue
+            added = cost(k + 1) - cost(k)
+            if added <= 0 or spent + added > budget:
+                continue
+            rate = float(curve[k - 1] - curve[k]) / added
+            if rate > best_rate:
+                best, best_rate = layer, rate
+        if best is None:
+            return ks
+        spent += cost(ks[best] + 1) - cost(ks[best])
+        ks[best] += 1
+
+
+def _label(saving: str | float) -> str:
+    return saving if isinstance(saving, str) else f"{saving:g}"
+
+
+def derive_budget(out: str, saving: str | float, *, granularity: str = "layer", objective: str = "paper",
+                  family: str = "per_query", centered: bool | None = None, layers=None) -> dict[str, Any]:
+    """A k per layer at ``saving`` (module docstring) from the analysis in ``out`` (length buckets when it holds
+    ``covariance_len*``, else the fixed windows' covariance), beside the uniform k at the same saving.
+
+    Args:
+        granularity: ``"layer"`` or ``"head"`` (P and R per layer or per head; the heads of a layer share its k).
+        layers: the layers the budget is spread over (default: every layer but the last, the default partial
+            layers); the others get the uniform k.
+
+    Raises ValueError for the pooled granularity (one P has one k), a covariance collected more coarsely than
+    ``granularity`` and an unreachable saving."""
+    from .lengths import bucket_covariance_files
+    from .workflow import COVARIANCE_FILE, load_results, update_results
+
+    start = time.perf_counter()
+    saving = parse_saving(saving)
+    if granularity not in ("layer", "head"):
+        raise ValueError(f"--saving gives each layer its own k, which needs P per layer: use --granularity layer or "
+                         f"head, got {granularity!r}.")
+    paths = bucket_covariance_files(out)
+    windows = not paths
+    if windows:
+        paths = {None: os.path.join(out, COVARIANCE_FILE)}
+        if not os.path.isfile(paths[None]):
+            raise ValueError(f"{out!r} holds no covariance; run `hf-partial-attention analyze` into it first.")
+    covs = {b: ScoreCovariance.load(p) for b, p in paths.items()}
+    coarse = sorted({c.granularity for c in covs.values()} - ({"head"} if granularity == "head" else {"layer", "head"}))
+    if coarse:
+        raise ValueError(f"{out!r} holds covariances collected with granularity {coarse}: a k per layer needs each "
+                         f"{granularity}'s own; rerun `hf-partial-attention analyze --granularity {granularity}`.")
+    longest = covs[max(covs, key=lambda b: -1 if b is None else b)]
+    n, model_layers = longest.seq_len, list(longest.layers)
+    lengths = [n] if windows else sorted(covs)
+    bucket_cov = {b: covs[None if windows else b] for b in lengths}
+    heads = list(longest.heads) if granularity == "head" else [None]
+    d_head = longest.metadata.get("head_dim")
+    if not d_head:
+        raise ValueError(f"{out!r}'s covariance records no head_dim; rerun `hf-partial-attention analyze` into it.")
+    budget_layers = sorted(model_layers[:-1] if layers is None else {int(layer) for layer in layers})
+    if not budget_layers or not set(budget_layers) <= set(model_layers):
+        raise ValueError(f"layers={budget_layers}: give layers of {model_layers} to spread the budget over.")
+    kwargs = dict(family=family, centered=centered, objective=objective)
+    chosen: dict[int, dict[int, int]] = {}  # bucket -> layer -> k
+    uniform: dict[int, int] = {}
+    rows = []
+    if uniform_k(n, d_head, saving) >= n:
+        raise ValueError(f"saving={saving} leaves the longest bucket ({n}) exact: nothing to derive; ask for a k below n.")
+    for b in lengths:
+        k_u = uniform[b] = uniform_k(b, d_head, saving)
+        if k_u >= b:  # exact in every layer
+            chosen[b] = {layer: b for layer in model_layers}
+            rows.append({"length": b, "exact": True, "uniform_k": b, "saving": 0.0})
+            continue
+        k_max = min(b - 1, max(2 * k_u, k_u + 8))
+        curves = {layer: sum(objective_curve(bucket_cov[b], k_max, layer=layer, head=head, **kwargs)
+                             for head in heads) for layer in budget_layers}
+        per_row = k_u * d_head + (b - k_u) * k_u
+        ks = allocate(curves, b, d_head, per_row * len(budget_layers))
+        chosen[b] = {layer: ks.get(layer, k_u) for layer in model_layers}
+        spent = sum(score_cost(b, ks[layer], d_head).total for layer in budget_layers)
+        total = sum(float(_total_objective(bucket_cov[b], layer, heads, kwargs)) for layer in budget_layers)
+        rows.append({"length": b, "exact": False, "uniform_k": k_u, "k_per_layer": {str(l): ks[l] for l in ks},
+                     "saving_uniform": score_cost(b, k_u, d_head).saving,
+                     "saving": 1.0 - spent / (len(budget_layers) * score_cost(b, b, d_head).dense),
+                     "predicted_objective_uniform": sum(float(curves[l][k_u - 1]) for l in budget_layers) / total,
+                     "predicted_objective": sum(float(curves[l][ks[l] - 1]) for l in budget_layers) / total})
+        logger.info("bucket %d: k per layer %s (uniform %d); predicted objective error %.4f (uniform %.4f)", b, ks,
+                    k_u, rows[-1]["predicted_objective"], rows[-1]["predicted_objective_uniform"])
+    tag = "_".join(["per_query", *([family] if family != "per_query" else []),
+                    *([objective] if objective != "paper" else []), granularity])
+    meta = {"source_model": longest.metadata.get("model"), "source_model_id": longest.metadata.get("model_id"),
+            "granularity": granularity, "objective": objective, "family": family, "saving": saving,
+            "budget_layers": budget_layers, "kind": longest.metadata.get("kind")}
+    sets = {}
+    for name, k_of in (("budget", lambda b, layer: chosen[b][layer]), ("uniform", lambda b, layer: uniform[b])):
+        def group(layer: int, head: int | None) -> PatternBuckets:
+            fitted = {b: select_pattern(bucket_cov[b], k_of(b, layer), layer=layer, head=head, **kwargs)
+                      for b in lengths if k_of(b, layer) < b}
+            return PatternBuckets(fitted, [b for b in lengths if k_of(b, layer) >= b], k=fitted[n].k)
+        sets[name] = LayerPatterns({layer: group(layer, None) if granularity == "layer" else
+                                    [group(layer, head) for head in heads] for layer in model_layers},
+                                   metadata={**meta, "k_choice": name, "lengths": lengths})
+    os.makedirs(os.path.join(out, "patterns"), exist_ok=True)
+    prefix = "" if windows else "buckets_"
+    result: dict[str, Any] = {"saving": saving, "granularity": granularity, "objective": objective, "lengths": lengths,
+                              "layers": model_layers, "budget_layers": budget_layers, "head_dim": d_head,
+                              "buckets": rows, "layers_k": {str(layer): sets["budget"].layer_lengths_k(layer)
+                                                            for layer in model_layers}}
+    for name, layer_set in sets.items():
+        path = os.path.join(out, "patterns", f"{prefix}{tag}_saving{_label(saving)}_{name}.safetensors")
+        layer_set.save(path)
+        result[f"{name}_path"] = path
+    result["seconds"] = round(time.perf_counter() - start, 1)
+    section = f"budget_{tag}"
+    results = dict(load_results(out).get(section) or {})
+    results[_label(saving)] = result
+    update_results(out, section, results)
+    return result
+
+
+def _total_objective(cov: ScoreCovariance, layer: int, heads, kwargs) -> torch.Tensor:
+    """The objective's error with no exact score (``Tr(M C)``) of ``layer``, summed over ``heads``: the curves'
+    denominator."""
+    total = 0.0
+    for head in heads:
+        c, mean, _ = covariance_for(cov, "per_query", kwargs.get("centered"), None, layer, head)
+        metric = objective_metric(kwargs.get("objective", "paper"), c.shape[0], mean)
+        total = total + (torch.diagonal(c, dim1=-2, dim2=-1).sum() if metric is None else (metric * c).sum())
+    return total
+

@@ -1,0 +1,151 @@
+"""``hf-partial-attention derive``: its options and its runners (pooled, per layer or head, length buckets, a QKᵀ
+budget). Registered by `cli` (which adds the options every command takes)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+__all__ = ["derive_arguments", "run_derive", "parse_bucket_k"]
+
+
+def parse_bucket_k(text: str) -> tuple[int, int]:
+    """``"64=24"`` -> ``(64, 24)`` (argparse names the value when this raises)."""
+    try:
+        b, k = (int(v) for v in text.split("="))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not B=K (a bucket length and its k, e.g. 64=24)") from None
+    return b, k
+
+
+def derive_arguments(p):
+    from .analysis.selection import FAMILIES, OBJECTIVES
+
+    p.add_argument("dir", help="folder written by `analyze`")
+    p.add_argument("--k", type=int, nargs="+", default=[16, 24, 32, 48],
+                   help="exact scores per query (whole scope: in all), each in [1, n]; saves work only for k < d_h")
+    p.add_argument("--scope", default="per_query", choices=["per_query", "whole"],
+                   help="per-query P_i (what the model runs) or one P over the n² pairs (analysis)")
+    p.add_argument("--family", default="per_query", choices=FAMILIES,
+                   help="constrain per-query P to a family whose exact part is one dense GEMM (columns, blocks, "
+                        "windows), shared diagonals (bands), or blocks of 32 rows sharing P and R (shared_blocks: "
+                        "the tiled kernel); see hf_partial_attention.analysis.selection")
+    p.add_argument("--objective", default="paper", choices=OBJECTIVES,
+                   help="error the greedy minimises: paper (eq. 8, every score alike; what `make demo` derives), shift "
+                        "(modulo a per-row constant) or fisher (weighted by the attention probabilities). "
+                        "results/objectives/objectives.md finds fisher closest at the output of converted MiniLM "
+                        "although its score error is higher; compare them on your model with the repository's "
+                        "`python -m experiments objectives`. "
+                        "Files of another objective than paper are named <scope>_<objective>_k<k>")
+    p.add_argument("--bucket-k", nargs="+", default=None, metavar="B=K", type=parse_bucket_k,
+                   help="length buckets: a bucket that takes its own k instead of --k, e.g. 64=24 (partial_lengths_k; "
+                        "files buckets_k<k>_b<b>k<k_b>)")
+    p.add_argument("--granularity", default="pooled", choices=["pooled", "layer", "head"],
+                   help="one P and R for every layer (the paper's), each layer its own or each head of each layer "
+                        "its own, fitted on its own covariance (needs analyze --granularity layer / head; files "
+                        "<scope>_layer_k<k> / <scope>_head_k<k>; convert installs them)")
+    p.add_argument("--saving", default=None, metavar="S",
+                   help="instead of one --k: a k per layer that saves at least S of the partial layers' QKᵀ "
+                        "multiply-adds in every length bucket (a fraction, e.g. 0.4, or k16: k = 16's saving), spent "
+                        "where the greedy's error falls most (needs --granularity layer or head); also writes the "
+                        "uniform k at the same saving (files <scope>_..._saving<S>_budget / _uniform)")
+    p.add_argument("--budget-layers", type=int, nargs="+", default=None, metavar="L",
+                   help="with --saving: the layers the budget is spread over (default: every layer but the last, the "
+                        "partial layers convert makes by default); the others get the uniform k")
+    p.add_argument("--no-evaluate", action="store_true", help="skip the held-out measurement")
+    p.add_argument("--no-baselines", action="store_true", help="skip the equal-cost baselines")
+    p.add_argument("--batch-size", type=int, default=8, help="held-out windows per forward pass")
+
+
+def _run_derive_layers(args, fmt) -> int:
+    from .analysis.layers import derive_layers
+
+    if args.scope != "per_query":
+        raise ValueError(f"--granularity {args.granularity} fits per-query patterns; drop --scope {args.scope}.")
+    result = derive_layers(args.dir, args.k, granularity=args.granularity, family=args.family,
+                           objective=args.objective, evaluate=not args.no_evaluate, batch_size=args.batch_size,
+                           progress=not args.no_progress)
+    groups = f"{len(result['layers'])} layers" + (f" x {len(result['heads'])} heads" if result["heads"] else "")
+    for row in result["patterns"]:
+        if row["k"] in args.k:
+            print(f"k={row['k']}: {row['path']} (per {args.granularity}, {groups}; held-out error "
+                  f"{fmt(row.get('heldout'))}, the pooled pattern's {fmt(row.get('heldout_pooled_pattern'))})")
+    return 0
+
+
+def _run_derive_layer_buckets(args) -> int:
+    from .analysis.layers import derive_layer_buckets
+
+    if args.scope != "per_query":
+        raise ValueError(f"--scope {args.scope} with length buckets: buckets hold per-query patterns; drop --scope.")
+    result = derive_layer_buckets(args.dir, args.k, granularity=args.granularity, family=args.family,
+                                  objective=args.objective, bucket_k=dict(args.bucket_k or ()))
+    for row in result["patterns"]:
+        if row["k"] in args.k:
+            errors = ", ".join(f"b={b}: {e:.4f}" for b, e in row["predicted_per_bucket"].items())
+            print(f"k={row['k']}: {row['path']} (per {args.granularity}, length buckets; predicted error per "
+                  f"bucket {errors}; no held-out measurement yet)")
+    return 0
+
+
+def _run_derive_budget(args) -> int:
+    from .analysis.budget import derive_budget
+
+    if args.scope != "per_query" or args.bucket_k:
+        raise ValueError("--saving chooses every bucket's k per layer itself: drop --scope and --bucket-k.")
+    result = derive_budget(args.dir, args.saving, granularity=args.granularity, objective=args.objective,
+                           family=args.family, layers=args.budget_layers)
+    for row in result["buckets"]:
+        if row["exact"]:
+            print(f"b={row['length']}: exact in every layer (the saving asks for k >= b)")
+            continue
+        ks = ", ".join(f"{layer}: {k}" for layer, k in row["k_per_layer"].items())
+        print(f"b={row['length']}: k per layer {{{ks}}} (uniform {row['uniform_k']}), saving "
+              f"{100 * row['saving']:.1f} % (uniform {100 * row['saving_uniform']:.1f} %); predicted "
+              f"{args.objective} error {row['predicted_objective']:.4f} (uniform "
+              f"{row['predicted_objective_uniform']:.4f})")
+    print(f"budgeted: {result['budget_path']}\nuniform:  {result['uniform_path']}")
+    return 0
+
+
+def run_derive(args) -> int:
+    from .analysis.lengths import bucket_covariance_files, derive_lengths
+    from .analysis.workflow import COVARIANCE_FILE, derive
+
+    buckets = bucket_covariance_files(args.dir)
+    fmt = lambda v: "not measured" if v is None else f"{v:.4f}"  # noqa: E731
+    if args.saving is not None:
+        return _run_derive_budget(args)
+    if args.granularity != "pooled":
+        if buckets:
+            return _run_derive_layer_buckets(args)
+        if args.bucket_k:
+            raise ValueError(f"--bucket-k {args.bucket_k} needs length buckets: {args.dir!r} holds no "
+                             "covariance_len*.safetensors (run `analyze --inputs ...` into it first).")
+        return _run_derive_layers(args, fmt)
+    # the fixed windows first: their per_query_k<k> patterns are what the buckets are compared with
+    if os.path.isfile(os.path.join(args.dir, COVARIANCE_FILE)) or not buckets:
+        result = derive(args.dir, args.k, args.scope, evaluate=not args.no_evaluate, baselines=not args.no_baselines,
+                        batch_size=args.batch_size, progress=not args.no_progress, family=args.family,
+                        objective=args.objective)
+        for row in result["patterns"]:
+            if row["k"] in args.k:  # this run's; the report also lists the folder's earlier ones
+                print(f"k={row['k']}: {row['path']} (predicted error {fmt(row['predicted'])}, "
+                      f"held-out {fmt(row.get('heldout'))})")
+    if args.bucket_k and not buckets:
+        raise ValueError(f"--bucket-k {args.bucket_k} needs length buckets: {args.dir!r} holds no "
+                         "covariance_len*.safetensors (run `analyze --inputs ...` into it first).")
+    if buckets:
+        if args.scope != "per_query":
+            raise ValueError(f"--scope {args.scope} with length buckets: buckets hold per-query patterns; drop "
+                             "--scope or derive from a folder without covariance_len*.safetensors.")
+        result = derive_lengths(args.dir, args.k, family=args.family, objective=args.objective,
+                                evaluate=not args.no_evaluate, batch_size=args.batch_size,
+                                progress=not args.no_progress, bucket_k=dict(args.bucket_k or ()))
+        for entry in result["ks"].values():
+            errors = ", ".join(f"b={r['length']}" + (f" (k={r['k']})" if r["k"] != entry["k"] and not r["exact"] else "")
+                               + ": " + ("exact" if r["exact"] else fmt(r.get("heldout")))
+                               for r in entry["buckets"])
+            print(f"k={entry['k']}: {entry['path']} (held-out error per bucket {errors})")
+    print(f"Report: {os.path.join(args.dir, 'report.md')}")
+    return 0

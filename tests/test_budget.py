@@ -1,0 +1,156 @@
+"""`derive --saving S`: a k per layer within the QKᵀ budget of one uniform k (`analysis.budget`), the config's
+``partial_layers_k`` (checkpoint format 5) and the card."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from hf_partial_attention import cli, partial_class_for
+from hf_partial_attention.analysis.budget import allocate, parse_saving, uniform_k
+from hf_partial_attention.cost import score_cost
+from hf_partial_attention.pattern_layers import LayerPatterns
+
+from test_encoders import source_model
+from test_layer_patterns import head_patterns, minilm2  # noqa: F401  (the fixture: MiniLM's first 2 layers)
+
+
+@pytest.fixture(scope="module")
+def minilm3(tmp_path_factory, minilm_path):
+    """The real MiniLM's first 3 layers and its tokenizer (2 partial layers by default)."""
+    from transformers import AutoTokenizer, BertModel
+
+    source = tmp_path_factory.mktemp("minilm3")
+    BertModel.from_pretrained(minilm_path, num_hidden_layers=3).save_pretrained(source)
+    AutoTokenizer.from_pretrained(minilm_path).save_pretrained(source)
+    return source
+
+
+def test_uniform_k_at_a_saving():
+    """b = 128, d_h = 32: k = 16 costs 16·32 + 112·16 = 2304 of 4096 multiply-adds per query, a saving of 0.4375
+    exactly; asking 0.44 leaves k = 15 (15·32 + 113·15 = 2175: 0.469). "k16" is min(16, b)."""
+    assert uniform_k(128, 32, 0.4375) == 16
+    assert uniform_k(128, 32, 0.44) == 15
+    assert [uniform_k(b, 32, "k16") for b in (8, 16, 64, 128)] == [8, 16, 16, 16]
+    with pytest.raises(ValueError, match="out of reach in bucket 128"):
+        uniform_k(128, 32, 0.99)
+    for bad in ("1.5", "sixteen", "k", 0):
+        with pytest.raises(ValueError, match="fraction in \\(0, 1\\).*k<K>"):
+            parse_saving(bad)
+
+
+def test_allocate_spends_where_the_error_falls_most():
+    """Two layers at b = 128, d_h = 32 (k costs 32k + (128 − k)k per query: 159, 316, 471 for k = 1, 2, 3) with the
+    budget of k = 2 in both (632): layer 0's error halves with each k, layer 1's barely moves, so both extra scores
+    go to layer 0 (1 → 2: +157, 2 → 3: +155; 318 + 157 + 155 = 630 <= 632) and layer 1 stays at k = 1."""
+    curves = {0: torch.tensor([100.0, 50.0, 25.0, 12.0]), 1: torch.tensor([10.0, 9.9, 9.8, 9.7])}
+    assert allocate(curves, 128, 32, 2 * 316) == {0: 3, 1: 1}
+    # with layer 1 the steep one, the choice follows it
+    assert allocate({0: curves[1], 1: curves[0]}, 128, 32, 2 * 316) == {0: 1, 1: 3}
+    with pytest.raises(ValueError, match="cannot give 2 layers k = 1"):
+        allocate(curves, 128, 32, 300)
+
+
+def test_allocate_stays_within_the_budget_of_the_uniform_k():
+    """Random decreasing curves for 5 layers: the chosen ks never cost more than k = 16 in every layer, and leave
+    less summed error than it (the curves are convex: each step's gain shrinks)."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        gains = torch.rand(5, 31, generator=gen).sort(dim=1, descending=True).values * torch.rand(5, 1, generator=gen)
+        curves = {layer: 100 - gains[layer].cumsum(0) for layer in range(5)}
+        ks = allocate(curves, 128, 32, 5 * score_cost(128, 16, 32).total // 128)
+        assert sum(score_cost(128, k, 32).total for k in ks.values()) <= 5 * score_cost(128, 16, 32).total
+        assert sum(float(curves[l][k - 1]) for l, k in ks.items()) <= sum(float(c[15]) for c in curves.values())
+
+
+def test_config_partial_layers_k_checks():
+    config_class = partial_class_for("roberta").config_class
+    base = dict(partial_seq_len=16, num_hidden_layers=3, vocab_size=99, hidden_size=32, num_attention_heads=4,
+                intermediate_size=37, reconstruction="fixed")
+    config = config_class(**base, partial_k=6, partial_granularity="head", partial_layers_k=[[3], [6]])
+    assert (config.bucket_k(None, 0), config.bucket_k(None, 1), config.bucket_k()) == (3, 6, 6)
+    assert config.required_format_version == 5
+    back = config_class.from_dict(json.loads(config.to_json_string()))
+    assert back.partial_layers_k == [[3], [6]]
+    with pytest.raises(ValueError, match="needs a P per layer"):
+        config_class(**base, partial_k=6, partial_layers_k=[[3], [6]])
+    with pytest.raises(ValueError, match="one list per layer of partial_layers=\\[0, 1\\]"):
+        config_class(**base, partial_k=6, partial_granularity="layer", partial_layers_k=[[3]])
+    with pytest.raises(ValueError, match="largest k of partial_layers_k \\(\\[5\\]\\); set partial_lengths_k=\\[5\\]"):
+        config_class(**base, partial_k=6, partial_granularity="layer", partial_layers_k=[[3], [5]])
+    with pytest.raises(ValueError, match="layer 0 has k = 8 in bucket 8"):  # bucket 8 runs exactly only in layer 0
+        config_class(**base, partial_k=6, partial_lengths=[8, 16], partial_lengths_k=[6, 6],
+                     partial_granularity="layer", partial_layers_k=[[8, 3], [6, 6]])
+
+
+def test_heads_of_a_layer_share_k():
+    heads = head_patterns("roberta", 3)[0]
+    with pytest.raises(ValueError, match="layer 0's heads have different ks"):
+        LayerPatterns({0: [*heads[:3], head_patterns("roberta", 5)[0][3]]})
+
+
+def test_cli_derive_saving_convert_load(minilm3, tmp_path, capsys):
+    """`analyze --granularity head` → `derive --saving k4 --granularity head` on MiniLM's first 3 layers (the budget
+    spread over the default partial layers 0 and 1): each layer's P holds its own k, the budgeted set costs no more
+    than k = 4 in both and predicts no more error; `convert` installs it with ``partial_layers_k``, format 5, and the
+    card lists each layer's k."""
+    from transformers import AutoModel
+
+    run = str(tmp_path / "run")
+    assert cli.main(["analyze", "--model", str(minilm3), "--seq-len", "16", "--max-sequences", "48", "--granularity",
+                     "head", "--heldout-sequences", "8", "--out", run, "--no-progress"]) == 0
+    capsys.readouterr()
+    assert cli.main(["derive", run, "--saving", "k4", "--granularity", "head", "--objective", "fisher",
+                     "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "b=16: k per layer {0: " in out and "(uniform 4)" in out
+    result = json.load(open(os.path.join(run, "results.json")))["budget_per_query_fisher_head"]["k4"]
+    row = result["buckets"][0]
+    ks = {int(layer): k for layer, k in row["k_per_layer"].items()}
+    assert sorted(ks) == [0, 1] and ks[0] != ks[1]  # the two layers' curves differ: the budget moves
+    d = 32  # MiniLM's head dimension
+    assert sum(score_cost(16, k, d).total for k in ks.values()) <= 2 * score_cost(16, 4, d).total
+    assert row["saving"] >= row["saving_uniform"] == pytest.approx(score_cost(16, 4, d).saving)
+    assert row["predicted_objective"] <= row["predicted_objective_uniform"]
+    budgeted, uniform = LayerPatterns.load(result["budget_path"]), LayerPatterns.load(result["uniform_path"])
+    assert budgeted.layers_k([0, 1]) == [[ks[0]], [ks[1]]] and uniform.layers_k() is None and uniform.k == 4
+    assert all(budgeted.group(layer, head)[16].k == ks[layer] for layer in (0, 1) for head in range(12))
+    ckpt = str(tmp_path / "ckpt")
+    assert cli.main(["convert", result["budget_path"], "--out", ckpt, "--model", str(minilm3)]) == 0
+    model = AutoModel.from_pretrained(ckpt)
+    assert model.config.partial_layers == [0, 1] and model.config.partial_layers_k == [[ks[0]], [ks[1]]]
+    assert model.config.partial_format_version == 5 and model.get_pattern(0, head=7).k == ks[0]
+    assert torch.equal(model.get_pattern(0, head=7).indices, budgeted.group(0, 7)[16].indices)
+    card = open(os.path.join(ckpt, "README.md"), encoding="utf-8").read()
+    assert "A k per layer" in card and f"| 0 | {ks[0]} |" in card and f"| 1 | {ks[1]} |" in card
+
+
+def test_saving_needs_p_per_layer(minilm2, tmp_path, capsys):  # noqa: F811
+    run = str(tmp_path / "run")
+    assert cli.main(["analyze", "--model", str(minilm2), "--seq-len", "16", "--max-sequences", "8",
+                     "--heldout-sequences", "0", "--out", run, "--no-progress"]) == 0
+    capsys.readouterr()
+    assert cli.main(["derive", run, "--saving", "0.3"]) == 2
+    assert "needs P per layer: use --granularity layer or head" in capsys.readouterr().err
+    assert cli.main(["derive", run, "--saving", "0.3", "--granularity", "layer"]) == 2
+    assert "granularity ['pooled']" in capsys.readouterr().err
+
+
+def test_a_budgeted_model_runs_each_layers_own_k():
+    """A RoBERTa with layer 0 at k = 3 and layer 1 at k = 6 (per head): layer l of it is layer l of a model where l
+    alone is partial (one k: no partial_layers_k), fed the same hidden states."""
+    cls = partial_class_for("roberta")
+    sets = LayerPatterns({0: head_patterns("roberta", 3)[0], 1: head_patterns("roberta", 6)[1],
+                          2: head_patterns("roberta", 5)[2]})
+    model = cls.from_source(source_model("roberta"), sets, reconstruction="fixed").eval()
+    assert model.config.partial_layers_k == [[3], [6]]
+    ids = torch.randint(6, 99, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        hidden = model(input_ids=ids, output_hidden_states=True).hidden_states
+        for layer, k in ((0, 3), (1, 6)):
+            alone = cls.from_source(source_model("roberta"), sets, partial_layers=[layer], reconstruction="fixed").eval()
+            assert alone.config.partial_layers_k is None and alone.config.partial_k == k
+            expected = alone.encoder.layer[layer](hidden[layer])
+            expected = expected[0] if isinstance(expected, tuple) else expected
+            torch.testing.assert_close(hidden[layer + 1], expected, rtol=0, atol=1e-12)
