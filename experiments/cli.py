@@ -198,6 +198,8 @@ def _granularity_lengths_args(p):
     p.add_argument("--lengths", type=int, nargs="+", default=[16, 32, 64, 128], help="length buckets (the last is n)")
     p.add_argument("--objective", default="fisher", choices=OBJECTIVES, help="the greedy's objective")
     p.add_argument("--fit-inputs", type=int, default=None, help="sentences and paragraphs to fit on (default: all)")
+    p.add_argument("--fit-windows", type=int, default=320,
+                   help="windows of n tokens of the demo text added to the longest bucket's fit (0: none)")
     p.add_argument("--max-heldout", type=int, default=600, help="held-out inputs of each kind")
     p.add_argument("--heldout-windows", type=int, default=64, help="held-out windows of n tokens")
 
@@ -207,6 +209,7 @@ def _run_granularity_lengths(args) -> int:
 
     result = run_granularity_lengths(args.out, args.results, args.model, k=args.k, lengths=tuple(args.lengths),
                                      objective=args.objective, fit_inputs=args.fit_inputs,
+                                     fit_windows=args.fit_windows,
                                      max_heldout=args.max_heldout, heldout_windows=args.heldout_windows,
                                      progress=not args.no_progress,
                                      command=shlex.join([*PROG.split(), *args.argv]))

@@ -4,7 +4,8 @@ inputs of real lengths (issue 34): ``python -m experiments granularity-lengths``
 
 Fit (as the lengths study, `experiments.lengths`): the demo text's sentences and paragraphs at their own lengths, one
 covariance per (layer, head) per bucket (``analyze_lengths(granularity="head")``; the per-layer and pooled ones are its
-sums). Arms, each the original MiniLM converted without retraining (R fixed; the paper's partial layers: all but the
+sums); the longest bucket's also holds ``fit_windows`` windows of n tokens of the same text (the demo's 320; its
+sentences and paragraphs of 65–128 tokens are few for n = 128 positions per head). Arms, each the original MiniLM converted without retraining (R fixed; the paper's partial layers: all but the
 last), greedy with the Fisher objective, at k = 16's saving in every bucket:
 
 - ``pooled`` / ``layer`` / ``head`` × ``uniform``: k = min(16, b) in every layer (pooled: one P and R for every layer,
@@ -27,9 +28,11 @@ import time
 
 from hf_partial_attention.analysis.budget import derive_budget
 from hf_partial_attention.analysis.collect import load_model_and_tokenizer
+from hf_partial_attention.analysis.corpus import default_texts
 from hf_partial_attention.analysis.covariance import ScoreCovariance
 from hf_partial_attention.analysis.defaults import resolve_model
 from hf_partial_attention.analysis.lengths import analyze_lengths, bucket_covariance_files
+from hf_partial_attention.analysis.workflow import COVARIANCE_FILE, analyze
 from hf_partial_attention.cost import distribution_saving
 from hf_partial_attention.modeling_partial_bert import PartialBertModel
 from hf_partial_attention.pattern_buckets import PatternBuckets
@@ -48,16 +51,33 @@ ARMS = (("pooled", "uniform"), ("layer", "uniform"), ("layer", "budget"), ("head
 GOALS = {"windows_one_minus_cos": 0.050, "spearman_every_bucket": 0.95}
 
 
-def _fit(out: str, model_path: str, model_id: str, lengths, fit_inputs, batch_size: int, progress: bool) -> dict:
-    """Per-head bucket covariances in ``out`` (collected unless there already): ``{b: path}``."""
-    paths = bucket_covariance_files(out)
+def _fit(out: str, model_path: str, model_id: str, lengths, fit_inputs, fit_windows: int, batch_size: int,
+         progress: bool) -> dict:
+    """Per-head bucket covariances (collected into ``out/buckets`` unless there already), the longest bucket's merged
+    with ``fit_windows`` windows of n tokens of the demo text (``out/windows``): ``{b: path}`` in ``out/fit``."""
+    folder = os.path.join(out, "buckets")
+    paths = bucket_covariance_files(folder)
     # a bucket with no fit input is skipped by analyze_lengths (its inputs run the next bucket up)
     if (not paths or max(paths) != lengths[-1] or not set(paths) <= set(lengths)
             or any(ScoreCovariance.load(p).granularity != "head" for p in paths.values())):
-        analyze_lengths(model_path, fit_documents(), out, lengths=list(lengths), kind="sentence", model_id=model_id,
-                        max_inputs=fit_inputs, progress=progress, batch_size=batch_size, granularity="head")
-        paths = bucket_covariance_files(out)
-    return paths
+        analyze_lengths(model_path, fit_documents(), folder, lengths=list(lengths), kind="sentence",
+                        model_id=model_id, max_inputs=fit_inputs, progress=progress, batch_size=batch_size,
+                        granularity="head")
+        paths = bucket_covariance_files(folder)
+    fit = os.path.join(out, "fit")
+    os.makedirs(fit, exist_ok=True)
+    n = max(paths)
+    for b, path in paths.items():
+        cov = ScoreCovariance.load(path)
+        if b == n and fit_windows:
+            windows = os.path.join(out, "windows")
+            if not os.path.isfile(os.path.join(windows, COVARIANCE_FILE)):
+                analyze(model_path, default_texts(), windows, seq_len=n, max_sequences=fit_windows,
+                        heldout_sequences=0, granularity="head", model_id=model_id, batch_size=batch_size // 2 or 1,
+                        progress=progress)
+            cov = cov.merge(ScoreCovariance.load(os.path.join(windows, COVARIANCE_FILE)))
+        cov.save(os.path.join(fit, os.path.basename(path)))
+    return bucket_covariance_files(fit)
 
 
 def _pooled_buckets(paths: dict, lengths, k: int, objective: str) -> PatternBuckets:
@@ -78,7 +98,7 @@ def _layer_savings(pattern, layers, lengths, d_head: int, real) -> dict:
 
 def run_granularity_lengths(out: str = "runs/granularity_lengths", results: str = "results/granularity_lengths",
                             model: str | None = None, *, k: int = 16, lengths=LENGTHS, objective: str = "fisher",
-                            arms=ARMS, fit_inputs: int | None = None, max_heldout: int = 600,
+                            arms=ARMS, fit_inputs: int | None = None, fit_windows: int = 320, max_heldout: int = 600,
                             heldout_windows: int = 64, batch_size: int = 16, progress: bool = True,
                             command: str | None = None) -> dict:
     """Fit, derive, convert and measure every arm (module docstring); writes ``results``/granularity_lengths.json and
@@ -87,9 +107,9 @@ def run_granularity_lengths(out: str = "runs/granularity_lengths", results: str 
     model_path, model_id = resolve_model(model)
     lengths = tuple(sorted(int(b) for b in lengths))
     t = time.perf_counter()
-    paths = _fit(out, model_path, model_id, lengths, fit_inputs, batch_size, progress)
+    paths = _fit(out, model_path, model_id, lengths, fit_inputs, fit_windows, batch_size, progress)
     lengths = tuple(sorted(paths))
-    steps["analyze_lengths (per head)"] = time.perf_counter() - t
+    steps["analyses (per head)"] = time.perf_counter() - t
     t = time.perf_counter()
     sets, budgets = {}, {}
     for granularity, choice in arms:
@@ -99,7 +119,8 @@ def run_granularity_lengths(out: str = "runs/granularity_lengths", results: str 
             sets[(granularity, choice)] = _pooled_buckets(paths, lengths, k, objective)
             continue
         if granularity not in budgets:
-            budgets[granularity] = derive_budget(out, f"k{k}", granularity=granularity, objective=objective)
+            budgets[granularity] = derive_budget(os.path.dirname(paths[lengths[-1]]), f"k{k}",
+                                                 granularity=granularity, objective=objective)
         sets[(granularity, choice)] = LayerPatterns.load(budgets[granularity][f"{choice}_path"])
     steps["P and R (uniform and budgeted)"] = time.perf_counter() - t
 
@@ -122,6 +143,7 @@ def run_granularity_lengths(out: str = "runs/granularity_lengths", results: str 
               "budget": {g: {key: b[key] for key in ("buckets", "layers_k", "budget_layers")}
                          for g, b in budgets.items()},
               "fit_inputs": {str(b): ScoreCovariance.load(p).num_sequences for b, p in paths.items()},
+              "fit_windows": fit_windows,
               "heldout_inputs": {kind: len(tk.lengths) for kind, tk in tokens.items()},
               "heldout_windows": len(windows.lengths),
               "seconds": {name: round(s, 1) for name, s in steps.items()}}
@@ -162,7 +184,8 @@ def render(result: dict) -> str:
              result["command"], "```", "",
              f"- Buckets {result['lengths']}, P and R per bucket (greedy, objective `{result['objective']}`) fitted on "
              "the demo text's sentences and paragraphs at their own lengths (inputs per bucket "
-             f"{result['fit_inputs']}), one covariance per (layer, head) summed for the per-layer and pooled fits; "
+             f"{result['fit_inputs']}; the longest bucket's includes {result['fit_windows']} windows of n tokens of the "
+             "same text), one covariance per (layer, head) summed for the per-layer and pooled fits; "
              f"converted without retraining, R fixed, partial layers {result['partial_layers']}.",
              f"- `uniform`: k = min({result['k']}, b) in every layer; `budget`: a k per layer from `derive --saving "
              f"k{result['k']}` (the greedy's error curves; never more QKᵀ work than `uniform` in any bucket).",

@@ -65,13 +65,18 @@ class _Study:
         self._patterns: dict = {}
 
     def pattern(self, arm: Arm):
-        """The arm's `PatternBuckets` (``buckets``) or zero-fill `AttentionPattern` of n (``zero_fill``)."""
+        """The arm's `PatternBuckets` (``buckets``) or zero-fill `AttentionPattern` of n (``zero_fill``); P and R per
+        layer or head: `LayerPatterns` of buckets."""
         from hf_partial_attention.pattern import AttentionPattern
         from hf_partial_attention.pattern_buckets import PatternBuckets
 
-        key = (arm.k, arm.lengths)
+        key = (arm.k, arm.lengths, arm.form)
         if key not in self._patterns:
-            if arm.lengths == "buckets":
+            if arm.granularity != "pooled":
+                from hf_partial_attention.pattern_layers import LayerPatterns
+
+                self._patterns[key] = LayerPatterns.load(self.layers_path(arm))
+            elif arm.lengths == "buckets":
                 self._patterns[key] = PatternBuckets.load(self.buckets_path(arm.k))
             else:
                 path = os.path.join(self.a.run_dir, f"pattern_k{arm.k}.safetensors")
@@ -80,6 +85,14 @@ class _Study:
 
     def buckets_path(self, k: int) -> str:
         return os.path.join(self.a.run_dir, "buckets", "patterns", f"buckets_k{k}.safetensors")
+
+    def layers_path(self, arm: Arm) -> str:
+        """P and R per layer or head of ``arm`` (`analysis.budget.derive_budget` on the per-head bucket analysis):
+        the uniform k or a k per layer at k's saving."""
+        tag = f"per_query_{BUCKET_OBJECTIVE}_{arm.granularity}" if BUCKET_OBJECTIVE != "paper" else \
+            f"per_query_{arm.granularity}"
+        return os.path.join(self.a.run_dir, "buckets_head", "patterns",
+                            f"buckets_{tag}_savingk{arm.k}_{'budget' if arm.budget else 'uniform'}.safetensors")
 
     def exact_mlm(self):
         from transformers import BertForMaskedLM
@@ -204,6 +217,7 @@ def _patterns(study: _Study) -> dict:
                           heldout_every=0, max_inputs=a.bucket_fit_inputs, centered=centered,
                           model_id=data.model_id, progress=a.progress)
     derive_lengths(folder, a.k_list, objective=BUCKET_OBJECTIVE, evaluate=False, progress=a.progress)
+    layers = _layer_patterns(study, centered)
     buckets = {}
     for k in a.k_list:
         b = PatternBuckets.load(study.buckets_path(k))
@@ -213,10 +227,32 @@ def _patterns(study: _Study) -> dict:
         buckets[str(k)] = {"lengths": b.lengths, "exact_lengths": b.exact_lengths,
                            "normalized_error": {str(length): p.normalized_error for length, p in b.patterns.items()}}
     return {"normalized_error": {str(k): p.normalized_error for k, p in found.items()}, "windows": int(ids.shape[0]),
+            "layers": layers,
             "windows_seconds": windows_seconds, "buckets": buckets, "bucket_objective": BUCKET_OBJECTIVE,
             "bucket_fit": {"inputs": fit["fit_inputs"], "skipped": fit["skipped"],
                            "per_bucket": {str(r["length"]): r["fit_inputs"] for r in fit["buckets"]},
                            "seconds": time.perf_counter() - t0}}
+
+
+def _layer_patterns(study: _Study, centered: bool) -> dict:
+    """For arms with P and R per layer or head: one covariance per (layer, head) per bucket on the same inputs as the
+    pooled buckets, and each arm's uniform and budgeted sets (`derive_budget`, the buckets' objective)."""
+    from hf_partial_attention.analysis.budget import derive_budget
+    from hf_partial_attention.analysis.lengths import analyze_lengths
+
+    a, data = study.a, study.data
+    wanted = sorted({(arm.k, arm.granularity) for arm in a.arms().finetune if arm.granularity != "pooled"})
+    if not wanted:
+        return {}
+    folder = os.path.join(a.run_dir, "buckets_head")
+    analyze_lengths(study.phase1_dir, data.fit_documents, folder, lengths=a.length_list, kind="sentence",
+                    heldout_every=0, max_inputs=a.bucket_fit_inputs, centered=centered, model_id=data.model_id,
+                    progress=a.progress, granularity="head")
+    out = {}
+    for k, granularity in wanted:
+        result = derive_budget(folder, f"k{k}", granularity=granularity, objective=BUCKET_OBJECTIVE)
+        out[f"k{k}_{granularity}"] = {"layers_k": result["layers_k"], "buckets": result["buckets"]}
+    return out
 
 
 def _select_rate(study: _Study) -> dict:

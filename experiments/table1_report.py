@@ -70,9 +70,17 @@ def collect(a: StudyArguments, store, data, command: str) -> dict[str, Any]:
         pairs_saving = 0.0 if arm.is_exact else distribution_saving(lengths, arm.k, d_head, pair_lengths)
         error = None if arm.is_exact else (patterns["buckets"][str(arm.k)]["normalized_error"][str(n)]
                                            if arm.lengths == "buckets" else patterns["normalized_error"][str(arm.k)])
+        if not arm.is_exact and arm.budget:  # each partial layer its own k: the mean of their savings
+            layers_k = patterns.get("layers", {})[f"k{arm.k}_{arm.granularity}"]["layers_k"]
+            ks = [layers_k[str(layer)] for layer in range(layers - 1)]  # all layers but the last are partial
+            saving = sum(score_cost(n, row[-1], d_head).saving for row in ks) / len(ks)
+            pairs_saving = sum(distribution_saving(lengths, row, d_head, pair_lengths) for row in ks) / len(ks)
+        if not arm.is_exact and arm.granularity != "pooled":
+            error = None  # the pooled fit's prediction does not describe P and R per layer or head
         converted, recovered = _losses(own.converted), _losses(own.recovered)
         rows[arm.name] = {
-            "k": arm.k, "mode": arm.mode, "recovery": arm.recovery, "lengths": None if arm.is_exact else arm.lengths,
+            "k": arm.k, "mode": arm.mode, "recovery": arm.recovery,
+            "lengths": None if arm.is_exact else arm.lengths + ("" if arm.form == "pooled" else f" ({arm.form})"),
             "partial_lengths": lengths, "qk_saving_partial_layers": saving,
             "qk_saving_model": saving * (layers - 1) / layers,  # all layers but the last are partial
             "qk_saving_pairs": pairs_saving, "predicted_normalized_error": error,
@@ -97,7 +105,8 @@ def collect(a: StudyArguments, store, data, command: str) -> dict[str, Any]:
         "phase1_mlm_loss": _losses(phase1_eval), "phase1_selection_loss": mlm_loss(phase1["selection"]),
         "phase1_train_losses": phase1["train_losses"], "selection": selection,
         "patterns": {"normalized_error": patterns["normalized_error"], "buckets": patterns["buckets"],
-                     "bucket_fit": patterns["bucket_fit"], "bucket_objective": patterns["bucket_objective"]},
+                     "bucket_fit": patterns["bucket_fit"], "bucket_objective": patterns["bucket_objective"],
+                     "layers": patterns.get("layers", {})},
         "zero_fill_converted": {k: _losses(v) for k, v in zero_fill.items()},
         "pair_lengths": {"median": sorted(pair_lengths)[len(pair_lengths) // 2], "min": min(pair_lengths),
                          "max": max(pair_lengths)},
@@ -212,6 +221,13 @@ def render(report: dict) -> str:
     ])
 
 
+def _form_phrase(arm) -> str:
+    if arm.granularity == "pooled":
+        return "pooled over all layers and heads"
+    own = "each layer" if arm.granularity == "layer" else "each head of each layer"
+    return f"{own} its own" + (" (a k per layer at k's saving: `derive --saving`)" if arm.budget else "")
+
+
 def write_cards(a: StudyArguments, store, data, report: dict) -> list[str]:
     """A model card per fine-tuning arm (its seed-0 checkpoint), evaluation results in ``model-index``."""
     from transformers import BertForSequenceClassification
@@ -231,11 +247,13 @@ def write_cards(a: StudyArguments, store, data, report: dict) -> list[str]:
              f"sentences and paragraphs of `{data.model_id}` after phase 1" if arm.lengths == "buckets" else
              f"greedy P and optimal R (eq. 7) from the {a.covariance} of the per-query pre-softmax scores of "
              f"`{data.model_id}` after phase 1 on {a.covariance_windows} windows, zero-filled below n")
-            + f" (exact MLM), pooled over all layers and heads, k = {arm.k}; predicted normalized error at n "
-            f"{row['predicted_normalized_error']:.3f}; R {arm.reconstruction}")
+            + f" (exact MLM), {_form_phrase(arm)}, k = {arm.k}" + (
+                "" if row["predicted_normalized_error"] is None else
+                f"; predicted normalized error at n {row['predicted_normalized_error']:.3f}")
+            + f"; R {arm.reconstruction}")
         recovery = {"none": "no recovery", "mlm": f"{a.arm_steps} MLM steps in this arm",
                     "distill": f"{a.arm_steps} steps of `{a.distill_objective}` against the exact phase-1 model"}
-        details = (f"Table-1 study arm `{arm.name}` (`{COMMAND}`, results/table1/table1.md): "
+        details = (f"Table-1 study arm `{arm.name}` (`{COMMAND}`, {a.output_dir}/table1.md): "
                    f"{a.phase1_steps} exact MLM steps, {recovery[arm.recovery]}, then {a.finetune_steps} fine-tuning "
                    f"steps on {TASK_DESCRIPTION[a.task]} at the pairs' own lengths. R learning rate "
                    f"{report['selection']['chosen']:g} (chosen on a selection split). This checkpoint is seed "

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 from hf_partial_attention.configuration_partial_bert import RECONSTRUCTION_MODES
 
 __all__ = ["Arm", "StudyArguments", "StudyArms", "study_arms", "job_names", "parse_arm", "RECONSTRUCTION_MODES",
-           "RECOVERIES", "LENGTH_MODES", "BUCKET_OBJECTIVE", "COMMAND"]
+           "RECOVERIES", "LENGTH_MODES", "GRANULARITY_FORMS", "BUCKET_OBJECTIVE", "COMMAND"]
 
 # How the study is run (`experiments.cli`); the report and the cards cite it.
 COMMAND = "python -m experiments table1"
@@ -25,6 +25,8 @@ RECOVERIES = ("none", "mlm", "distill")
 # How a partial arm treats inputs shorter than n: P and R per length bucket, or n's P and R with zero scores for the
 # missing keys (one bucket: the paper's fixed-window pattern).
 LENGTH_MODES = ("buckets", "zero_fill")
+# P and R of a partial arm: one for every layer and head (the paper's), per layer or per head (issue 34).
+GRANULARITY_FORMS = ("pooled", "layer", "head")
 # The greedy objective of the length buckets (`analysis.lengths.derive_lengths`); the zero-fill pattern keeps the
 # paper's.
 BUCKET_OBJECTIVE = "fisher"
@@ -45,14 +47,31 @@ class Arm:
             MLM for as many steps (``mlm``).
         lengths: ``buckets`` (P and R per length bucket) or ``zero_fill`` (n's P and R for every length); the
             exact arm has no pattern and keeps the default.
+        granularity: ``pooled`` (one P and R for every layer and head, the paper's), ``layer`` or ``head`` (each
+            its own, issue 34; with buckets, R fixed or per_layer).
+        budget: each layer its own k at k's saving in every bucket (`analysis.budget`, ``derive --saving k<k>``).
     """
 
     k: int | None = None
     reconstruction: str | None = None
     recovery: str = "mlm"
     lengths: str = "buckets"
+    granularity: str = "pooled"
+    budget: bool = False
 
     def __post_init__(self):
+        if self.granularity not in GRANULARITY_FORMS:
+            raise ValueError(f"Arm(granularity={self.granularity!r}): use one of {GRANULARITY_FORMS}.")
+        if self.granularity != "pooled" or self.budget:
+            if self.k is None or self.lengths != "buckets":
+                raise ValueError(f"Arm(granularity={self.granularity!r}, budget={self.budget}) is a partial arm with "
+                                 "length buckets: give k and keep lengths='buckets'.")
+            if self.reconstruction == "common":
+                raise ValueError("Arm(reconstruction='common') has no meaning with P per layer or head (one R "
+                                 "would map every layer's own P): use fixed or per_layer.")
+            if self.budget and self.granularity == "pooled":
+                raise ValueError("Arm(budget=True) gives each layer its own k: it needs granularity 'layer' or "
+                                 "'head'.")
         if (self.k is None) != (self.reconstruction is None):
             raise ValueError(f"Arm(k={self.k!r}, reconstruction={self.reconstruction!r}): give both (a partial "
                              "arm) or neither (the exact arm).")
@@ -94,7 +113,13 @@ class Arm:
         ``_zerofill`` for the zero-fill arm."""
         if self.k is None:
             return "exact"
-        return f"k{self.k}_{self.reconstruction}_{self.recovery}" + ("_zerofill" if self.lengths == "zero_fill" else "")
+        return (f"k{self.k}_{self.reconstruction}_{self.recovery}" + ("_zerofill" if self.lengths == "zero_fill" else "")
+                + ("" if self.granularity == "pooled" else f"_{self.granularity}") + ("_budget" if self.budget else ""))
+
+    @property
+    def form(self) -> str:
+        """P and R as the report shows them: ``pooled``, ``head``, ``head_budget``, ..."""
+        return self.granularity + ("_budget" if self.budget else "")
 
     @property
     def mode(self) -> str:
@@ -107,15 +132,21 @@ class Arm:
 
 
 def parse_arm(text: str, field_name: str, lengths: str = "buckets") -> Arm:
-    """``"16:common:distill"`` as an `Arm` (k, R mode, recovery); a ValueError naming ``field_name`` otherwise."""
+    """``"16:common:distill"`` (k, R mode, recovery) or ``"16:per_layer:distill:head_budget"`` (and P and R's form:
+    ``pooled``, ``layer``, ``head``, with ``_budget`` for a k per layer) as an `Arm`; a ValueError naming
+    ``field_name`` otherwise."""
     parts = text.split(":")
     try:
-        if len(parts) != 3:
-            raise ValueError("three fields")
-        return Arm(int(parts[0]), parts[1], parts[2], lengths)
+        if len(parts) not in (3, 4):
+            raise ValueError("three or four fields")
+        form = parts[3] if len(parts) == 4 else "pooled"
+        granularity, budget = form.removesuffix("_budget"), form.endswith("_budget")
+        return Arm(int(parts[0]), parts[1], parts[2], lengths, granularity, budget)
     except ValueError as err:
-        raise ValueError(f"--{field_name} {text!r} is not an arm k:mode:recovery ({err}); write e.g. "
-                         f"'16:common:distill' (mode in {RECONSTRUCTION_MODES}, recovery in {RECOVERIES}).") from err
+        raise ValueError(f"--{field_name} {text!r} is not an arm k:mode:recovery[:form] ({err}); write e.g. "
+                         f"'16:common:distill' or '16:per_layer:distill:head_budget' (mode in {RECONSTRUCTION_MODES}, "
+                         f"recovery in {RECOVERIES}, form in {GRANULARITY_FORMS} with an optional _budget)."
+                         ) from err
 
 
 @dataclass(frozen=True)
@@ -139,9 +170,10 @@ class StudyArms:
         return {arm.name: arm for arm in self.finetune}
 
 
-def study_arms(ks, modes, recoveries=RECOVERIES, zero_fill_control: Arm | None = None) -> StudyArms:
-    """The exact arm; per k, per recovery, per R mode one arm with length buckets; then the zero-fill control."""
-    arms = [Arm(), *(Arm(k, mode, recovery) for k in ks for recovery in recoveries for mode in modes)]
+def study_arms(ks, modes, recoveries=RECOVERIES, zero_fill_control: Arm | None = None, extra=()) -> StudyArms:
+    """The exact arm; per k, per recovery, per R mode one arm with length buckets; the ``extra`` arms (P and R per
+    layer or head: ``--granularity_arms``); then the zero-fill control."""
+    arms = [Arm(), *(Arm(k, mode, recovery) for k in ks for recovery in recoveries for mode in modes), *extra]
     if zero_fill_control is not None:
         if zero_fill_control.twin(lengths="buckets") not in arms:
             raise ValueError(f"--zero_fill_control {zero_fill_control.name}: its buckets twin "
@@ -197,6 +229,9 @@ class StudyArguments:
     reconstruction_learning_rates: str = field(default="1e-3,1e-2", metadata={
         "help": "Candidate learning rates of R; the one of lowest MLM loss on the selection split is used for "
                 "every trained R (phase 2 and fine-tuning)."})
+    granularity_arms: str = field(default="", metadata={
+        "help": "Comma-separated arms k:mode:recovery:form with P and R per layer or head (form layer, head, "
+                "layer_budget or head_budget; mode fixed or per_layer), e.g. '16:per_layer:distill:head_budget'."})
     rlr_arm: str = field(default="16:common:distill", metadata={
         "help": "k:mode:recovery of the arm trained once per candidate R learning rate ('' with one candidate)."})
     covariance: str = field(default="second_moment", metadata={"choices": ("second_moment", "centered")})
@@ -305,8 +340,12 @@ class StudyArguments:
         """The arm of the R learning-rate selection (None without one)."""
         return parse_arm(self.rlr_arm, "rlr_arm") if self.rlr_arm else None
 
+    @property
+    def granularity_arm_list(self) -> list[Arm]:
+        return [parse_arm(text, "granularity_arms") for text in self.granularity_arms.split(",") if text.strip()]
+
     def arms(self) -> StudyArms:
-        return study_arms(self.k_list, self.mode_list, self.recovery_list, self.control_arm)
+        return study_arms(self.k_list, self.mode_list, self.recovery_list, self.control_arm, self.granularity_arm_list)
 
     def result_fields(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k not in _NOT_RESULTS}

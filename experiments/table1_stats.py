@@ -139,7 +139,8 @@ def verdicts(arms: StudyArms, losses: dict[str, ArmLosses], phase1: dict,
     """
     out: dict[str, dict[str, Any]] = {}
     exact = Arm().name
-    partial = [arm for arm in arms.finetune if not arm.is_exact]
+    # the paper's claims are about one pooled P and R: arms with P and R per layer or head are reported beside them
+    partial = [arm for arm in arms.finetune if not arm.is_exact and arm.granularity == "pooled"]
     recovered = [arm for arm in partial if arm.trains and arm.lengths == "buckets"]
     ks = list(dict.fromkeys(arm.k for arm in partial))
     modes = list(dict.fromkeys(arm.reconstruction for arm in partial))

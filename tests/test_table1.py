@@ -114,6 +114,10 @@ def test_arm_names_and_their_checks():
         "exact", "k8_fixed_none", "k16_common_distill_zerofill"]
     assert Arm(16, "common", "distill", "zero_fill").twin(lengths="buckets") == Arm(16, "common", "distill")
     assert parse_arm("16:per_layer:mlm", "rlr_arm") == Arm(16, "per_layer", "mlm")
+    head = parse_arm("16:per_layer:distill:head_budget", "granularity_arms")
+    assert head == Arm(16, "per_layer", "distill", granularity="head", budget=True)
+    assert (head.name, head.form) == ("k16_per_layer_distill_head_budget", "head_budget")
+    assert parse_arm("8:fixed:none:layer", "granularity_arms").name == "k8_fixed_none_layer"
 
 
 @pytest.mark.parametrize("fields, words", [
@@ -125,6 +129,10 @@ def test_arm_names_and_their_checks():
     (dict(k=8, reconstruction="fixed", lengths="zerofill"), "Arm(lengths='zerofill'): use one of"),
     (dict(k=0, reconstruction="fixed"), "k must be an int >= 1"),
     (dict(k=8, reconstruction="shared"), "use one of ('fixed', 'common', 'per_layer')"),
+    (dict(k=8, reconstruction="common", granularity="head"), "reconstruction='common') has no meaning"),
+    (dict(k=8, reconstruction="fixed", budget=True), "needs granularity 'layer' or 'head'"),
+    (dict(granularity="head"), "give k and keep lengths='buckets'"),
+    (dict(k=8, reconstruction="fixed", granularity="heads"), "Arm(granularity='heads'): use one of"),
 ])
 def test_arm_refuses_what_has_no_name(fields, words):
     with pytest.raises(ValueError, match=re.escape(words)):
@@ -392,11 +400,23 @@ def test_tiny_table1_study_by_the_mnli_flags(tmp_path, one_torch_thread):
             str(tmp_path / "train.jsonl"), "--finetune_validation_file", str(tmp_path / "validation.jsonl"),
             "--phase1_steps", "0", "--ks", "8", "--modes", "fixed", "--recoveries", "mlm", "--zero_fill_control", "",
             "--rlr_arm", "", "--reconstruction_learning_rates", "1e-3", "--finetune_seeds", "0",
+            "--granularity_arms", "8:per_layer:mlm:head_budget",
             "--output_dir", str(tmp_path / "out"), "--run_dir", str(tmp_path / "run"),
             "--cards_dir", str(tmp_path / "cards")]
     assert cli_main(argv) == 0
     report = json.loads((tmp_path / "out" / "table1.json").read_text())
-    assert list(report["rows"]) == ["exact", "k8_fixed_mlm"]
+    assert list(report["rows"]) == ["exact", "k8_fixed_mlm", "k8_per_layer_mlm_head_budget"]
+    # P and R per head with a k per layer (derive --saving k8 on a per-head bucket analysis of the start model)
+    head = report["rows"]["k8_per_layer_mlm_head_budget"]
+    assert head["lengths"] == "buckets (head_budget)" and head["predicted_normalized_error"] is None
+    from hf_partial_attention import PartialBertForSequenceClassification
+
+    tuned = PartialBertForSequenceClassification.from_pretrained(tmp_path / "run" / "models" / "ft_k8_per_layer_mlm_"
+                                                                 "head_budget_s0")
+    assert tuned.config.partial_granularity == "head" and tuned.config.partial_lengths == [16, 32]
+    ks = report["patterns"]["layers"]["k8_head"]["layers_k"]
+    expected = [ks[str(layer)] for layer in tuned.config.partial_layers]
+    assert tuned.config.partial_layers_k == (expected if len({tuple(r) for r in expected}) > 1 else None)
     assert report["selection"] == {"arm": None, "chosen": 1e-3, "windows": None, "candidates": []}
     assert report["sizes"]["pairs"] == {"train": 64, "validation": 24}
     assert report["labels"] == ["entailment", "neutral", "contradiction"]

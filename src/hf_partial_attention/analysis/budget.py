@@ -167,7 +167,7 @@ def derive_budget(out: str, saving: str | float, *, granularity: str = "layer", 
             chosen[b] = {layer: b for layer in model_layers}
             rows.append({"length": b, "exact": True, "uniform_k": b, "saving": 0.0})
             continue
-        k_max = min(b - 1, max(2 * k_u, k_u + 8))
+        k_max = min(b - 1, 3 * k_u)  # the curves' reach: a layer may take up to 3x the uniform k
         curves = {layer: sum(objective_curve(bucket_cov[b], k_max, layer=layer, head=head, **kwargs)
                              for head in heads) for layer in budget_layers}
         per_row = k_u * d_head + (b - k_u) * k_u
