@@ -34,8 +34,11 @@ def _demo_args(p):
     p.add_argument("--bucket-inputs", type=int, default=None,
                    help="sentences and paragraphs to fit the length buckets on (default: all of the fit documents)")
     p.add_argument("--bucket-k", nargs="*", default=None, metavar="B=K", type=parse_bucket_k,
-                   help="buckets of the checkpoint at their own k (default 64=24: results/lengths/fisher_k64_24; "
-                        "give --bucket-k alone for --convert-k in every bucket)")
+                   help="buckets at their own k in the length buckets' report and the pooled checkpoint (default "
+                        "64=24: results/lengths/fisher_k64_24; give --bucket-k alone for --convert-k in every bucket)")
+    p.add_argument("--checkpoint-form", default="head_budget", choices=["head_budget", "pooled"],
+                   help="P and R of the checkpoint: per head with a k per layer at --convert-k's saving (closer to the "
+                        "original at every length: results/granularity_lengths), or one pooled P and R per bucket")
 
 
 def _run_demo(args) -> int:
@@ -45,10 +48,13 @@ def _run_demo(args) -> int:
                        heldout_sequences=args.heldout_sequences, ks=tuple(args.k), convert_k=args.convert_k,
                        whole_seq_len=args.whole_seq_len, whole_sequences=args.whole_sequences,
                        bucket_inputs=args.bucket_inputs, progress=not args.no_progress,
-                       bucket_k=None if args.bucket_k is None else dict(args.bucket_k))
+                       bucket_k=None if args.bucket_k is None else dict(args.bucket_k),
+                       checkpoint_form=args.checkpoint_form)
     demo = results["demo"]
     print(f"Wrote {os.path.join(args.out, 'report.md')} in {demo['total_seconds']} s: patterns for k = "
-          f"{', '.join(map(str, args.k))}, checkpoint {demo['convert']['checkpoint']} (k = {demo['convert']['k']})")
+          f"{', '.join(map(str, args.k))}, checkpoint {demo['convert']['checkpoint']} ("
+          + (f"k = {demo['convert']['k']})" if not demo["convert"].get("layers_k") else
+             f"a k per layer at k = {args.convert_k}'s saving)"))
     return 0
 
 

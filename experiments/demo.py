@@ -5,10 +5,12 @@
 3. Whole-matrix covariance per layer at a small n (n²×n² is 2 GiB at n = 128 and the whole-matrix greedy
    costs O(n⁴) per step), for Fig. 3, 5, 6 (global vs per-query), 8–9 (whole vs per-query), and Fig. 4
    (overlap with a second corpus: installed packages' READMEs).
-4. Length buckets (16, 32, 64, 128): per-query covariances of the text's sentences and paragraphs at their own
-   lengths, P (greedy, Fisher objective) and R per bucket at the converted k, each bucket's held-out error beside the zero fill of n's pattern.
-5. Conversion at one k to a PartialBert checkpoint carrying the buckets, reload with ``AutoModel``, cosine of
-   sentence embeddings beside the one-bucket (zero-fill) model.
+4. Length buckets (16, 32, 64, 128): per-query covariances (one per head) of the text's sentences and paragraphs at
+   their own lengths, P (greedy, Fisher objective) and R per bucket at the converted k, each bucket's held-out error
+   beside the zero fill of n's pattern.
+5. Conversion at the converted k's saving to a PartialBert checkpoint carrying the buckets, P and R per head with a k
+   per layer (`derive --saving`; ``--checkpoint-form pooled``: one P and R per bucket), reload with ``AutoModel``,
+   cosine of sentence embeddings beside the one-bucket (zero-fill) models.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from hf_partial_attention.analysis.collect import collect_covariance, load_model
 from hf_partial_attention.analysis.corpus import default_texts, package_readmes, pydoc_paragraphs, split_heldout
 from hf_partial_attention.analysis.covariance import ScoreCovariance
 from hf_partial_attention.analysis.defaults import resolve_model
+from hf_partial_attention.analysis.budget import derive_budget
 from hf_partial_attention.analysis.lengths import analyze_lengths, bucket_k_suffix, derive_lengths
 from hf_partial_attention.analysis.embeddings import (
     embedding_cosines, mean_pooled_embeddings, summarize_cosines, text_batches, window_batches,
@@ -42,11 +45,17 @@ from .lengths import LENGTHS, fit_documents  # the bucket study's fit inputs: th
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["run_demo", "DEMO_BUCKET_K"]
+__all__ = ["run_demo", "DEMO_BUCKET_K", "CHECKPOINT_FORMS"]
 
 # Bucket 64 at k = 24 (the others at convert_k): at k = 16 its inputs (T = 33–64) keep a pairwise-similarity Spearman
-# of only 0.928–0.935, at 24 of 0.956–0.960, every other bucket unchanged (results/lengths/fisher_k64_24).
+# of only 0.928–0.935, at 24 of 0.956–0.960, every other bucket unchanged (results/lengths/fisher_k64_24). The pooled
+# checkpoint's (``checkpoint_form="pooled"``).
 DEMO_BUCKET_K = {64: 24}
+# The checkpoint: P and R per head with a k per layer at convert_k's saving (`derive --saving k<k>`): closer to the
+# original than the pooled buckets with bucket 64 at k = 24 at every bucket of every kind of held-out input, at a
+# higher saving (results/granularity_lengths/fit_inputs_only: the demo fits the buckets on sentences and paragraphs
+# alone; results/lengths/fisher_k64_24). "pooled": the buckets of `derive_lengths` with DEMO_BUCKET_K.
+CHECKPOINT_FORMS = ("head_budget", "pooled")
 
 
 def _at(curve: torch.Tensor, ks=(1, 8, 32, 128, 512)) -> dict[str, float]:
@@ -80,7 +89,7 @@ def _whole_analysis(model, texts, out: str, n: int, sequences: int, heldout: int
 
 
 def _embeddings(model_path: str, out: str, ks, convert_k: int, seq_len: int, batch_size: int, progress: bool,
-                bucket_k: dict[int, int]):
+                bucket_k: dict[int, int], checkpoint_form: str = "pooled"):
     from transformers import AutoModel
 
     from hf_partial_attention.modeling_partial_bert import PartialBertModel
@@ -101,11 +110,15 @@ def _embeddings(model_path: str, out: str, ks, convert_k: int, seq_len: int, bat
                   for k in ks}
     candidates[f"band P + R, k={convert_k}"] = fit_pattern(cov, nearest_keys(cov.seq_len, convert_k), "per_query")
     checkpoint = os.path.join(out, "checkpoint")  # the length buckets of step 4
-    conv = convert(os.path.join(out, "patterns", f"buckets_k{convert_k}{bucket_k_suffix(bucket_k)}.safetensors"),
-                   checkpoint, model_path)
+    if checkpoint_form == "head_budget":
+        path = derive_budget(out, f"k{convert_k}", granularity="head", objective="fisher")["budget_path"]
+        own = f", P and R per head, a k per layer at k={convert_k}'s saving"
+    else:
+        path = os.path.join(out, "patterns", f"buckets_k{convert_k}{bucket_k_suffix(bucket_k)}.safetensors")
+        own = "".join(f", bucket {b} at k={v}" for b, v in sorted(bucket_k.items()))
+    conv = convert(path, checkpoint, model_path)
     rows = []
     models = {name: PartialBertModel.from_bert(original, p).eval() for name, p in candidates.items()}
-    own = "".join(f", bucket {b} at k={v}" for b, v in sorted(bucket_k.items()))
     models[f"checkpoint (AutoModel, length buckets {conv['lengths']}), k={convert_k}{own}"] = (
         AutoModel.from_pretrained(checkpoint).eval())
     for name, model in models.items():
@@ -118,10 +131,14 @@ def _embeddings(model_path: str, out: str, ks, convert_k: int, seq_len: int, bat
 def run_demo(out: str = "runs/demo", model: str | None = None, *, seq_len: int = 128, fit_sequences: int = 320,
              heldout_sequences: int = 64, ks=(16, 24, 32, 48), convert_k: int = 16, whole_seq_len: int = 32,
              whole_sequences: int = 640, batch_size: int = 8, bucket_inputs: int | None = None,
-             progress: bool = True, bucket_k: dict[int, int] | None = None) -> dict:
+             progress: bool = True, bucket_k: dict[int, int] | None = None,
+             checkpoint_form: str = "head_budget") -> dict:
     """Run the demo end to end into ``out`` (report.md, figures/, patterns/, checkpoint/, whole_n*/).
-    ``bucket_k``: buckets of the checkpoint at their own k (default `DEMO_BUCKET_K`; ``{}`` for convert_k in all)."""
+    ``bucket_k``: buckets at their own k (default `DEMO_BUCKET_K`; ``{}`` for convert_k in all), of the length
+    buckets' report and of the pooled checkpoint. ``checkpoint_form``: one of `CHECKPOINT_FORMS`."""
     bucket_k = dict(DEMO_BUCKET_K if bucket_k is None else bucket_k)
+    if checkpoint_form not in CHECKPOINT_FORMS:
+        raise ValueError(f"checkpoint_form must be one of {CHECKPOINT_FORMS}, got {checkpoint_form!r}.")
     if convert_k not in ks:
         raise ValueError(f"convert_k={convert_k} must be one of ks={list(ks)} (the pattern is derived there).")
     start = time.perf_counter()
@@ -137,8 +154,10 @@ def run_demo(out: str = "runs/demo", model: str | None = None, *, seq_len: int =
     derive(out, ks, "per_query", batch_size=batch_size, progress=progress, section=f"derive_per_query_n{seq_len}")
     steps["patterns and held-out baselines"] = time.perf_counter() - t
     t = time.perf_counter()
+    # per head for the per-head checkpoint (the pooled fits of the report use their sums)
     analyze_lengths(model, fit_documents(), out, lengths=LENGTHS, kind="sentence", model_id=model_id,
-                    max_inputs=bucket_inputs, max_heldout=bucket_inputs, batch_size=batch_size * 2, progress=progress)
+                    max_inputs=bucket_inputs, max_heldout=bucket_inputs, batch_size=batch_size * 2, progress=progress,
+                    granularity="head" if checkpoint_form == "head_budget" else "pooled")
     # The Fisher objective, errors weighted by the attention they move: at k = 16 it cuts the paper objective's
     # embedding error by a third to a half in every bucket (results/lengths/fisher_buckets).
     derive_lengths(out, [convert_k], objective="fisher", batch_size=batch_size * 2, progress=progress,
@@ -149,7 +168,7 @@ def run_demo(out: str = "runs/demo", model: str | None = None, *, seq_len: int =
                             whole_sequences, heldout_sequences * 2, batch_size, progress, model_id)
     steps[f"whole-matrix analysis at n={whole_seq_len}"] = time.perf_counter() - t
     t = time.perf_counter()
-    demo = _embeddings(model, out, ks, convert_k, seq_len, batch_size * 2, progress, bucket_k)
+    demo = _embeddings(model, out, ks, convert_k, seq_len, batch_size * 2, progress, bucket_k, checkpoint_form)
     steps["conversion and embeddings"] = time.perf_counter() - t
     demo["seconds"] = {name: round(s, 1) for name, s in steps.items()}
     demo["total_seconds"] = round(time.perf_counter() - start, 1)

@@ -219,7 +219,7 @@ def test_demo_small(tmp_path, minilm_path, capsys):
                              "--no-progress"]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith(f"Wrote {os.path.join(out, 'report.md')} in ")
-    assert printed.rstrip().endswith(f"checkpoint {os.path.join(out, 'checkpoint')} (k = 16)")
+    assert printed.rstrip().endswith(f"checkpoint {os.path.join(out, 'checkpoint')} (a k per layer at k = 16's saving)")
     report = open(os.path.join(out, "report.md")).read()
     assert "Headline, k = 16 at n = 128" in report and "Conversion and sentence embeddings" in report
     assert "saves 43.8% of QKᵀ" in report  # the headline is at a k that saves work (d_h = 32)
@@ -229,8 +229,16 @@ def test_demo_small(tmp_path, minilm_path, capsys):
     assert os.path.isfile(os.path.join(out, "checkpoint", "config.json"))
     config = json.load(open(os.path.join(out, "checkpoint", "config.json")))
     assert config["partial_lengths"] == [16, 32, 64, 128]  # the checkpoint carries the length buckets
-    assert config["partial_lengths_k"] == [16, 16, 24, 16]  # bucket 64 at its own k (DEMO_BUCKET_K)
-    assert "Length buckets" in report and "length buckets [16, 32, 64, 128]), k=16, bucket 64 at k=24" in report
+    # P and R per head, a k per partial layer at k = 16's saving (derive --saving k16): no layer costs more in sum
+    assert config["partial_granularity"] == "head" and config["partial_format_version"] == 5
+    from hf_partial_attention.cost import score_cost
+
+    rows = config["partial_layers_k"]
+    assert len(rows) == 5 and all(row[0] == 16 for row in rows)  # bucket 16 at k = 16 runs exactly
+    for i, b in enumerate((32, 64, 128), start=1):
+        assert sum(score_cost(b, row[i], 32).total for row in rows) <= 5 * score_cost(b, 16, 32).total
+    assert "Length buckets" in report and ("length buckets [16, 32, 64, 128]), k=16, P and R per head, a k per layer "
+                                           "at k=16's saving") in report
 
 
 def test_lengths_small(tmp_path, minilm_path, capsys):

@@ -199,11 +199,15 @@ def _run_convert(args) -> int:
 
     command = shlex.join(["hf-partial-attention", *getattr(args, "argv", [])])  # as typed, for the model card
     result = convert(args.pattern, args.out, args.model, reconstruction=args.reconstruction, command=command)
-    d_head = result["head_dim"]
-    saving = score_cost(result["seq_len"], result["k"], d_head).saving
-    print(f"Wrote checkpoint {args.out}: k = {result['k']} exact scores per query at n = {result['seq_len']}, "
-          f"d_h = {d_head}: a saving of {100 * saving:.1f} % of QKᵀ multiply-adds; reloads as "
-          f"{result.get('reloaded_class', '(not checked)')}")
+    d_head, n = result["head_dim"], result["seq_len"]
+    rows = result.get("layers_k")
+    if rows:  # a k per layer (derive --saving): their mean saving at n
+        saving = sum(score_cost(n, row[-1], d_head).saving for row in rows) / len(rows)
+        what = f"a k per partial layer at n ({', '.join(str(row[-1]) for row in rows)})"
+    else:
+        saving, what = score_cost(n, result["k"], d_head).saving, f"k = {result['k']}"
+    print(f"Wrote checkpoint {args.out}: {what} exact scores per query at n = {n}, d_h = {d_head}: a saving of "
+          f"{100 * saving:.1f} % of QKᵀ multiply-adds; reloads as {result.get('reloaded_class', '(not checked)')}")
     if len(result["lengths"]) > 1:
         savings = bucket_savings(result["lengths"], result["lengths_k"], d_head)
         print("Length buckets (b: k_b, saving): " + ", ".join(

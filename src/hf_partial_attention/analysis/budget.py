@@ -167,7 +167,9 @@ def derive_budget(out: str, saving: str | float, *, granularity: str = "layer", 
             chosen[b] = {layer: b for layer in model_layers}
             rows.append({"length": b, "exact": True, "uniform_k": b, "saving": 0.0})
             continue
-        k_max = min(b - 1, 3 * k_u)  # the curves' reach: a layer may take up to 3x the uniform k
+        # the curves' reach: a layer may take up to 3x the uniform k, but not k >= d_h, which costs more than exact
+        # attention (k·d_h + (b−k)·k >= b·d_h)
+        k_max = min(b - 1, 3 * k_u, max(d_head - 1, k_u))
         curves = {layer: sum(objective_curve(bucket_cov[b], k_max, layer=layer, head=head, **kwargs)
                              for head in heads) for layer in budget_layers}
         per_row = k_u * d_head + (b - k_u) * k_u

@@ -109,9 +109,10 @@ def convert(pattern_path: str, out_dir: str, model: Any = None, *, reconstructio
     partial.config.partial_conversion = record
     partial.save_pretrained(out_dir, write_model_card=False)  # the card comes last, when the folder is complete
     result = {"checkpoint": out_dir, "pattern": pattern_path, "source_model": str(source),
-              "source_model_id": name, "base_model": base_id, "k": pattern.k,
+              "source_model_id": name, "base_model": base_id, "k": partial.config.partial_k,
               "seq_len": buckets.seq_len, "lengths": buckets.lengths, "lengths_k": buckets.lengths_k,
               "partial_layers": list(partial.config.partial_layers), "head_dim": head_dim(partial.config),
+              "layers_k": partial.config.partial_layers_k,
               "model_type": config.model_type, "partial_class": type(partial).__name__, "warnings": warnings}
     if isinstance(source, (str, os.PathLike)):
         tokenizer = AutoTokenizer.from_pretrained(os.fspath(source))

@@ -130,7 +130,10 @@ def _derive(name: str, d: dict, base: str) -> list[str]:
 def _demo(d: dict) -> list[str]:
     out = ["## Conversion and sentence embeddings", "",
            f"Checkpoint `{os.path.basename(os.path.normpath(d['convert']['checkpoint']))}/` "
-           f"(PartialBert, per-query pattern k = {d['convert']['k']}, "
+           "(PartialBert, per-query pattern " + (
+               f"k = {d['convert']['k']}" if not d["convert"].get("layers_k") else
+               "P and R per head, k per partial layer and bucket "
+               + ", ".join(str(row) for row in d["convert"]["layers_k"])) + ", "
            f"n = {d['convert']['seq_len']}, partial layers {d['convert']['partial_layers']}, last layer exact) "
            f"reloaded with `AutoModel` as `{d['convert'].get('reloaded_class')}` "
            f"(max |Δ| vs the in-memory model {_fmt(d['convert'].get('reload_max_abs_diff'))}).", "",
