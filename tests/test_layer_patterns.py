@@ -343,9 +343,26 @@ def test_length_buckets_per_head_through_the_cli(encoders, tmp_path, capsys):
                      "12", "24", "--granularity", "head", "--out", run, "--no-progress"]) == 0
     capsys.readouterr()
     assert cli.main(["derive", run, "--k", "4", "--bucket-k", "12=6", "--granularity", "head", "--no-progress"]) == 0
-    assert "per head, length buckets" in capsys.readouterr().out
+    assert "per head, length buckets; held-out error per bucket b=12: " in capsys.readouterr().out
     path = os.path.join(run, "patterns", "buckets_per_query_head_k4_b12k6.safetensors")
     sets = load_patterns(path)
+    # held-out errors per (layer, head) and bucket: layer 1, head 1's at b = 12 recomputed from its own scores alone
+    from hf_partial_attention.analysis.length_eval import PaddedPattern, RealPositionMeter, run_inputs
+    from hf_partial_attention.analysis.lengths import _load_heldout
+    from hf_partial_attention.pattern_buckets import bucket_for
+
+    row = json.load(open(os.path.join(run, "results.json")))["lengths_per_query_head"]["patterns"][0]
+    assert sorted(row["heldout"]) == ["12", "24"] and len(row["heldout_per_group"]["12"]) == len(sets.layers) * 4
+    held = _load_heldout(run)
+    index = [i for i, t in enumerate(held.lengths.tolist()) if bucket_for([12, 24], t) == 12]
+    meter = RealPositionMeter(12, {"own": PaddedPattern(sets.group(1, 1)[12])})
+    from hf_partial_attention.analysis.collect import load_model_and_tokenizer
+
+    run_inputs(load_model_and_tokenizer(source, load_tokenizer=False)[0], held, index, 12,
+               lambda layer, scores, lengths: meter.update(layer, scores[:, 1:2], lengths) if layer == 1 else None,
+               progress=False)
+    assert row["heldout_per_group"]["12"]["1.1"] == pytest.approx(meter.results()["own"], rel=1e-6)
+    assert sets.group(1, 1)[12].metadata["heldout_normalized_error"] == row["heldout_per_group"]["12"]["1.1"]
     assert sets.heads == 4 and sets.lengths == [12, 24] and sets.lengths_k == [6, 4]
     ckpt = str(tmp_path / "ckpt")
     assert cli.main(["convert", path, "--out", ckpt, "--model", source]) == 0

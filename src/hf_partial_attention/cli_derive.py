@@ -79,12 +79,17 @@ def _run_derive_layer_buckets(args) -> int:
     if args.scope != "per_query":
         raise ValueError(f"--scope {args.scope} with length buckets: buckets hold per-query patterns; drop --scope.")
     result = derive_layer_buckets(args.dir, args.k, granularity=args.granularity, family=args.family,
-                                  objective=args.objective, bucket_k=dict(args.bucket_k or ()))
+                                  objective=args.objective, bucket_k=dict(args.bucket_k or ()),
+                                  evaluate=not args.no_evaluate, batch_size=args.batch_size,
+                                  progress=not args.no_progress)
     for row in result["patterns"]:
         if row["k"] in args.k:
-            errors = ", ".join(f"b={b}: {e:.4f}" for b, e in row["predicted_per_bucket"].items())
-            print(f"k={row['k']}: {row['path']} (per {args.granularity}, length buckets; predicted error per "
-                  f"bucket {errors}; no held-out measurement yet)")
+            held = row.get("heldout") or {}
+            errors = ", ".join(f"b={b}: " + (f"{held[b]:.4f} (pooled pattern {row['heldout_pooled_pattern'][b]:.4f})"
+                                             if b in held else f"predicted {e:.4f}")
+                               for b, e in row["predicted_per_bucket"].items())
+            print(f"k={row['k']}: {row['path']} (per {args.granularity}, length buckets; held-out error per bucket "
+                  f"{errors})")
     return 0
 
 

@@ -161,12 +161,14 @@ def derive_layers(out: str, ks, *, granularity: str = "layer", family: str = "pe
 
 def derive_layer_buckets(out: str, ks, *, granularity: str = "layer", family: str = "per_query",
                          objective: str = "paper", centered: bool | None = None,
-                         bucket_k: dict[int, int] | None = None) -> dict:
+                         bucket_k: dict[int, int] | None = None, evaluate: bool = True, batch_size: int = 16,
+                         progress: bool = True) -> dict:
     """Length buckets per layer or per (layer, head): for each k, every group's P and R of every bucket b (k_b < b;
     the others run exactly) from that bucket's covariance (``analyze --inputs ... --granularity layer|head``), saved
-    as `LayerPatterns` of `PatternBuckets` in ``patterns/buckets_<tag>_k<k>.safetensors``. No held-out measurement
-    yet: ``predicted`` errors per bucket (the groups' variance-weighted mean) go into the ``lengths_<tag>`` section of
-    ``results.json``."""
+    as `LayerPatterns` of `PatternBuckets` in ``patterns/buckets_<tag>_k<k>.safetensors``; ``predicted`` errors per
+    bucket (the groups' variance-weighted mean) and, with the analysis' held-out inputs (``evaluate``), each bucket's
+    held-out error at real positions per group and pooled, beside the pooled pattern's of the same k, go into the
+    ``lengths_<tag>`` section of ``results.json``."""
     from .lengths import bucket_covariance_files
     from .workflow import load_results, update_results
     from ..pattern_buckets import PatternBuckets
@@ -210,7 +212,6 @@ def derive_layer_buckets(out: str, ks, *, granularity: str = "layer", family: st
                                        "lengths": lengths, "kind": meta.get("kind")})
         suffix = "".join(f"_b{b}k{kb}" for b, kb in sorted(bucket_k.items()))
         path = os.path.join(out, "patterns", f"buckets_{tag}_k{k}{suffix}.safetensors")
-        sets.save(path)
         predicted = {}
         for b in lengths:
             if k_of[b] >= b:
@@ -218,7 +219,13 @@ def derive_layer_buckets(out: str, ks, *, granularity: str = "layer", family: st
                 continue
             var = {g: covs[b].total_variance(layer=g[0], head=g[1], centered=centered) for g in groups}
             predicted[str(b)] = sum(fitted[(b, g)].normalized_error * var[g] for g in groups) / sum(var.values())
-        rows.append({"k": k, "path": path, "lengths_k": [k_of[b] for b in lengths], "predicted_per_bucket": predicted})
+        rows.append({"k": k, "path": path, "lengths_k": [k_of[b] for b in lengths], "predicted_per_bucket": predicted,
+                     "_sets": sets})
+    if evaluate:
+        _bucket_heldout(out, longest.metadata, lengths, groups, rows, n, family, centered, objective, covs,
+                        batch_size, progress)
+    for row in rows:
+        row.pop("_sets").save(row["path"])  # after the held-out errors went into each group's metadata
     result = {"granularity": granularity, "lengths": lengths, "patterns": rows,
               "seconds": round(time.perf_counter() - start, 1)}
     previous = load_results(out).get(f"lengths_{tag}")
@@ -227,3 +234,53 @@ def derive_layer_buckets(out: str, ks, *, granularity: str = "layer", family: st
         result["patterns"] = sorted([*kept, *rows], key=lambda r: r["k"])
     update_results(out, f"lengths_{tag}", result)
     return result
+
+
+def _bucket_heldout(out, meta, lengths, groups, rows, n, family, centered, objective, covs, batch_size,
+                    progress) -> None:
+    """Held-out errors at real positions of each row's set (``row["_sets"]``), bucket by bucket on the analysis'
+    held-out inputs: per group (``heldout_per_group[b]``), pooled (``heldout[b]``: Σ over groups of the squared error
+    over the pooled held-out variance) and the pooled pattern's of the same k (``heldout_pooled_pattern[b]``)."""
+    import torch
+
+    from ..pattern_buckets import bucket_for
+    from .length_eval import PaddedPattern, RealPositionMeter, run_inputs
+    from .lengths import _load_heldout
+
+    held = _load_heldout(out)
+    if held is None or not len(held):
+        return
+    model, _ = load_model_and_tokenizer(meta["model"], load_tokenizer=False)
+    fits = held.lengths <= n
+    bucket = torch.tensor([bucket_for(lengths, int(t)) if ok else -1
+                           for t, ok in zip(held.lengths.tolist(), fits.tolist())], dtype=torch.long)
+    for row in rows:
+        row.update(heldout={}, heldout_pooled_pattern={}, heldout_per_group={})
+    for b in lengths:
+        index = torch.nonzero(bucket == b).flatten()
+        partial = [row for row in rows if row["lengths_k"][lengths.index(b)] < b]
+        if not len(index) or not partial:
+            continue
+        meters = {(row["k"], group): RealPositionMeter(b, {"set": PaddedPattern(row["_sets"].group(*group)[b])})
+                  for row in partial for group in groups}
+        pooled = {row["k"]: select_patterns(covs[b], [row["lengths_k"][lengths.index(b)]], "per_query", family=family,
+                                            centered=centered, objective=objective) for row in partial}
+        pooled_meter = RealPositionMeter(b, {k: PaddedPattern(next(iter(p.values()))) for k, p in pooled.items()})
+
+        def sink(layer, scores, lens):
+            pooled_meter.update(layer, scores, lens)
+            for (k, (g_layer, head)), meter in meters.items():
+                if g_layer == layer:
+                    meter.update(layer, scores if head is None else scores[:, head:head + 1], lens)
+
+        run_inputs(model, held, index, b, sink, batch_size, progress=progress, desc=f"held-out b={b}")
+        total, own = pooled_meter.total_variance, pooled_meter.results()
+        for row in partial:
+            k = row["k"]
+            row["heldout_per_group"][str(b)] = {_name(*g): meters[(k, g)].results()["set"] for g in groups}
+            for g in groups:
+                row["_sets"].group(*g)[b].metadata.update(heldout_normalized_error=row["heldout_per_group"][str(b)][
+                    _name(*g)], heldout_inputs=len(index))
+            row["heldout"][str(b)] = sum(meters[(k, g)].sse["set"] for g in groups) / total
+            row["heldout_pooled_pattern"][str(b)] = own[k]
+            row.setdefault("heldout_inputs", {})[str(b)] = len(index)
