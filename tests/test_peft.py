@@ -46,3 +46,41 @@ def test_common_r_trains_under_modules_to_save_and_reloads(tmp_path):
     reloaded = PeftModel.from_pretrained(_base(), tmp_path).eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=ids).logits, logits, rtol=0, atol=0)
+
+
+def test_per_head_r_trains_under_modules_to_save_and_reloads(tmp_path):
+    """P and R per head (``partial_granularity="head"``, R per layer): each partial layer's module
+    ``partial_pattern_layer{l}`` is named in modules_to_save, its R (H, n, n−k, k) trains, and the saved adapter
+    reloads the same model."""
+    config = dict(TINY, reconstruction="per_layer", partial_granularity="head")
+
+    def base():
+        torch.manual_seed(0)
+        return PartialBertForMaskedLM(PartialBertConfig(**config))
+
+    names = [f"partial_pattern_layer{layer}" for layer in base().config.partial_layers]
+    model = get_peft_model(base(), LoraConfig(target_modules=["query", "value"], modules_to_save=names))
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad and "partial_pattern" in n]
+    assert trainable == [f"base_model.model.bert.encoder.{name}.modules_to_save.default.reconstruction"
+                         for name in names]
+    r0 = base().bert.encoder.partial_pattern_layer1.reconstruction.detach().clone()  # (H, n, n-k, k)
+    assert r0.shape == (4, 16, 12, 4)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(1, 99, (4, 16), generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    wrapper = model.base_model.model.bert.encoder.partial_pattern_layer1
+    trained = wrapper.modules_to_save["default"].reconstruction.detach()
+    assert float((trained - r0).abs().amax(dim=(1, 2, 3)).min()) > 1e-4  # every head's R moved
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+        untrained_r = get_peft_model(base(), LoraConfig(target_modules=["query", "value"]))
+        untrained_r.load_state_dict({k: v for k, v in model.state_dict().items() if "lora_" in k}, strict=False)
+        assert float((untrained_r.eval()(input_ids=ids).logits - logits).abs().max()) > 1e-4  # R's training matters
+    model.save_pretrained(tmp_path)
+    reloaded = PeftModel.from_pretrained(base(), tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, logits, rtol=0, atol=0)
