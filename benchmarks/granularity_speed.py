@@ -5,7 +5,8 @@ P and R per head run each head by the kernel of its own P and R (H kernel calls 
 question is what that costs. The models: `BertModel` (eager and SDPA) of MiniLM's shape (6 layers, hidden 384,
 12 heads, d_h 32) with random weights, and PartialBert converted from it (layers 0–4 partial, R fixed, ``auto``):
 pooled, and per head, with the local pattern of k keys around each query shifted by h positions for head h (a
-different P per head; speed does not depend on R's values). BERT-base shape at n = 512 with ``--spec n512`` (``--modes inference``: a training step there takes minutes a round).
+different P per head; speed does not depend on R's values). BERT-base shape at n = 512 with ``--spec n512`` (``--modes inference``: a training step there takes minutes a round);
+MiniLM's shape at n = 512, B = 4, k = 16 with ``--spec n512_minilm`` (both modes).
 Each round runs every model once, in an order rotated round by round; ratios are medians of per-round ratios with
 a distribution-free interval (`timing.median_interval`). Writes granularity_speed_<spec>.json / .md.
 """
@@ -31,6 +32,8 @@ from hf_partial_attention.pattern_layers import LayerPatterns  # noqa: E402
 
 SPECS = {"n128": dict(layers=6, hidden=384, heads=12, b=32, n=128, k=16),
          "n512": dict(layers=12, hidden=768, heads=12, b=8, n=512, k=32),
+         # MiniLM's shape at n = 512 (k = 16 < d_h = 32 saves work): a training step in seconds, not minutes
+         "n512_minilm": dict(layers=6, hidden=384, heads=12, b=4, n=512, k=16),
          "tiny": dict(layers=2, hidden=64, heads=4, b=2, n=16, k=4)}  # the test's
 MODES = ("inference", "training step")
 # ratio key -> the model each model is divided by, round by round

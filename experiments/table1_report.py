@@ -190,9 +190,11 @@ def render(report: dict) -> str:
         f"Phase 1 (exact, new MLM head): {a['phase1_steps']} steps, batch {a['phase1_batch_size']}, lr "
         f"{a['phase1_learning_rate']}; test MLM loss {p1['windows']:.4f} on windows, {p1['pairs']:.4f} on "
         f"{report['sizes']['mlm_pairs']} test pairs at their own lengths (median {pl['median']} tokens).",
-        f"- R's learning rate, chosen before any test number was read: `{sel['arm']}` trained per candidate, MLM "
-        f"loss on {sel['windows']} selection windows (training documents used for nothing else): {candidates}; "
-        f"chosen **{sel['chosen']:g}**, used for every trained R in phase 2 and fine-tuning.",
+        (f"- R's learning rate, chosen before any test number was read: `{sel['arm']}` trained per candidate, MLM "
+         f"loss on {sel['windows']} selection windows (training documents used for nothing else): {candidates}; "
+         f"chosen **{sel['chosen']:g}**, used for every trained R in phase 2 and fine-tuning." if sel["arm"] else
+         f"- R's learning rate: **{sel['chosen']:g}**, given (`--rlr_arm ''`, one candidate: no selection), used for "
+         "every trained R in phase 2 and fine-tuning."),
         f"- Phase 2, equal budgets: {a['arm_steps']} steps per arm at batch {a['pretrain_batch_size']}, lr "
         f"{a['pretrain_learning_rate']}, the same data order and masks for every arm; recovery `mlm` (the MLM loss) "
         f"or `distill` (`{a['distill_objective']}` against the frozen phase-1 model, every weight trained); the "
@@ -253,7 +255,9 @@ def write_cards(a: StudyArguments, store, data, report: dict) -> list[str]:
             + f"; R {arm.reconstruction}")
         recovery = {"none": "no recovery", "mlm": f"{a.arm_steps} MLM steps in this arm",
                     "distill": f"{a.arm_steps} steps of `{a.distill_objective}` against the exact phase-1 model"}
-        details = (f"Table-1 study arm `{arm.name}` (`{COMMAND}`, {a.output_dir}/table1.md): "
+        # the report's place in the repository (never a path of the machine that ran it)
+        where = "table1.md" if os.path.isabs(a.output_dir) else f"{a.output_dir}/table1.md"
+        details = (f"Table-1 study arm `{arm.name}` (`{COMMAND}`, {where}): "
                    f"{a.phase1_steps} exact MLM steps, {recovery[arm.recovery]}, then {a.finetune_steps} fine-tuning "
                    f"steps on {TASK_DESCRIPTION[a.task]} at the pairs' own lengths. R learning rate "
                    f"{report['selection']['chosen']:g} (chosen on a selection split). This checkpoint is seed "

@@ -348,7 +348,10 @@ class StudyArguments:
         return study_arms(self.k_list, self.mode_list, self.recovery_list, self.control_arm, self.granularity_arm_list)
 
     def result_fields(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if k not in _NOT_RESULTS}
+        fields = {k: v for k, v in asdict(self).items() if k not in _NOT_RESULTS}
+        if not fields["granularity_arms"]:  # a study without them is the one run before the field existed
+            del fields["granularity_arms"]
+        return fields
 
 
 def _ints(text: str) -> list[int]:

@@ -371,7 +371,7 @@ def test_granularity_lengths_small(tmp_path, minilm_path, capsys):
 
     run, results = str(tmp_path / "run"), str(tmp_path / "results")
     assert studies_cli.main(["granularity-lengths", "--out", run, "--results", results, "--k", "4", "--lengths", "16",
-                             "32", "--fit-inputs", "80", "--max-heldout", "12", "--heldout-windows", "4",
+                             "32", "--fit-inputs", "80", "--fit-windows", "16", "--max-heldout", "12", "--heldout-windows", "4",
                              "--no-progress"]) == 0
     assert capsys.readouterr().out.startswith(f"Wrote {os.path.join(results, 'granularity_lengths.md')} in ")
     data = json.load(open(os.path.join(results, "granularity_lengths.json")))
@@ -386,8 +386,11 @@ def test_granularity_lengths_small(tmp_path, minilm_path, capsys):
     text = open(os.path.join(results, "granularity_lengths.md")).read()
     assert "## Goals (issue 34" in text and "`head budget`" in text and minilm_path not in text
     # the pooled arm: P and R of the summed covariances, converted, measured the same way
-    covs = {b: ScoreCovariance.load(p) for b, p in bucket_covariance_files(run).items()}
+    covs = {b: ScoreCovariance.load(p) for b, p in bucket_covariance_files(os.path.join(run, "fit")).items()}
     assert all(c.granularity == "head" for c in covs.values())
+    # the longest bucket's fit: its inputs and the 16 windows of n tokens
+    longest = ScoreCovariance.load(bucket_covariance_files(os.path.join(run, "buckets"))[32])
+    assert covs[32].num_sequences == longest.num_sequences + 16 == data["fit_inputs"]["32"]
     pooled = PatternBuckets({b: select_pattern(covs[b], 4, objective="fisher") for b in (16, 32)}, k=4)
     original = AutoModel.from_pretrained(minilm_path).eval()
     model = PartialBertModel.from_bert(original, pooled, reconstruction="fixed").eval()

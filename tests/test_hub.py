@@ -138,11 +138,13 @@ def check_remote_loads(jobs: list[str], tmp_path) -> None:
 
 
 def test_config_records_and_checks_the_checkpoint_format(tmp_path):
+    from hf_partial_attention.configuration_partial import CHECKPOINT_FORMAT_VERSION
+
     PartialBertModel(PartialBertConfig(**TINY)).save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["partial_format_version"] == 2 and config["partial_plugin_version"] == hf_partial_attention.__version__
     assert config["partial_lengths"] == [config["partial_seq_len"]]  # one bucket by default
-    (tmp_path / "config.json").write_text(json.dumps({**config, "partial_format_version": 5,
+    (tmp_path / "config.json").write_text(json.dumps({**config, "partial_format_version": CHECKPOINT_FORMAT_VERSION + 1,
                                                       "partial_plugin_version": "9.0.0"}))
     with pytest.raises(ValueError, match="written by hf-partial-attention 9.0.0.*pip install -U"):
         AutoModel.from_pretrained(tmp_path)

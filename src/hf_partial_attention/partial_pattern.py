@@ -70,8 +70,9 @@ def check_buckets(config: PartialConfigMixin, pattern: AttentionPattern | Patter
                          f"{config.partial_lengths}; build the config from the pattern (from_bert does) or pass "
                          "buckets of the config's lengths.")
     if buckets.lengths_k != ks:
-        raise ValueError(f"pattern has a k per bucket of {buckets.lengths_k} but the config has {ks} (buckets "
-                         f"{config.partial_lengths}{'' if config.partial_layers_k is None else f', layer {layer}'}); "
+        where = ("partial_lengths_k=" if config.partial_layers_k is None else f"at layer {layer} (partial_layers_k) ")
+        raise ValueError(f"pattern has a k per bucket of {buckets.lengths_k} but the config has {where}{ks} (buckets "
+                         f"{config.partial_lengths}); "
                          "build the config from the pattern (from_bert does) or pass buckets of the config's ks.")
     return buckets
 
