@@ -13,18 +13,13 @@ from hf_partial_attention.cost import score_cost
 from hf_partial_attention.pattern_layers import LayerPatterns
 
 from test_encoders import source_model
-from test_layer_patterns import head_patterns, minilm2  # noqa: F401  (the fixture: MiniLM's first 2 layers)
+from test_layer_patterns import analyze_windows, head_patterns, minilm2, minilm_layers  # noqa: F401  (minilm2: a fixture)
 
 
 @pytest.fixture(scope="module")
 def minilm3(tmp_path_factory, minilm_path):
-    """The real MiniLM's first 3 layers and its tokenizer (2 partial layers by default)."""
-    from transformers import AutoTokenizer, BertModel
-
-    source = tmp_path_factory.mktemp("minilm3")
-    BertModel.from_pretrained(minilm_path, num_hidden_layers=3).save_pretrained(source)
-    AutoTokenizer.from_pretrained(minilm_path).save_pretrained(source)
-    return source
+    """The real MiniLM's first 3 layers (2 partial layers by default)."""
+    return minilm_layers(tmp_path_factory, minilm_path, 3)
 
 
 def test_uniform_k_at_a_saving():
@@ -98,9 +93,7 @@ def test_cli_derive_saving_convert_load(minilm3, tmp_path, capsys):
     from transformers import AutoModel
 
     run = str(tmp_path / "run")
-    assert cli.main(["analyze", "--model", str(minilm3), "--seq-len", "16", "--max-sequences", "48", "--granularity",
-                     "head", "--heldout-sequences", "8", "--out", run, "--no-progress"]) == 0
-    capsys.readouterr()
+    analyze_windows(minilm3, run, "head", capsys)
     assert cli.main(["derive", run, "--saving", "k4", "--granularity", "head", "--objective", "fisher",
                      "--no-progress"]) == 0
     out = capsys.readouterr().out

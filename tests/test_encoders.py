@@ -132,14 +132,7 @@ def test_every_kernel_equals_the_reference_in_outputs_and_gradients(model_type):
     for mode in _modes(model_type):
         model = partial_class_for(model_type).from_source(source_model(model_type), buckets, reconstruction=mode)
         model.train()  # dropout is 0: train mode runs the autograd kernels
-        results = {}
-        for kernel in ("gather", "fused"):
-            model.zero_grad()
-            model.set_partial_implementation(kernel)
-            out = model(input_ids=ids, attention_mask=mask).last_hidden_state
-            (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).sum().backward()
-            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-            results[kernel] = out.detach(), grads
+        results = kernel_runs(model, ("gather", "fused"), ids, mask)
         ref_out, ref_grads = results["gather"]
         out, grads = results["fused"]
         torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=0, msg=f"{model_type} {mode}")
@@ -275,19 +268,27 @@ def test_the_triton_kernel_under_the_interpreter_equals_the_reference(model_type
     check_triton_equals_gather(model)
 
 
+def kernel_runs(model, kernels, ids, mask, real_only: bool = False) -> dict:
+    """``{kernel: (last hidden state, {parameter: gradient})}`` of ``model`` on ``ids``/``mask`` under each kernel, the
+    loss a fixed linear read-out of the last hidden state (of real tokens only with ``real_only``)."""
+    results = {}
+    for kernel in kernels:
+        model.zero_grad()
+        model.set_partial_implementation(kernel)
+        out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        weight = torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)
+        (out * weight * (mask[..., None] if real_only else 1)).sum().backward()
+        results[kernel] = out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return results
+
+
 def check_triton_equals_gather(model):
     """``model`` (float32, training mode, dropout 0) on the padded `batch`: the Triton kernel's outputs at real tokens
     and every gradient equal the reference kernel's (float32 tolerances), R's included."""
     model.train()
     ids, mask = batch()
-    results = {}
-    for kernel in ("gather", "triton"):
-        model.zero_grad()
-        model.set_partial_implementation(kernel)
-        out = model(input_ids=ids, attention_mask=mask).last_hidden_state
-        # the loss reads real tokens only: a padding query with no key in its window is each kernel's convention
-        (out * torch.linspace(-1, 1, out.shape[-1]) * mask[..., None]).sum().backward()
-        results[kernel] = out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    # the loss reads real tokens only: a padding query with no key in its window is each kernel's convention
+    results = kernel_runs(model, ("gather", "triton"), ids, mask, real_only=True)
     (ref, ref_grads), (out, grads) = results["gather"], results["triton"]
     real = mask.bool()
     torch.testing.assert_close(out[real], ref[real], atol=2e-5, rtol=1e-4)

@@ -13,7 +13,7 @@ from hf_partial_attention import AttentionPattern, cli, partial_class_for
 from hf_partial_attention.pattern_buckets import PatternBuckets
 from hf_partial_attention.pattern_layers import LayerPatterns, load_patterns
 
-from test_encoders import N, _reference, batch, source_model
+from test_encoders import N, _reference, batch, kernel_runs, source_model
 from test_encoders_workflow import encoders  # noqa: F401  (the fixture: tiny RoBERTa / ModernBERT folders)
 from test_hub import check_remote_loads
 
@@ -30,15 +30,26 @@ def layer_patterns(model_type: str, k: int = 5) -> LayerPatterns:
     return LayerPatterns({layer: AttentionPattern(p.indices, p.reconstruction.double()) for layer, p in fitted.items()})
 
 
-@pytest.fixture(scope="module")
-def minilm2(tmp_path_factory, minilm_path):
-    """The real MiniLM's first 2 layers and its tokenizer, saved as a model folder (what the CLI reads)."""
+def minilm_layers(tmp_path_factory, minilm_path, layers: int):
+    """The real MiniLM's first ``layers`` layers and its tokenizer, saved as a model folder (what the CLI reads)."""
     from transformers import AutoTokenizer, BertModel
 
-    source = tmp_path_factory.mktemp("minilm2")
-    BertModel.from_pretrained(minilm_path, num_hidden_layers=2).save_pretrained(source)
+    source = tmp_path_factory.mktemp(f"minilm{layers}")
+    BertModel.from_pretrained(minilm_path, num_hidden_layers=layers).save_pretrained(source)
     AutoTokenizer.from_pretrained(minilm_path).save_pretrained(source)
     return source
+
+
+@pytest.fixture(scope="module")
+def minilm2(tmp_path_factory, minilm_path):
+    return minilm_layers(tmp_path_factory, minilm_path, 2)
+
+
+def analyze_windows(source, run: str, granularity: str, capsys) -> None:
+    """``analyze --seq-len 16`` of ``source`` into ``run`` per layer or head (48 fit windows, 8 held out)."""
+    assert cli.main(["analyze", "--model", str(source), "--seq-len", "16", "--max-sequences", "48", "--granularity",
+                     granularity, "--heldout-sequences", "8", "--out", run, "--no-progress"]) == 0
+    capsys.readouterr()
 
 
 @pytest.fixture(scope="module")
@@ -175,9 +186,7 @@ def test_cli_analyze_derive_convert_load_per_layer(minilm2, tmp_path, capsys):
 
     source = minilm2
     run = str(tmp_path / "run")
-    assert cli.main(["analyze", "--model", str(source), "--seq-len", "16", "--max-sequences", "48", "--granularity",
-                     "layer", "--heldout-sequences", "8", "--out", run, "--no-progress"]) == 0
-    capsys.readouterr()
+    analyze_windows(source, run, "layer", capsys)
     assert cli.main(["derive", run, "--k", "4", "--granularity", "layer", "--no-progress"]) == 0
     printed = capsys.readouterr().out
     assert "per layer, 2 layers" in printed and "the pooled pattern's" in printed
@@ -249,13 +258,7 @@ def test_every_kernel_equals_the_reference_per_head(roberta_heads, reconstructio
     model = partial_class_for("roberta").from_source(source_model("roberta"), roberta_heads,
                                                      reconstruction=reconstruction)
     ids, mask = batch()
-    results = {}
-    for kernel in ("gather", "fused"):
-        model.zero_grad()
-        model.set_partial_implementation(kernel)
-        out = model(input_ids=ids, attention_mask=mask).last_hidden_state
-        (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).sum().backward()
-        results[kernel] = out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    results = kernel_runs(model, ("gather", "fused"), ids, mask)
     (ref, ref_grads), (out, grads) = results["gather"], results["fused"]
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-10)
     assert set(grads) == set(ref_grads) and (reconstruction == "per_layer") == any(
@@ -300,9 +303,7 @@ def test_cli_derive_per_head_on_minilm(minilm2, tmp_path, capsys):
 
     source = minilm2
     run = str(tmp_path / "run")
-    assert cli.main(["analyze", "--model", str(source), "--seq-len", "16", "--max-sequences", "48", "--granularity",
-                     "head", "--heldout-sequences", "8", "--out", run, "--no-progress"]) == 0
-    capsys.readouterr()
+    analyze_windows(source, run, "head", capsys)
     assert cli.main(["derive", run, "--k", "4", "--granularity", "head", "--no-progress"]) == 0
     assert "per head, 2 layers x 12 heads" in capsys.readouterr().out
     row = json.load(open(os.path.join(run, "results.json")))["derive_per_query_head"]["patterns"][0]

@@ -15,17 +15,37 @@ def _base():
     return PartialBertForMaskedLM(PartialBertConfig(**TINY, reconstruction="common"))
 
 
-def test_common_r_trains_under_modules_to_save_and_reloads(tmp_path):
-    model = get_peft_model(_base(), LoraConfig(target_modules=["query", "value"], modules_to_save=["partial_pattern"]))
-    trainable = [n for n, p in model.named_parameters() if p.requires_grad and "partial_pattern" in n]
-    assert trainable == ["base_model.model.bert.encoder.partial_pattern.modules_to_save.default.reconstruction"]
-    r0 = _base().bert.encoder.partial_pattern.reconstruction.detach().clone()
+def _train(model) -> torch.Tensor:
+    """Three AdamW steps of the MLM loss on a fixed batch (returned: the token ids)."""
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     ids = torch.randint(1, 99, (4, 16), generator=torch.Generator().manual_seed(1))
     for _ in range(3):
         model(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+    return ids
+
+
+def _lora_only(base, model):
+    """``base`` with LoRA on q/v holding ``model``'s trained LoRA weights (its R as it started)."""
+    lora = get_peft_model(base, LoraConfig(target_modules=["query", "value"]))
+    lora.load_state_dict({k: v for k, v in model.state_dict().items() if "lora_" in k}, strict=False)
+    return lora.eval()
+
+
+def _check_reload(model, base, ids, logits, tmp_path):
+    model.save_pretrained(tmp_path)
+    reloaded = PeftModel.from_pretrained(base, tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, logits, rtol=0, atol=0)
+
+
+def test_common_r_trains_under_modules_to_save_and_reloads(tmp_path):
+    model = get_peft_model(_base(), LoraConfig(target_modules=["query", "value"], modules_to_save=["partial_pattern"]))
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad and "partial_pattern" in n]
+    assert trainable == ["base_model.model.bert.encoder.partial_pattern.modules_to_save.default.reconstruction"]
+    r0 = _base().bert.encoder.partial_pattern.reconstruction.detach().clone()
+    ids = _train(model)
     wrapper = model.base_model.model.bert.encoder.partial_pattern
     trained_r = wrapper.modules_to_save["default"].reconstruction.detach().clone()
     assert float((trained_r - r0).abs().max()) > 1e-3  # peft's copy of R was trained ...
@@ -34,18 +54,12 @@ def test_common_r_trains_under_modules_to_save_and_reloads(tmp_path):
     with torch.no_grad():
         logits = model(input_ids=ids).logits
         # the model runs the trained R: the same as the merged LoRA model with the trained R installed by hand
-        manual = get_peft_model(_base(), LoraConfig(target_modules=["query", "value"]))
-        manual.load_state_dict({k: v for k, v in model.state_dict().items() if "lora_" in k}, strict=False)
+        manual = _lora_only(_base(), model)
         manual.base_model.model.set_pattern(AttentionPattern(
             manual.base_model.model.bert.encoder.partial_pattern.indices, trained_r))
-        torch.testing.assert_close(manual.eval()(input_ids=ids).logits, logits, rtol=0, atol=1e-6)
-        untrained_r = get_peft_model(_base(), LoraConfig(target_modules=["query", "value"]))
-        untrained_r.load_state_dict({k: v for k, v in model.state_dict().items() if "lora_" in k}, strict=False)
-        assert float((untrained_r.eval()(input_ids=ids).logits - logits).abs().max()) > 1e-4
-    model.save_pretrained(tmp_path)
-    reloaded = PeftModel.from_pretrained(_base(), tmp_path).eval()
-    with torch.no_grad():
-        torch.testing.assert_close(reloaded(input_ids=ids).logits, logits, rtol=0, atol=0)
+        torch.testing.assert_close(manual(input_ids=ids).logits, logits, rtol=0, atol=1e-6)
+        assert float((_lora_only(_base(), model)(input_ids=ids).logits - logits).abs().max()) > 1e-4
+    _check_reload(model, _base(), ids, logits, tmp_path)
 
 
 def test_per_head_r_trains_under_modules_to_save_and_reloads(tmp_path):
@@ -65,22 +79,12 @@ def test_per_head_r_trains_under_modules_to_save_and_reloads(tmp_path):
                          for name in names]
     r0 = base().bert.encoder.partial_pattern_layer1.reconstruction.detach().clone()  # (H, n, n-k, k)
     assert r0.shape == (4, 16, 12, 4)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    ids = torch.randint(1, 99, (4, 16), generator=torch.Generator().manual_seed(1))
-    for _ in range(3):
-        model(input_ids=ids, labels=ids).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    ids = _train(model)
     wrapper = model.base_model.model.bert.encoder.partial_pattern_layer1
     trained = wrapper.modules_to_save["default"].reconstruction.detach()
     assert float((trained - r0).abs().amax(dim=(1, 2, 3)).min()) > 1e-4  # every head's R moved
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=ids).logits
-        untrained_r = get_peft_model(base(), LoraConfig(target_modules=["query", "value"]))
-        untrained_r.load_state_dict({k: v for k, v in model.state_dict().items() if "lora_" in k}, strict=False)
-        assert float((untrained_r.eval()(input_ids=ids).logits - logits).abs().max()) > 1e-4  # R's training matters
-    model.save_pretrained(tmp_path)
-    reloaded = PeftModel.from_pretrained(base(), tmp_path).eval()
-    with torch.no_grad():
-        torch.testing.assert_close(reloaded(input_ids=ids).logits, logits, rtol=0, atol=0)
+        assert float((_lora_only(base(), model)(input_ids=ids).logits - logits).abs().max()) > 1e-4  # R trained
+    _check_reload(model, base(), ids, logits, tmp_path)
