@@ -147,3 +147,18 @@ def test_a_budgeted_model_runs_each_layers_own_k():
             expected = alone.encoder.layer[layer](hidden[layer])
             expected = expected[0] if isinstance(expected, tuple) else expected
             torch.testing.assert_close(hidden[layer + 1], expected, rtol=0, atol=1e-12)
+
+
+def test_a_budget_never_predicts_more_error_than_the_one_k(monkeypatch, minilm2, tmp_path, capsys):  # noqa: F811
+    """Where marginal allocation ends above the uniform k's predicted error (curves that are not convex), the bucket
+    keeps the uniform k: here an allocation forced to k = 1 in both layers (the greedy's error falls with k, so it
+    predicts more error than k = 4)."""
+    import hf_partial_attention.analysis.budget as budget
+
+    run = str(tmp_path / "run")
+    analyze_windows(minilm2, run, "layer", capsys)
+    monkeypatch.setattr(budget, "allocate", lambda curves, b, d, cost: {0: 1, 1: 1})
+    result = budget.derive_budget(run, "k4", granularity="layer", layers=[0, 1])
+    row = result["buckets"][0]
+    assert row["k_per_layer"] == {"0": 4, "1": 4}
+    assert row["predicted_objective"] == pytest.approx(row["predicted_objective_uniform"])

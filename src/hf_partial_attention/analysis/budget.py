@@ -6,8 +6,9 @@ bucket b is the largest k whose saving at b is at least S (`uniform_k`; a bucket
 exactly); its cost over the partial layers is the budget. The budgeted choice starts every layer at k = 1 and adds one
 exact score per query at a time to the layer whose greedy error (the objective's residual ``Tr(M S)``, summed over the
 layer's heads when P and R are per head) falls most per multiply-add added (`allocate`), while the budget allows: so
-it never costs more than the uniform k, and its saving in every bucket is at least S. The greedy is nested, so one run
-to a large k gives every layer's whole curve (`objective_curve`).
+it never costs more than the uniform k, and its saving in every bucket is at least S. That allocation is optimal when the
+curves are convex; where it would predict more error than the uniform k (curves that are not), the bucket keeps the
+uniform k. The greedy is nested, so one run to a large k gives every layer's whole curve (`objective_curve`).
 
 ``saving`` is a fraction (``0.4``) or ``"k16"``: the saving of k = 16 in every bucket (``min(16, b)``: buckets b <= 16
 run exactly), so that the budgeted file compares with ``derive --k 16`` at its cost.
@@ -174,6 +175,12 @@ def derive_budget(out: str, saving: str | float, *, granularity: str = "layer", 
                              for head in heads) for layer in budget_layers}
         per_row = k_u * d_head + (b - k_u) * k_u
         ks = allocate(curves, b, d_head, per_row * len(budget_layers))
+        error = lambda k_of: sum(float(curves[l][k_of(l) - 1]) for l in budget_layers)  # noqa: E731
+        if error(ks.get) > error(lambda layer: k_u):
+            # marginal allocation is optimal for convex curves only; on others it can end above the one k: keep that
+            logger.info("bucket %d: the budgeted ks %s predict more error than k = %d in every layer; keeping it.", b,
+                        ks, k_u)
+            ks = {layer: k_u for layer in budget_layers}
         chosen[b] = {layer: ks.get(layer, k_u) for layer in model_layers}
         spent = sum(score_cost(b, ks[layer], d_head).total for layer in budget_layers)
         total = sum(float(_total_objective(bucket_cov[b], layer, heads, kwargs)) for layer in budget_layers)
