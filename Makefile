@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test test-fast demo paper related bench bench-model bench-quick objectives lengths recover granularity granularity-lengths table1 clean
+.PHONY: setup test test-fast demo paper related bench bench-model bench-quick objectives lengths recover granularity granularity-lengths granularity-recover table1 clean
 
 setup: $(STAMP)
 
@@ -51,6 +51,11 @@ granularity: setup
 # inputs (about 15 min) -> results/granularity_lengths/.
 granularity-lengths: setup
 	$(PY) -m experiments granularity-lengths --out runs/granularity_lengths --results results/granularity_lengths
+
+# Every arm of granularity-lengths (run it first) converted and recovered by `make recover`'s recipe (about 5 min
+# an arm on 2 cores; arms already run are read back) -> results/recovery/granularity/.
+granularity-recover: setup
+	$(PY) -m experiments granularity-recover --lengths-run runs/granularity_lengths --out runs/granularity_recover --results results/recovery/granularity
 
 # Zero-fill vs length buckets vs conditional R on held-out inputs of real lengths (about 15 min) -> results/lengths/.
 lengths: setup

