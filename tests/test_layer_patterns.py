@@ -271,6 +271,23 @@ def test_every_kernel_equals_the_reference_per_head(roberta_heads, reconstructio
                                    atol=1e-10)
 
 
+def test_per_head_maps_under_autograd_come_from_the_reference(roberta_heads):
+    """Asked for the attention maps in training, a per-head layer runs each head by the reference kernel (the
+    all-heads node writes no map): the maps are there and are the reference's, and the gradients still flow."""
+    model = partial_class_for("roberta").from_source(source_model("roberta"), roberta_heads, reconstruction="per_layer")
+    ids, mask = batch()
+    model.set_partial_implementation("gather")
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    model.set_partial_implementation("fused")
+    out = model(input_ids=ids, attention_mask=mask, output_attentions=True)
+    assert all(a is not None for a in out.attentions)
+    for got, ref in zip(out.attentions, expected):
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
+    out.last_hidden_state.sum().backward()
+    assert any(p.grad is not None and "reconstruction" in n for n, p in model.named_parameters())
+
+
 def test_get_layer_patterns_gives_back_what_was_installed(roberta_heads):
     model = partial_class_for("roberta").from_source(source_model("roberta"), roberta_heads)
     back = model.get_layer_patterns()

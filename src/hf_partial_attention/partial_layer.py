@@ -152,11 +152,12 @@ def _partial_function(implementation: str) -> Callable:
             tensors = layer_tensors(module, length) if tensors is None else tensors  # P, R: read once, passed down
             if not isinstance(tensors, list):
                 return run_kernel(tensors, query, key, value, attention_mask)
-            # P and R per head. Under autograd (but for the reference and Triton settings): every head in one
-            # autograd node with a hand-written backward, where one kernel call per head would pay for H small
-            # backward passes (`attention_heads`).
-            if implementation not in ("gather", "triton") and needs_grad(
-                    query, key, value, *(t.reconstruction for t in tensors), *(t.bias for t in tensors)):
+            # P and R per head. Where the fused kernel would run under autograd (not for the map, the reference or
+            # Triton settings, nor under export): every head in one autograd node with a hand-written backward,
+            # where one kernel call per head would pay for H small backward passes (`attention_heads`).
+            if needs_grad(query, key, value, *(t.reconstruction for t in tensors), *(t.bias for t in tensors)) and \
+                    kernel_for(implementation, tensors[0], query, key, value, need_weights=need_weights,
+                               dropout=dropout if module.training else 0.0) == "fused":
                 return all_heads_attention(module, query, key, value, attention_mask, scaling,
                                            dropout if module.training else 0.0, tensors)
             # Otherwise each head by the kernel of its own P and R, on its own slice of q, k, v
