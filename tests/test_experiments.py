@@ -403,7 +403,7 @@ def test_granularity_lengths_small(tmp_path, minilm_path, capsys, monkeypatch):
 
     # The tiny version of `make granularity-recover` on this run: two arms converted and recovered (one step), each
     # from its own bucket file (the pooled arm's: the file the pooled row above was measured with), read back when run
-    # again with the same settings and run again when they change.
+    # again with the same settings, not with others.
     import experiments.recover as recover_module
     from safetensors.torch import load_file
 
@@ -433,6 +433,10 @@ def test_granularity_lengths_small(tmp_path, minilm_path, capsys, monkeypatch):
     monkeypatch.setattr(recover_module, "run_recover", lambda *a, **kw: calls.append(kw["buckets"]) or real(*a, **kw))
     assert studies_cli.main(argv) == 0  # the same settings: both arms read back
     assert calls == []
-    argv[argv.index("--steps") + 1] = "2"
-    assert studies_cli.main(argv[:-3] + ["head_budget", "--no-progress"]) == 0  # other steps: run again
-    assert [os.path.basename(c) for c in calls] == ["buckets_per_query_fisher_head_savingk4_budget.safetensors"]
+    from experiments.granularity_recover import _existing
+
+    own = os.path.join(recovered, "head_budget", "recovery.json")
+    budget_file = os.path.join(run, "fit", "patterns", "buckets_per_query_fisher_head_savingk4_budget.safetensors")
+    assert _existing(own, budget_file, 1, 8) is not None
+    assert _existing(own, budget_file, 2, 8) is None and _existing(own, budget_file, 1, 9) is None  # run again
+    assert _existing(own, pooled_file, 1, 8) is None  # another arm's file
