@@ -99,7 +99,9 @@ def render(result: dict) -> str:
     arms = result["arms"]
     recipe = result["recipe"]
     lines = [f"# The lengths study's arms converted and recovered, `{result['model']}` at k = {result['k']}'s saving",
-             "", f"Command (wall time {result['total_seconds'] / 60:.1f} min, arms already run read back):", "", "```",
+             "", f"Command ({len(arms)} arms, {sum(d['train_seconds'] for d in result['per_arm'].values()) / 60:.0f} "
+             "min of recovery training in all, each arm run by its own `recover` command (in its file) or read back "
+             "where it had run):", "", "```",
              result["command"], "```", "",
              "- Arms: P and R from `make granularity-lengths` (buckets "
              f"{result['lengths']}, Fisher objective): pooled, per layer or per head, one k or a k per layer at the "
