@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test test-fast demo paper related bench bench-model bench-quick objectives lengths recover granularity granularity-lengths granularity-recover table1 clean
+.PHONY: setup test test-fast demo paper related bench bench-model bench-quick objectives lengths recover granularity granularity-lengths granularity-recover granularity-layers table1 clean
 
 setup: $(STAMP)
 
@@ -56,6 +56,11 @@ granularity-lengths: setup
 # an arm on 2 cores; arms already run are read back) -> results/recovery/granularity/.
 granularity-recover: setup
 	$(PY) -m experiments granularity-recover --lengths-run runs/granularity_lengths --out runs/granularity_recover --results results/recovery/granularity
+
+# Where the per-head error comes from layer by layer, and a k per layer calibrated by it (granularity-lengths first;
+# a few minutes) -> results/granularity_layers/.
+granularity-layers: setup
+	$(PY) -m experiments granularity-layers --lengths-run runs/granularity_lengths --results results/granularity_layers
 
 # Zero-fill vs length buckets vs conditional R on held-out inputs of real lengths (about 15 min) -> results/lengths/.
 lengths: setup

@@ -162,3 +162,29 @@ def test_a_budget_never_predicts_more_error_than_the_one_k(monkeypatch, minilm2,
     row = result["buckets"][0]
     assert row["k_per_layer"] == {"0": 4, "1": 4}
     assert row["predicted_objective"] == pytest.approx(row["predicted_objective_uniform"])
+
+
+def test_layer_weights_move_the_budget_and_write_beside_the_plain_one(minilm2, tmp_path, capsys):  # noqa: F811
+    """A layer whose error is weighted far above the other's gets more exact scores than without weights (the
+    allocation spends on weighted error); the weighted file and its results entry sit beside the plain budget's, and
+    weights that miss a layer or are not positive are refused."""
+    import hf_partial_attention.analysis.budget as budget
+
+    run = str(tmp_path / "run")
+    analyze_windows(minilm2, run, "layer", capsys)
+    plain = budget.derive_budget(run, "k4", granularity="layer", layers=[0, 1])
+    ks = plain["buckets"][0]["k_per_layer"]
+    heavy = "0" if ks["0"] <= ks["1"] else "1"  # the layer the plain budget gives less
+    weights = {int(heavy): 1e6, 1 - int(heavy): 1.0}
+    weighted = budget.derive_budget(run, "k4", granularity="layer", layers=[0, 1], layer_weights=weights,
+                                    name="weighted")
+    assert weighted["buckets"][0]["k_per_layer"][heavy] > ks[heavy]
+    assert weighted["layer_weights"] == {str(k): v for k, v in sorted(weights.items())}
+    assert weighted["budget_path"].endswith("_savingk4_weighted.safetensors") and os.path.isfile(plain["budget_path"])
+    stored = json.load(open(os.path.join(run, "results.json")))["budget_per_query_layer"]
+    assert set(stored) == {"k4", "k4_weighted"}
+    for bad in ({0: 1.0}, {0: 1.0, 1: 0.0}):
+        with pytest.raises(ValueError, match="layer_weights must give every budget layer"):
+            budget.derive_budget(run, "k4", granularity="layer", layers=[0, 1], layer_weights=bad, name="weighted")
+    with pytest.raises(ValueError, match="name must be letters and digits"):
+        budget.derive_budget(run, "k4", granularity="layer", layers=[0, 1], name="uniform")

@@ -440,3 +440,29 @@ def test_granularity_lengths_small(tmp_path, minilm_path, capsys, monkeypatch):
     assert _existing(own, budget_file, 1, 8) is not None
     assert _existing(own, budget_file, 2, 8) is None and _existing(own, budget_file, 1, 9) is None  # run again
     assert _existing(own, pooled_file, 1, 8) is None  # another arm's file
+
+    # The tiny version of `make granularity-layers` on this run: layer 0 alone partial is measured again here on the
+    # same calibration windows, and the calibrated budget is written beside the plain one.
+    from hf_partial_attention.analysis.corpus import default_texts, make_windows
+    from hf_partial_attention.pattern_layers import LayerPatterns
+
+    layers_results = str(tmp_path / "layers")
+    assert studies_cli.main(["granularity-layers", "--lengths-run", run, "--results", layers_results, "--k", "4",
+                             "--calibration-windows", "8", "--max-heldout", "12", "--heldout-windows", "4",
+                             "--no-progress"]) == 0
+    capsys.readouterr()
+    data = json.load(open(os.path.join(layers_results, "granularity_layers.json")))
+    assert data["layers"] == [0, 1, 2, 3, 4] and data["arms"] == ["head uniform", "head budget", "head calibrated"]
+    ids = make_windows(AutoTokenizer.from_pretrained(minilm_path), default_texts(), 32, 8)  # (8, 32)
+    uniform = LayerPatterns.load(os.path.join(run, "fit", "patterns",
+                                              "buckets_per_query_fisher_head_savingk4_uniform.safetensors"))
+    alone = PartialBertModel.from_bert(original, uniform, reconstruction="fixed", partial_layers=[0]).eval()
+    with torch.no_grad():
+        ref, got = (m(input_ids=ids).last_hidden_state.mean(1) for m in (original, alone))
+    expected = float((1 - torch.cosine_similarity(ref, got, dim=-1)).mean())
+    assert data["ablation"]["alone"]["0"]["calibration"] == pytest.approx(expected, rel=1e-5)
+    added = data["ablation"]["all"]["calibration"] - data["ablation"]["exact"]["0"]["calibration"]
+    assert data["weights"]["0"] == pytest.approx(added / data["objective_at_k"]["0"])
+    assert os.path.isfile(os.path.join(run, "fit", "patterns",
+                                       "buckets_per_query_fisher_head_savingk4_calibrated.safetensors"))
+    assert "## Ablation" in open(os.path.join(layers_results, "granularity_layers.md")).read()

@@ -115,7 +115,8 @@ def _label(saving: str | float) -> str:
 
 
 def derive_budget(out: str, saving: str | float, *, granularity: str = "layer", objective: str = "paper",
-                  family: str = "per_query", centered: bool | None = None, layers=None) -> dict[str, Any]:
+                  family: str = "per_query", centered: bool | None = None, layers=None,
+                  layer_weights: dict[int, float] | None = None, name: str = "budget") -> dict[str, Any]:
     """A k per layer at ``saving`` (module docstring) from the analysis in ``out`` (length buckets when it holds
     ``covariance_len*``, else the fixed windows' covariance), beside the uniform k at the same saving.
 
@@ -123,6 +124,11 @@ def derive_budget(out: str, saving: str | float, *, granularity: str = "layer", 
         granularity: ``"layer"`` or ``"head"`` (P and R per layer or per head; the heads of a layer share its k).
         layers: the layers the budget is spread over (default: every layer but the last, the default partial
             layers); the others get the uniform k.
+        layer_weights: a positive weight per budget layer that multiplies its error curve, e.g. what a unit of the
+            layer's objective costs at the model's output (`experiments.granularity_layers` measures it); default
+            equal weights.
+        name: the budgeted file's suffix (``..._saving<S>_<name>.safetensors``) and its entry in ``results.json``
+            (``<S>`` for ``"budget"``, ``<S>_<name>`` otherwise), so that a weighted budget sits beside the plain one.
 
     Raises ValueError for the pooled granularity (one P has one k), a covariance collected more coarsely than
     ``granularity`` and an unreachable saving."""
@@ -156,6 +162,14 @@ def derive_budget(out: str, saving: str | float, *, granularity: str = "layer", 
     budget_layers = sorted(model_layers[:-1] if layers is None else {int(layer) for layer in layers})
     if not budget_layers or not set(budget_layers) <= set(model_layers):
         raise ValueError(f"layers={budget_layers}: give layers of {model_layers} to spread the budget over.")
+    if layer_weights is not None:
+        bad = {layer: layer_weights.get(layer) for layer in budget_layers
+               if not (isinstance(layer_weights.get(layer), (int, float)) and layer_weights[layer] > 0)}
+        if bad:
+            raise ValueError(f"layer_weights must give every budget layer {budget_layers} a positive weight; got {bad} "
+                             "for these layers.")
+    if name == "uniform" or not re.fullmatch(r"[A-Za-z0-9]+", name):
+        raise ValueError(f"name must be letters and digits, not 'uniform' (the baseline's file), got {name!r}.")
     kwargs = dict(family=family, centered=centered, objective=objective)
     chosen: dict[int, dict[int, int]] = {}  # bucket -> layer -> k
     uniform: dict[int, int] = {}
@@ -172,7 +186,8 @@ def derive_budget(out: str, saving: str | float, *, granularity: str = "layer", 
         # attention (k·d_h + (b−k)·k >= b·d_h)
         k_max = min(b - 1, 3 * k_u, max(d_head - 1, k_u))
         curves = {layer: sum(objective_curve(bucket_cov[b], k_max, layer=layer, head=head, **kwargs)
-                             for head in heads) for layer in budget_layers}
+                             for head in heads) * (1.0 if layer_weights is None else float(layer_weights[layer]))
+                  for layer in budget_layers}  # the weighted error the allocation spends on
         per_row = k_u * d_head + (b - k_u) * k_u
         ks = allocate(curves, b, d_head, per_row * len(budget_layers))
         error = lambda k_of: sum(float(curves[l][k_of(l) - 1]) for l in budget_layers)  # noqa: E731
@@ -183,7 +198,8 @@ def derive_budget(out: str, saving: str | float, *, granularity: str = "layer", 
             ks = {layer: k_u for layer in budget_layers}
         chosen[b] = {layer: ks.get(layer, k_u) for layer in model_layers}
         spent = sum(score_cost(b, ks[layer], d_head).total for layer in budget_layers)
-        total = sum(float(_total_objective(bucket_cov[b], layer, heads, kwargs)) for layer in budget_layers)
+        total = sum(float(_total_objective(bucket_cov[b], layer, heads, kwargs))
+                    * (1.0 if layer_weights is None else float(layer_weights[layer])) for layer in budget_layers)
         rows.append({"length": b, "exact": False, "uniform_k": k_u, "k_per_layer": {str(l): ks[l] for l in ks},
                      "saving_uniform": score_cost(b, k_u, d_head).saving,
                      "saving": 1.0 - spent / (len(budget_layers) * score_cost(b, b, d_head).dense),
@@ -197,28 +213,30 @@ def derive_budget(out: str, saving: str | float, *, granularity: str = "layer", 
             "granularity": granularity, "objective": objective, "family": family, "saving": saving,
             "budget_layers": budget_layers, "kind": longest.metadata.get("kind")}
     sets = {}
-    for name, k_of in (("budget", lambda b, layer: chosen[b][layer]), ("uniform", lambda b, layer: uniform[b])):
+    for choice, k_of in ((name, lambda b, layer: chosen[b][layer]), ("uniform", lambda b, layer: uniform[b])):
         def group(layer: int, head: int | None) -> PatternBuckets:
             fitted = {b: select_pattern(bucket_cov[b], k_of(b, layer), layer=layer, head=head, **kwargs)
                       for b in lengths if k_of(b, layer) < b}
             return PatternBuckets(fitted, [b for b in lengths if k_of(b, layer) >= b], k=fitted[n].k)
-        sets[name] = LayerPatterns({layer: group(layer, None) if granularity == "layer" else
+        sets[choice] = LayerPatterns({layer: group(layer, None) if granularity == "layer" else
                                     [group(layer, head) for head in heads] for layer in model_layers},
-                                   metadata={**meta, "k_choice": name, "lengths": lengths})
+                                   metadata={**meta, "k_choice": choice, "lengths": lengths})
     os.makedirs(os.path.join(out, "patterns"), exist_ok=True)
     prefix = "" if windows else "buckets_"
     result: dict[str, Any] = {"saving": saving, "granularity": granularity, "objective": objective, "lengths": lengths,
                               "layers": model_layers, "budget_layers": budget_layers, "head_dim": d_head,
-                              "buckets": rows, "layers_k": {str(layer): sets["budget"].layer_lengths_k(layer)
-                                                            for layer in model_layers}}
-    for name, layer_set in sets.items():
-        path = os.path.join(out, "patterns", f"{prefix}{tag}_saving{_label(saving)}_{name}.safetensors")
+                              "buckets": rows, "layers_k": {str(layer): sets[name].layer_lengths_k(layer)
+                                                            for layer in model_layers},
+                              "layer_weights": None if layer_weights is None else
+                              {str(layer): float(layer_weights[layer]) for layer in budget_layers}}
+    for choice, layer_set in sets.items():
+        path = os.path.join(out, "patterns", f"{prefix}{tag}_saving{_label(saving)}_{choice}.safetensors")
         layer_set.save(path)
-        result[f"{name}_path"] = path
+        result[f"{'budget' if choice == name else choice}_path"] = path
     result["seconds"] = round(time.perf_counter() - start, 1)
     section = f"budget_{tag}"
     results = dict(load_results(out).get(section) or {})
-    results[_label(saving)] = result
+    results[_label(saving) + ("" if name == "budget" else f"_{name}")] = result
     update_results(out, section, results)
     return result
 
