@@ -12,7 +12,6 @@ runs the analysis into OUT (kept: a second run reuses it) and writes ``granulari
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any
@@ -32,6 +31,7 @@ from hf_partial_attention.pattern_layers import LayerPatterns
 
 from .lengths import spearman
 from .objectives import model_outputs
+from .store import write_study
 
 __all__ = ["run_granularity", "granularity_markdown", "GRANULARITIES", "GOAL_ONE_MINUS_COS"]
 
@@ -99,11 +99,7 @@ def run_granularity(out: str, model: str | None = None, *, ks=(16,), objectives=
         "partial_layers": list(converted.config.partial_layers), "rows": rows,
         "seconds": round(time.perf_counter() - start, 1)}
     dest = results or out
-    os.makedirs(dest, exist_ok=True)
-    with open(os.path.join(dest, "granularity.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(dest, "granularity.md"), "w") as f:
-        f.write(granularity_markdown(result))
+    write_study(dest, "granularity", result, granularity_markdown(result))
     return result
 
 

@@ -17,7 +17,6 @@ budget, as `granularity_lengths` measures its arms.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -35,6 +34,7 @@ from hf_partial_attention.pattern_layers import LayerPatterns
 from .granularity_lengths import arm_patterns_file
 from .lengths import held_out_inputs
 from .recover import measure
+from .store import write_study
 
 __all__ = ["run_granularity_layers", "render"]
 
@@ -108,11 +108,7 @@ def run_granularity_layers(lengths_run: str = "runs/granularity_lengths", result
                            for arm, path in arms.items()},
               "arms": list(arms), "rows": rows}
     result["total_seconds"] = round(time.perf_counter() - start, 1)
-    os.makedirs(results, exist_ok=True)
-    with open(os.path.join(results, "granularity_layers.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(results, "granularity_layers.md"), "w") as f:
-        f.write(render(result))
+    write_study(results, "granularity_layers", result, render(result))
     return result
 
 

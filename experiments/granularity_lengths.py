@@ -21,7 +21,6 @@ inputs' own lengths. Issue 34's goals are stated as met or not.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -41,6 +40,7 @@ from hf_partial_attention.pattern_layers import LayerPatterns
 from .granularity import patterns_for
 from .lengths import LENGTHS, fit_documents, held_out_inputs
 from .recover import measure
+from .store import write_study
 
 logger = logging.getLogger(__name__)
 
@@ -160,11 +160,7 @@ def run_granularity_lengths(out: str = "runs/granularity_lengths", results: str 
               "seconds": {name: round(s, 1) for name, s in steps.items()}}
     result["goals"] = goals(result)
     result["total_seconds"] = round(time.perf_counter() - start, 1)
-    os.makedirs(results, exist_ok=True)
-    with open(os.path.join(results, "granularity_lengths.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(results, "granularity_lengths.md"), "w") as f:
-        f.write(render(result))
+    write_study(results, "granularity_lengths", result, render(result))
     return result
 
 

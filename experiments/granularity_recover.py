@@ -17,6 +17,7 @@ import os
 import time
 
 from .granularity_lengths import ARMS, arm_patterns_file
+from .store import write_study
 
 __all__ = ["run_granularity_recover", "render", "GOAL"]
 
@@ -74,11 +75,7 @@ def run_granularity_recover(lengths_run: str = "runs/granularity_lengths", out: 
                           for arm, r in per_arm.items()}}
     result["goals"] = goals(result)
     result["total_seconds"] = round(time.perf_counter() - start, 1)
-    os.makedirs(results, exist_ok=True)
-    with open(os.path.join(results, "granularity_recover.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(results, "granularity_recover.md"), "w") as f:
-        f.write(render(result))
+    write_study(results, "granularity_recover", result, render(result))
     return result
 
 

@@ -44,6 +44,7 @@ from hf_partial_attention.pattern import AttentionPattern
 from hf_partial_attention.pattern_buckets import PatternBuckets, bucket_for
 
 from .lengths_report import plot_against_length, render
+from .store import write_study
 
 logger = logging.getLogger(__name__)
 
@@ -259,8 +260,5 @@ def run_lengths(out: str = "runs/lengths", results: str = "results/lengths", mod
     os.makedirs(os.path.join(results, "figures"), exist_ok=True)
     figures = plot_against_length(rows, os.path.join(results, "figures"))
     result["figures"] = {name: os.path.relpath(path, results) for name, path in figures.items()}  # no machine paths
-    with open(os.path.join(results, "lengths.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(results, "lengths.md"), "w") as f:
-        f.write(render(result))
+    write_study(results, "lengths", result, render(result))
     return result

@@ -10,7 +10,6 @@ states ``‖h' − h‖ / ‖h‖``. `python -m experiments objectives DIR` runs
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any
@@ -23,6 +22,8 @@ from hf_partial_attention.analysis.collect import display_name, load_model_and_t
 from hf_partial_attention.analysis.covariance import ScoreCovariance
 from hf_partial_attention.analysis.embeddings import embedding_cosines, summarize_cosines, window_batches
 from hf_partial_attention.analysis.selection import OBJECTIVES, select_pattern
+
+from .store import write_study
 
 __all__ = ["compare_objectives", "objectives_markdown", "model_outputs"]
 
@@ -80,11 +81,7 @@ def compare_objectives(analysis_dir: str, ks=(8, 16), objectives=OBJECTIVES, *, 
                               "heldout_windows": int(windows.shape[0]), "rows": rows,
                               "seconds": round(time.perf_counter() - start, 1)}
     if out is not None:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "objectives.json"), "w") as f:
-            json.dump(result, f, indent=1)
-        with open(os.path.join(out, "objectives.md"), "w") as f:
-            f.write(objectives_markdown(result))
+        write_study(out, "objectives", result, objectives_markdown(result))
     return result
 
 

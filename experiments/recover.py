@@ -19,7 +19,6 @@ sentence-transformers checkpoint with length buckets, recovered by distillation 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -29,6 +28,7 @@ from hf_partial_attention.analysis.defaults import resolve_model
 from hf_partial_attention.pattern_buckets import bucket_for
 
 from .lengths import LENGTHS, embedding_metrics, fit_documents, held_out_inputs, run_inputs
+from .store import write_study
 
 logger = logging.getLogger(__name__)
 
@@ -224,9 +224,5 @@ def run_recover(out: str = "runs/recover", results: str = "results/recovery", mo
     tokenizer.save_pretrained(recovered_dir)
     write_sentence_transformers_files(converted_dir, recovered_dir, n)
     _card(student, recovered_dir, result, model_id)
-    os.makedirs(results, exist_ok=True)
-    with open(os.path.join(results, "recovery.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(results, "recovery.md"), "w") as f:
-        f.write(_render(result))
+    write_study(results, "recovery", result, _render(result))
     return result

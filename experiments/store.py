@@ -1,4 +1,5 @@
-"""A study's resumable state: one JSON result per finished job, written atomically, under ``run_dir``.
+"""A study's resumable state: one JSON result per finished job, written atomically, under ``run_dir``; and its
+written results (`write_study`: the JSON and the Markdown every study leaves in its results folder).
 
 A job counts as done when its JSON exists, so a killed run, started again with the same arguments, skips what
 it finished and redoes only the job it was in. The arguments that shape results are stored beside the jobs and
@@ -11,7 +12,16 @@ import json
 import os
 from typing import Any
 
-__all__ = ["JobStore"]
+__all__ = ["JobStore", "write_study"]
+
+
+def write_study(folder: str | os.PathLike, stem: str, result: dict[str, Any], markdown: str) -> None:
+    """``<folder>/<stem>.json`` (the result, indented) and ``<folder>/<stem>.md`` (its report); the folder is made."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"{stem}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(folder, f"{stem}.md"), "w") as f:
+        f.write(markdown)
 
 
 class JobStore:
