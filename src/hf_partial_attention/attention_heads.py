@@ -48,13 +48,13 @@ class _AllHeadsFused(torch.autograd.Function):
     """Head by head: exact scores by QKᵀ then select P_h, full rows by W_h, mask, softmax, dropout, ·V."""
 
     @staticmethod
-    def forward(ctx, query, key, value, heads, additive, zero_at, scaling, dropout, *trained):
+    def forward(ctx, query, key, value, heads, indices, additive, zero_at, scaling, dropout, *trained):
         b, h, t, _ = query.shape
         train_r = any(p.reconstruction.requires_grad for p in heads)
         ws = [p.matrix(query.dtype, fresh=train_r) for p in heads]  # each (n, k, n), without autograd
         biases = [bias_in_key_order(p.layout, None if p.bias is None else p.bias.detach(), query.dtype, query.device)
                   for p in heads]  # each (n, n) or None
-        index = torch.stack([p.layout.indices[:t] for p in heads]).clamp(max=t - 1)  # (H, T, k)
+        index = indices[:, :t].clamp(max=t - 1)  # (H, T, k): keys beyond the input at t − 1, zeroed by zero_at
         k = index.shape[-1]
         rows = query.new_empty(h, t, b, k)  # (H, T, B, k): each head's exact scores, rows first
         probs = query.new_empty(h, t, b, t)  # (H, T, B, T): kept for the backward
@@ -90,7 +90,7 @@ class _AllHeadsFused(torch.autograd.Function):
         query, key, value, rows, probs, keep, index, zero_at = ctx.saved_tensors
         h, t, b, k = rows.shape
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
-        need_trained = ctx.needs_input_grad[8:]
+        need_trained = ctx.needs_input_grad[9:]
         grads = {name: x.new_empty(h, b, t, x.shape[-1]) for name, x, need in
                  (("q", query, need_q), ("k", key, need_k), ("v", value, need_v)) if need}  # each (H, B, T, D)
         grads_r, grads_bias = [None] * h, [None] * (len(need_trained) - h)
@@ -125,7 +125,7 @@ class _AllHeadsFused(torch.autograd.Function):
                     torch.bmm(grad_dense.transpose(1, 2), query[:, head], out=grads["k"][head])
         # (B, H, T, D) views of the (H, B, T, D) buffers
         grad_q, grad_k, grad_v = (grads[name].transpose(0, 1) if name in grads else None for name in "qkv")
-        return (grad_q, grad_k, grad_v, None, None, None, None, None, *grads_r, *grads_bias)
+        return (grad_q, grad_k, grad_v, None, None, None, None, None, None, *grads_r, *grads_bias)
 
 
 def all_heads_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -137,7 +137,8 @@ def all_heads_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     t = query.shape[2]
     check_length(t, heads[0].layout.indices.shape[0])
     additive, masked = masked_keys(attention_mask, t, query.dtype)
-    zero_at = _zero_at(masked, torch.stack([p.layout.indices for p in heads]), t)  # (B|1, H, T, k) or None
+    indices = torch.stack([p.layout.indices for p in heads])  # (H, n, k)
+    zero_at = _zero_at(masked, indices, t)  # (B|1, H, T, k) or None
     trained = [p.reconstruction for p in heads] + ([] if heads[0].bias is None else [p.bias for p in heads])
-    out = _AllHeadsFused.apply(query, key, value, heads, additive, zero_at, scaling, dropout, *trained)
+    out = _AllHeadsFused.apply(query, key, value, heads, indices, additive, zero_at, scaling, dropout, *trained)
     return out.permute(1, 2, 0, 3).contiguous(), None  # (B, T, H, Dv)
