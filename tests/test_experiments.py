@@ -466,3 +466,47 @@ def test_granularity_lengths_small(tmp_path, minilm_path, capsys, monkeypatch):
     assert os.path.isfile(os.path.join(run, "fit", "patterns",
                                        "buckets_per_query_fisher_head_savingk4_calibrated.safetensors"))
     assert "## Ablation" in open(os.path.join(layers_results, "granularity_layers.md")).read()
+
+    # The tiny version of `make granularity-refit` on this run, and its estimator against the library's fit: with the
+    # original's scores, a layer's refit R and bias are fit_pattern's on the covariance `collect_covariance` gathers
+    # (through the attention hooks) from the same windows; in context, layer 0 sees the original's inputs (the same
+    # refit) and layer 1 the converted model's (another one).
+    from hf_partial_attention.analysis.collect import collect_covariance
+    from hf_partial_attention.analysis.selection import fit_pattern
+
+    from experiments.granularity_refit import refit_layer
+
+    refit_results = str(tmp_path / "refit")
+    assert studies_cli.main(["granularity-refit", "--lengths-run", run, "--results", refit_results, "--k", "4",
+                             "--windows", "8", "--max-heldout", "12", "--heldout-windows", "4", "--no-progress"]) == 0
+    capsys.readouterr()
+    data = json.load(open(os.path.join(refit_results, "granularity_refit.json")))
+    assert data["arms"] == ["fit", "refit", "refit with docstrings", "refit in context"]
+    assert data["layers"] == [0, 1, 2, 3, 4]  # the partial layers: the last runs exactly
+    rows = {(r["model"], r["inputs_kind"]): r for r in data["rows"]}
+    assert {arm for arm, kind in rows if kind == "windows"} == set(data["arms"])
+    assert data["predicted_error"]["2"] == pytest.approx(
+        sum(uniform.group(2, h)[32].metadata["normalized_error"] for h in range(12)) / 12)
+    held = held_out_inputs(AutoTokenizer.from_pretrained(minilm_path), 12, 4, 32)[1].input_ids  # (4, 32)
+    converted = PartialBertModel.from_bert(original, uniform, reconstruction="fixed").eval()
+    with torch.no_grad():
+        ref, got = (m(input_ids=held).last_hidden_state.mean(1) for m in (original, converted))
+    expected = float((1 - torch.cosine_similarity(ref.double(), got.double(), dim=-1)).mean())
+    assert rows[("fit", "windows")]["one_minus_cos"] == pytest.approx(expected, rel=1e-4)
+    assert rows[("refit", "windows")]["one_minus_cos"] != rows[("fit", "windows")]["one_minus_cos"]
+    cov = collect_covariance(original, ids, minilm_path, seq_len=32, granularity="head", progress=False,
+                             distributed=False)
+    plain = refit_layer(original, uniform, 1, ids)
+    for head in (0, 7):
+        fitted = uniform.group(1, head)[32]
+        want = fit_pattern(cov, fitted.indices, centered=True, bias=True, ridge=fitted.metadata["ridge"], layer=1,
+                           head=head)
+        torch.testing.assert_close(plain[head].reconstruction, want.reconstruction, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(plain[head].bias, want.bias, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(plain[0].reconstruction, uniform.group(1, 0)[32].reconstruction, atol=1e-3)
+    for layer, same in ((0, True), (1, False)):
+        base = plain if layer == 1 else refit_layer(original, uniform, 0, ids)
+        context = refit_layer(original, uniform, layer, ids, context=converted)
+        assert torch.allclose(context[3].reconstruction, base[3].reconstruction, atol=1e-5) == same
+    with pytest.raises(ValueError, match=r"windows must be \(W, 32\)"):
+        refit_layer(original, uniform, 1, ids[:, :16])

@@ -52,6 +52,10 @@ def derive_arguments(p):
     p.add_argument("--budget-layers", type=int, nargs="+", default=None, metavar="L",
                    help="with --saving: the layers the budget is spread over (default: every layer but the last, the "
                         "partial layers convert makes by default); the others get the uniform k")
+    p.add_argument("--exact-layers", type=int, nargs="+", default=None, metavar="L",
+                   help="with --saving: budget layers left exact, each paying dense attention's cost out of the same "
+                        "budget; the others share the rest (file <scope>_..._saving<S>_exact<L>; convert leaves them "
+                        "exact)")
     p.add_argument("--no-evaluate", action="store_true", help="skip the held-out measurement")
     p.add_argument("--no-baselines", action="store_true", help="skip the equal-cost baselines")
     p.add_argument("--batch-size", type=int, default=8, help="held-out windows per forward pass")
@@ -99,12 +103,13 @@ def _run_derive_budget(args) -> int:
     if args.scope != "per_query" or args.bucket_k:
         raise ValueError("--saving chooses every bucket's k per layer itself: drop --scope and --bucket-k.")
     result = derive_budget(args.dir, args.saving, granularity=args.granularity, objective=args.objective,
-                           family=args.family, layers=args.budget_layers)
+                           family=args.family, layers=args.budget_layers, exact_layers=args.exact_layers)
     for row in result["buckets"]:
         if row["exact"]:
             print(f"b={row['length']}: exact in every layer (the saving asks for k >= b)")
             continue
-        ks = ", ".join(f"{layer}: {k}" for layer, k in row["k_per_layer"].items())
+        ks = ", ".join(f"{layer}: {'exact' if int(layer) in result['exact_layers'] else k}"
+                       for layer, k in row["k_per_layer"].items())
         print(f"b={row['length']}: k per layer {{{ks}}} (uniform {row['uniform_k']}), saving "
               f"{100 * row['saving']:.1f} % (uniform {100 * row['saving_uniform']:.1f} %); predicted "
               f"{args.objective} error {row['predicted_objective']:.4f} (uniform "
@@ -121,6 +126,8 @@ def run_derive(args) -> int:
     fmt = lambda v: "not measured" if v is None else f"{v:.4f}"  # noqa: E731
     if args.saving is not None:
         return _run_derive_budget(args)
+    if args.exact_layers:
+        raise ValueError("--exact-layers leaves layers exact out of a --saving budget: give --saving too.")
     if args.granularity != "pooled":
         if buckets:
             return _run_derive_layer_buckets(args)

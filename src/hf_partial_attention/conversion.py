@@ -139,6 +139,10 @@ def partial_config(source, pattern: AttentionPattern | PatternBuckets | LayerPat
         # each layer (or head) its own P, so its own R: trainable per layer unless the caller fixes it
         fields.update(partial_granularity=pattern.granularity, reconstruction="per_layer")
     fields.update(overrides)
+    exact = pattern.metadata.get("exact_layers") if isinstance(pattern, LayerPatterns) else None
+    if exact and "partial_layers" not in overrides:
+        # `derive --exact-layers`: the budget left these layers exact; they hold no P and R
+        fields.update(partial_layers=[layer for layer in config_class(**fields).partial_layers if layer not in exact])
     if isinstance(pattern, LayerPatterns) and "partial_layers_k" not in overrides:
         # a k per layer (`derive --saving`): the partial layers' own, known once the config has chosen them
         layers = [layer for layer in config_class(**fields).partial_layers if layer in pattern.layers]

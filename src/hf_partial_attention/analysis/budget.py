@@ -116,7 +116,8 @@ def _label(saving: str | float) -> str:
 
 def derive_budget(out: str, saving: str | float, *, granularity: str = "layer", objective: str = "paper",
                   family: str = "per_query", centered: bool | None = None, layers=None,
-                  layer_weights: dict[int, float] | None = None, name: str = "budget") -> dict[str, Any]:
+                  layer_weights: dict[int, float] | None = None, name: str | None = None,
+                  exact_layers=None) -> dict[str, Any]:
     """A k per layer at ``saving`` (module docstring) from the analysis in ``out`` (length buckets when it holds
     ``covariance_len*``, else the fixed windows' covariance), beside the uniform k at the same saving.
 
@@ -128,7 +129,11 @@ def derive_budget(out: str, saving: str | float, *, granularity: str = "layer", 
             layer's objective costs at the model's output (`experiments.granularity_layers` measures it); default
             equal weights.
         name: the budgeted file's suffix (``..._saving<S>_<name>.safetensors``) and its entry in ``results.json``
-            (``<S>`` for ``"budget"``, ``<S>_<name>`` otherwise), so that a weighted budget sits beside the plain one.
+            (``<S>`` for ``"budget"``, ``<S>_<name>`` otherwise), so that a weighted budget sits beside the plain one;
+            default ``"budget"``, or ``"exact<l>"`` (``"exact1and4"``) with ``exact_layers``.
+        exact_layers: budget layers left exact: each costs b·d_h per query row of the same budget (dense attention),
+            and the rest of the budget is spread over the other budget layers. The file holds no P and R for them and
+            records them (``metadata["exact_layers"]``), so that a conversion leaves them out of ``partial_layers``.
 
     Raises ValueError for the pooled granularity (one P has one k), a covariance collected more coarsely than
     ``granularity`` and an unreachable saving."""
@@ -168,6 +173,13 @@ def derive_budget(out: str, saving: str | float, *, granularity: str = "layer", 
         if bad:
             raise ValueError(f"layer_weights must give every budget layer {budget_layers} a positive weight; got {bad} "
                              "for these layers.")
+    exact_layers = sorted({int(layer) for layer in exact_layers or ()})
+    if not set(exact_layers) <= set(budget_layers) or len(exact_layers) >= len(budget_layers):
+        raise ValueError(f"exact_layers={exact_layers}: give some, not all, of the budget layers {budget_layers} (the "
+                         "layers an exact one's cost is taken from).")
+    spread = [layer for layer in budget_layers if layer not in exact_layers]  # the layers that get a k
+    if name is None:
+        name = "exact" + "and".join(map(str, exact_layers)) if exact_layers else "budget"
     if name == "uniform" or not re.fullmatch(r"[A-Za-z0-9]+", name):
         raise ValueError(f"name must be letters and digits, not 'uniform' (the baseline's file), got {name!r}.")
     kwargs = dict(family=family, centered=centered, objective=objective)
@@ -189,22 +201,35 @@ def derive_budget(out: str, saving: str | float, *, granularity: str = "layer", 
                              for head in heads) * (1.0 if layer_weights is None else float(layer_weights[layer]))
                   for layer in budget_layers}  # the weighted error the allocation spends on
         per_row = k_u * d_head + (b - k_u) * k_u
-        ks = allocate(curves, b, d_head, per_row * len(budget_layers))
-        error = lambda k_of: sum(float(curves[l][k_of(l) - 1]) for l in budget_layers)  # noqa: E731
-        if error(ks.get) > error(lambda layer: k_u):
+        # an exact layer costs what dense attention costs (b scores of d_h multiply-adds per query row) and adds no error
+        try:
+            ks = allocate({layer: curves[layer] for layer in spread}, b, d_head,
+                          per_row * len(budget_layers) - b * d_head * len(exact_layers))
+        except ValueError as error:
+            if not exact_layers:
+                raise
+            raise ValueError(f"{error} Layers {exact_layers} exact take {b * d_head * len(exact_layers)} of it: leave "
+                             "fewer layers exact.") from None
+        error = lambda k_of: sum(float(curves[l][k_of(l) - 1]) for l in spread)  # noqa: E731
+        uniform_error = sum(float(curves[l][k_u - 1]) for l in budget_layers)
+        if exact_layers and error(ks.get) > uniform_error:
+            logger.warning("bucket %d: with layers %s exact, the other layers' ks %s predict more error than k = %d in "
+                           "every layer.", b, exact_layers, ks, k_u)
+        elif error(ks.get) > uniform_error:
             # marginal allocation is optimal for convex curves only; on others it can end above the one k: keep that
             logger.info("bucket %d: the budgeted ks %s predict more error than k = %d in every layer; keeping it.", b,
                         ks, k_u)
             ks = {layer: k_u for layer in budget_layers}
-        chosen[b] = {layer: ks.get(layer, k_u) for layer in model_layers}
-        spent = sum(score_cost(b, ks[layer], d_head).total for layer in budget_layers)
+        chosen[b] = {layer: b if layer in exact_layers else ks.get(layer, k_u) for layer in model_layers}
+        spent = sum(score_cost(b, chosen[b][layer], d_head).total for layer in budget_layers)
         total = sum(float(_total_objective(bucket_cov[b], layer, heads, kwargs))
                     * (1.0 if layer_weights is None else float(layer_weights[layer])) for layer in budget_layers)
-        rows.append({"length": b, "exact": False, "uniform_k": k_u, "k_per_layer": {str(l): ks[l] for l in ks},
+        rows.append({"length": b, "exact": False, "uniform_k": k_u,
+                     "k_per_layer": {str(l): chosen[b][l] for l in budget_layers},
                      "saving_uniform": score_cost(b, k_u, d_head).saving,
                      "saving": 1.0 - spent / (len(budget_layers) * score_cost(b, b, d_head).dense),
                      "predicted_objective_uniform": sum(float(curves[l][k_u - 1]) for l in budget_layers) / total,
-                     "predicted_objective": sum(float(curves[l][ks[l] - 1]) for l in budget_layers) / total})
+                     "predicted_objective": error(ks.get) / total})
         logger.info("bucket %d: k per layer %s (uniform %d); predicted objective error %.4f (uniform %.4f)", b, ks,
                     k_u, rows[-1]["predicted_objective"], rows[-1]["predicted_objective_uniform"])
     tag = "_".join(["per_query", *([family] if family != "per_query" else []),
@@ -212,21 +237,27 @@ def derive_budget(out: str, saving: str | float, *, granularity: str = "layer", 
     meta = {"source_model": longest.metadata.get("model"), "source_model_id": longest.metadata.get("model_id"),
             "granularity": granularity, "objective": objective, "family": family, "saving": saving,
             "budget_layers": budget_layers, "kind": longest.metadata.get("kind")}
+    if exact_layers:  # read by `conversion.partial_config`: these layers are left out of partial_layers
+        meta["exact_layers"] = exact_layers
     sets = {}
     for choice, k_of in ((name, lambda b, layer: chosen[b][layer]), ("uniform", lambda b, layer: uniform[b])):
         def group(layer: int, head: int | None) -> PatternBuckets:
             fitted = {b: select_pattern(bucket_cov[b], k_of(b, layer), layer=layer, head=head, **kwargs)
                       for b in lengths if k_of(b, layer) < b}
             return PatternBuckets(fitted, [b for b in lengths if k_of(b, layer) >= b], k=fitted[n].k)
+        kept = [layer for layer in model_layers if choice == "uniform" or layer not in exact_layers]
         sets[choice] = LayerPatterns({layer: group(layer, None) if granularity == "layer" else
-                                    [group(layer, head) for head in heads] for layer in model_layers},
-                                   metadata={**meta, "k_choice": choice, "lengths": lengths})
+                                    [group(layer, head) for head in heads] for layer in kept},
+                                   metadata={**{key: v for key, v in meta.items()
+                                                if choice != "uniform" or key != "exact_layers"},
+                                             "k_choice": choice, "lengths": lengths})
     os.makedirs(os.path.join(out, "patterns"), exist_ok=True)
     prefix = "" if windows else "buckets_"
     result: dict[str, Any] = {"saving": saving, "granularity": granularity, "objective": objective, "lengths": lengths,
                               "layers": model_layers, "budget_layers": budget_layers, "head_dim": d_head,
-                              "buckets": rows, "layers_k": {str(layer): sets[name].layer_lengths_k(layer)
-                                                            for layer in model_layers},
+                              "buckets": rows, "exact_layers": exact_layers,
+                              "layers_k": {str(layer): sets[name].layer_lengths_k(layer) if layer in sets[name].layers
+                                           else list(lengths) for layer in model_layers},
                               "layer_weights": None if layer_weights is None else
                               {str(layer): float(layer_weights[layer]) for layer in budget_layers}}
     for choice, layer_set in sets.items():
