@@ -13,6 +13,10 @@ Weights, from the calibration windows only: ``w_l`` is the error layer l adds in
 over its objective at the one k in the longest bucket. The budget spread with them (`derive_budget(layer_weights=w,
 name="calibrated")`, at the same saving) is measured on every held-out kind and bucket beside the one k and the plain
 budget, as `granularity_lengths` measures its arms.
+
+An exact layer, also chosen on the calibration windows only: the layer whose being left exact lowers the error most
+is left exact at the same saving (`derive_budget(exact_layers=[l])`, ``derive --saving k16 --exact-layers l``): it pays
+dense attention's cost out of the budget, and the other layers share the rest by the plain allocation.
 """
 
 from __future__ import annotations
@@ -48,6 +52,12 @@ def _embeddings(model, ids: torch.Tensor, batch_size: int) -> torch.Tensor:
 
 def _error(reference: torch.Tensor, got: torch.Tensor) -> float:
     return float((1 - torch.nn.functional.cosine_similarity(reference, got, dim=-1)).mean())
+
+
+def _layer_k(path: str, layer: int) -> list[int] | str:
+    """The ks per bucket of ``layer`` in the buckets file ``path``, or ``"exact"`` where the file leaves it exact."""
+    patterns = LayerPatterns.load(path)
+    return patterns.layer_lengths_k(layer) if layer in patterns.layers else "exact"
 
 
 def run_granularity_layers(lengths_run: str = "runs/granularity_lengths", results: str = "results/granularity_layers",
@@ -93,8 +103,12 @@ def run_granularity_layers(lengths_run: str = "runs/granularity_lengths", result
     weights = {layer: added[layer] / objective_at_k[layer] for layer in layers}
     budget = derive_budget(fit, f"k{k}", granularity="head", objective=objective, layer_weights=weights,
                            name="calibrated")
+    # the layer whose exactness lowers the calibration error most, left exact at the same saving (its dense cost
+    # taken out of the budget, the rest spread over the other layers)
+    exact_layer = min(layers, key=lambda layer: exact[str(layer)]["calibration"])
+    exact_budget = derive_budget(fit, f"k{k}", granularity="head", objective=objective, exact_layers=[exact_layer])
     arms = {"head uniform": uniform_file, "head budget": arm_patterns_file(fit, "head", "budget", k, objective),
-            "head calibrated": budget["budget_path"]}
+            "head calibrated": budget["budget_path"], f"head exact{exact_layer}": exact_budget["budget_path"]}
     models = {arm: PartialBertModel.from_bert(original, LayerPatterns.load(path), reconstruction="fixed").eval()
               for arm, path in arms.items()}
     rows = measure(original, models, {**tokens, "windows": held}, sorted(paths), batch_size)
@@ -104,8 +118,8 @@ def run_granularity_layers(lengths_run: str = "runs/granularity_lengths", result
               "ablation": {"all": everything, "alone": alone, "exact": exact},
               "objective_at_k": {str(layer): v for layer, v in objective_at_k.items()},
               "weights": {str(layer): w for layer, w in weights.items()},
-              "layers_k": {arm: {str(layer): LayerPatterns.load(path).layer_lengths_k(layer) for layer in layers}
-                           for arm, path in arms.items()},
+              "exact_layer": exact_layer,
+              "layers_k": {arm: {str(layer): _layer_k(path, layer) for layer in layers} for arm, path in arms.items()},
               "arms": list(arms), "rows": rows}
     result["total_seconds"] = round(time.perf_counter() - start, 1)
     write_study(results, "granularity_layers", result, render(result))
@@ -136,7 +150,9 @@ def render(result: dict) -> str:
             - ablation["exact"][layer]["calibration"] > ablation["alone"][layer]["calibration"]]
     lines += ["", f"On the calibration windows the layers alone add {summed:.4f} in all, and together they give "
               f"{ablation['all']['calibration']:.4f}. Layers whose error adds more with the others partial than alone "
-              f"(all minus 'all but l' above 'only l'): {', '.join(more) or 'none'}.",
+              f"(all minus 'all but l' above 'only l'): {', '.join(more) or 'none'}. Left exact in `head exact"
+              f"{result['exact_layer']}` (its dense cost out of the same budget, the other layers sharing the rest): "
+              f"layer {result['exact_layer']}, whose 'all but' error on the calibration windows is the lowest.",
               "", "## Weights and each layer's k per bucket", "",
               "| layer | objective at k | weight (error added in context / objective) | " +
               " | ".join(f"k {arm}" for arm in result["arms"]) + " |", "|---|---:|---:|" + "---|" * len(result["arms"])]

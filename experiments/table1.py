@@ -48,7 +48,7 @@ from . import table1_steps as steps
 from .store import JobStore
 from .table1_data import load_study_data
 from .table1_report import write_report
-from .table1_spec import BUCKET_OBJECTIVE, COMMAND, Arm, StudyArguments, job_names
+from .table1_spec import BUCKET_OBJECTIVE, COMMAND, Arm, StudyArguments, job_names, layers_key
 from .table1_stats import mlm_loss
 
 logger = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class _Study:
         tag = f"per_query_{BUCKET_OBJECTIVE}_{arm.granularity}" if BUCKET_OBJECTIVE != "paper" else \
             f"per_query_{arm.granularity}"
         return os.path.join(self.a.run_dir, "buckets_head", "patterns",
-                            f"buckets_{tag}_savingk{arm.k}_{'budget' if arm.budget else 'uniform'}.safetensors")
+                            f"buckets_{tag}_savingk{arm.k}_{arm.budget_name}.safetensors")
 
     def exact_mlm(self):
         from transformers import BertForMaskedLM
@@ -241,7 +241,8 @@ def _layer_patterns(study: _Study, centered: bool) -> dict:
     from hf_partial_attention.analysis.lengths import analyze_lengths
 
     a, data = study.a, study.data
-    wanted = sorted({(arm.k, arm.granularity) for arm in a.arms().finetune if arm.granularity != "pooled"})
+    wanted = sorted({(arm.k, arm.granularity, arm.exact_layers) for arm in a.arms().finetune
+                     if arm.granularity != "pooled"})
     if not wanted:
         return {}
     folder = os.path.join(a.run_dir, "buckets_head")
@@ -249,9 +250,10 @@ def _layer_patterns(study: _Study, centered: bool) -> dict:
                     heldout_every=0, max_inputs=a.bucket_fit_inputs, centered=centered, model_id=data.model_id,
                     progress=a.progress, granularity="head")
     out = {}
-    for k, granularity in wanted:
-        result = derive_budget(folder, f"k{k}", granularity=granularity, objective=BUCKET_OBJECTIVE)
-        out[f"k{k}_{granularity}"] = {"layers_k": result["layers_k"], "buckets": result["buckets"]}
+    for k, granularity, exact in wanted:
+        result = derive_budget(folder, f"k{k}", granularity=granularity, objective=BUCKET_OBJECTIVE,
+                               exact_layers=exact or None)
+        out[layers_key(k, granularity, exact)] = {"layers_k": result["layers_k"], "buckets": result["buckets"]}
     return out
 
 
@@ -278,7 +280,9 @@ def _converted(study: _Study, arm: Arm, with_zero_fill: bool) -> dict:
     the first such arm of each k also the zero-fill conversion's (the gap decomposition's step (ii))."""
     result = {"converted": study.evaluate(study.convert(arm))}
     if with_zero_fill:
-        result["zero_fill_converted"] = study.evaluate(study.convert(arm.twin(lengths="zero_fill")))
+        # zero fill is one pooled P and R of n (the decomposition's step (ii)), whatever the arm's own form
+        zero_fill = arm.twin(lengths="zero_fill", granularity="pooled", budget=False, exact_layers=())
+        result["zero_fill_converted"] = study.evaluate(study.convert(zero_fill))
     return result
 
 

@@ -20,7 +20,7 @@ from hf_partial_attention.cost import distribution_saving, score_cost
 from .table1_budget import BUDGET_SECONDS, estimate_seconds
 from .table1_data import TASK_DESCRIPTION
 from .table1_gaps import gap_decomposition, goals, render_gaps, render_goals
-from .table1_spec import BUCKET_OBJECTIVE, COMMAND, Arm, StudyArguments, StudyArms, job_names
+from .table1_spec import BUCKET_OBJECTIVE, COMMAND, Arm, StudyArguments, StudyArms, job_names, layers_key
 from .table1_stats import MIN_EFFECT_NATS, ArmLosses, accuracy_summary, mlm_loss, verdicts
 
 __all__ = ["write_report", "render", "report_arms", "collect"]
@@ -71,8 +71,9 @@ def collect(a: StudyArguments, store, data, command: str) -> dict[str, Any]:
         error = None if arm.is_exact else (patterns["buckets"][str(arm.k)]["normalized_error"][str(n)]
                                            if arm.lengths == "buckets" else patterns["normalized_error"][str(arm.k)])
         if not arm.is_exact and arm.budget:  # each partial layer its own k: the mean of their savings
-            layers_k = patterns.get("layers", {})[f"k{arm.k}_{arm.granularity}"]["layers_k"]
-            ks = [layers_k[str(layer)] for layer in range(layers - 1)]  # all layers but the last are partial
+            layers_k = patterns.get("layers", {})[layers_key(arm.k, arm.granularity, arm.exact_layers)]["layers_k"]
+            # the budget's layers, all but the last (an exact one among them has k = b in every bucket: no saving)
+            ks = [layers_k[str(layer)] for layer in range(layers - 1)]
             saving = sum(score_cost(n, row[-1], d_head).saving for row in ks) / len(ks)
             pairs_saving = sum(distribution_saving(lengths, row, d_head, pair_lengths) for row in ks) / len(ks)
         if not arm.is_exact and arm.granularity != "pooled":
@@ -227,6 +228,9 @@ def _form_phrase(arm) -> str:
     if arm.granularity == "pooled":
         return "pooled over all layers and heads"
     own = "each layer" if arm.granularity == "layer" else "each head of each layer"
+    if arm.exact_layers:
+        return (f"{own} its own, layers {list(arm.exact_layers)} exact within k's saving and the other layers a k "
+                "each (`derive --saving --exact-layers`)")
     return f"{own} its own" + (" (a k per layer at k's saving: `derive --saving`)" if arm.budget else "")
 
 

@@ -9,12 +9,13 @@ it back. Arms spelled on the command line (``--zero_fill_control``, ``--rlr_arm`
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field, replace
 
 from hf_partial_attention.configuration_partial_bert import RECONSTRUCTION_MODES
 
-__all__ = ["Arm", "StudyArguments", "StudyArms", "study_arms", "job_names", "parse_arm", "RECONSTRUCTION_MODES",
-           "RECOVERIES", "LENGTH_MODES", "GRANULARITY_FORMS", "BUCKET_OBJECTIVE", "COMMAND"]
+__all__ = ["Arm", "layers_key", "StudyArguments", "StudyArms", "study_arms", "job_names", "parse_arm",
+           "RECONSTRUCTION_MODES", "RECOVERIES", "LENGTH_MODES", "GRANULARITY_FORMS", "BUCKET_OBJECTIVE", "COMMAND"]
 
 # How the study is run (`experiments.cli`); the report and the cards cite it.
 COMMAND = "python -m experiments table1"
@@ -50,6 +51,8 @@ class Arm:
         granularity: ``pooled`` (one P and R for every layer and head, the paper's), ``layer`` or ``head`` (each
             its own, issue 34; with buckets, R fixed or per_layer).
         budget: each layer its own k at k's saving in every bucket (`analysis.budget`, ``derive --saving k<k>``).
+        exact_layers: with ``budget``, layers left exact at the same saving (``derive --exact-layers``): each pays
+            dense attention's cost out of the budget, the other partial layers share the rest.
     """
 
     k: int | None = None
@@ -58,8 +61,12 @@ class Arm:
     lengths: str = "buckets"
     granularity: str = "pooled"
     budget: bool = False
+    exact_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
+        if self.exact_layers and not self.budget:
+            raise ValueError(f"Arm(exact_layers={self.exact_layers}) leaves layers exact within a budget: set "
+                             "budget=True (form '<granularity>_exact<l>').")
         if self.granularity not in GRANULARITY_FORMS:
             raise ValueError(f"Arm(granularity={self.granularity!r}): use one of {GRANULARITY_FORMS}.")
         if self.granularity != "pooled" or self.budget:
@@ -114,12 +121,24 @@ class Arm:
         if self.k is None:
             return "exact"
         return (f"k{self.k}_{self.reconstruction}_{self.recovery}" + ("_zerofill" if self.lengths == "zero_fill" else "")
-                + ("" if self.granularity == "pooled" else f"_{self.granularity}") + ("_budget" if self.budget else ""))
+                + ("" if self.granularity == "pooled" else f"_{self.granularity}") + self._budget_suffix)
+
+    @property
+    def _budget_suffix(self) -> str:
+        """``_budget``, ``_exact4`` (a budget with layer 4 exact; ``_exact1and4``) or nothing (one k)."""
+        if self.exact_layers:
+            return "_exact" + "and".join(map(str, self.exact_layers))
+        return "_budget" if self.budget else ""
+
+    @property
+    def budget_name(self) -> str:
+        """The suffix of `derive_budget`'s file for the arm: ``budget``, ``exact4``, ... (``uniform`` for one k)."""
+        return self._budget_suffix.removeprefix("_") or "uniform"
 
     @property
     def form(self) -> str:
         """P and R as the report shows them: ``pooled``, ``head``, ``head_budget``, ..."""
-        return self.granularity + ("_budget" if self.budget else "")
+        return self.granularity + self._budget_suffix
 
     @property
     def mode(self) -> str:
@@ -131,6 +150,11 @@ class Arm:
         return replace(self, **changes)
 
 
+def layers_key(k: int, granularity: str, exact_layers=()) -> str:
+    """The key of an arm's per-layer ks in the study's patterns record: ``k16_head``, ``k16_head_exact4``."""
+    return f"k{k}_{granularity}" + ("_exact" + "and".join(map(str, exact_layers)) if exact_layers else "")
+
+
 def parse_arm(text: str, field_name: str, lengths: str = "buckets") -> Arm:
     """``"16:common:distill"`` (k, R mode, recovery) or ``"16:per_layer:distill:head_budget"`` (and P and R's form:
     ``pooled``, ``layer``, ``head``, with ``_budget`` for a k per layer) as an `Arm`; a ValueError naming
@@ -140,12 +164,16 @@ def parse_arm(text: str, field_name: str, lengths: str = "buckets") -> Arm:
         if len(parts) not in (3, 4):
             raise ValueError("three or four fields")
         form = parts[3] if len(parts) == 4 else "pooled"
-        granularity, budget = form.removesuffix("_budget"), form.endswith("_budget")
-        return Arm(int(parts[0]), parts[1], parts[2], lengths, granularity, budget)
+        match = re.fullmatch(r"([a-z]+)(?:_(budget)|_exact(\d+(?:and\d+)*))?", form)
+        if match is None:
+            raise ValueError(f"form {form!r}")
+        exact = tuple(int(layer) for layer in match[3].split("and")) if match[3] else ()
+        return Arm(int(parts[0]), parts[1], parts[2], lengths, match[1], bool(match[2] or exact), exact)
     except ValueError as err:
         raise ValueError(f"--{field_name} {text!r} is not an arm k:mode:recovery[:form] ({err}); write e.g. "
                          f"'16:common:distill' or '16:per_layer:distill:head_budget' (mode in {RECONSTRUCTION_MODES}, "
-                         f"recovery in {RECOVERIES}, form in {GRANULARITY_FORMS} with an optional _budget)."
+                         f"recovery in {RECOVERIES}, form in {GRANULARITY_FORMS} with an optional _budget or "
+                         "_exact<l>)."
                          ) from err
 
 

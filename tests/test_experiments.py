@@ -452,7 +452,11 @@ def test_granularity_lengths_small(tmp_path, minilm_path, capsys, monkeypatch):
                              "--no-progress"]) == 0
     capsys.readouterr()
     data = json.load(open(os.path.join(layers_results, "granularity_layers.json")))
-    assert data["layers"] == [0, 1, 2, 3, 4] and data["arms"] == ["head uniform", "head budget", "head calibrated"]
+    assert data["layers"] == [0, 1, 2, 3, 4] and data["arms"][:3] == ["head uniform", "head budget", "head calibrated"]
+    # the exact arm: the layer whose being left exact gives the lowest calibration error, exact at the same saving
+    chosen = min(range(5), key=lambda layer: data["ablation"]["exact"][str(layer)]["calibration"])
+    assert data["exact_layer"] == chosen and data["arms"][3] == f"head exact{chosen}"
+    assert data["layers_k"][f"head exact{chosen}"][str(chosen)] == "exact"
     ids = make_windows(AutoTokenizer.from_pretrained(minilm_path), default_texts(), 32, 8)  # (8, 32)
     uniform = LayerPatterns.load(os.path.join(run, "fit", "patterns",
                                               "buckets_per_query_fisher_head_savingk4_uniform.safetensors"))

@@ -20,6 +20,7 @@ from experiments.table1_stats import (
     ArmLosses, accuracy_difference, accuracy_summary, mlm_loss, paired_loss_difference, verdicts,
 )
 from hf_partial_attention.configuration_partial_bert import PartialBertConfig
+from hf_partial_attention.cost import score_cost
 from hf_partial_attention.model_card import validate_card_metadata
 from hf_partial_attention.training.trainer import masked_only_mlm_loss
 
@@ -118,6 +119,14 @@ def test_arm_names_and_their_checks():
     assert head == Arm(16, "per_layer", "distill", granularity="head", budget=True)
     assert (head.name, head.form) == ("k16_per_layer_distill_head_budget", "head_budget")
     assert parse_arm("8:fixed:none:layer", "granularity_arms").name == "k8_fixed_none_layer"
+    exact = parse_arm("16:per_layer:none:head_exact1and4", "granularity_arms")
+    assert exact == Arm(16, "per_layer", "none", granularity="head", budget=True, exact_layers=(1, 4))
+    assert (exact.name, exact.form, exact.budget_name) == ("k16_per_layer_none_head_exact1and4", "head_exact1and4",
+                                                           "exact1and4")
+    with pytest.raises(ValueError, match="form 'head_exact'"):
+        parse_arm("16:per_layer:none:head_exact", "granularity_arms")
+    with pytest.raises(ValueError, match="set budget=True"):
+        Arm(16, "per_layer", "none", granularity="head", exact_layers=(4,))
 
 
 @pytest.mark.parametrize("fields, words", [
@@ -400,12 +409,13 @@ def test_tiny_table1_study_by_the_mnli_flags(tmp_path, one_torch_thread):
             str(tmp_path / "train.jsonl"), "--finetune_validation_file", str(tmp_path / "validation.jsonl"),
             "--phase1_steps", "0", "--ks", "8", "--modes", "fixed", "--recoveries", "mlm", "--zero_fill_control", "",
             "--rlr_arm", "", "--reconstruction_learning_rates", "1e-3", "--finetune_seeds", "0",
-            "--granularity_arms", "8:per_layer:mlm:head_budget",
+            "--granularity_arms", "8:per_layer:mlm:head_budget,8:per_layer:none:head_exact4",
             "--output_dir", str(tmp_path / "out"), "--run_dir", str(tmp_path / "run"),
             "--cards_dir", str(tmp_path / "cards")]
     assert cli_main(argv) == 0
     report = json.loads((tmp_path / "out" / "table1.json").read_text())
-    assert list(report["rows"]) == ["exact", "k8_fixed_mlm", "k8_per_layer_mlm_head_budget"]
+    assert list(report["rows"]) == ["exact", "k8_fixed_mlm", "k8_per_layer_mlm_head_budget",
+                                    "k8_per_layer_none_head_exact4"]
     # P and R per head with a k per layer (derive --saving k8 on a per-head bucket analysis of the start model)
     head = report["rows"]["k8_per_layer_mlm_head_budget"]
     assert head["lengths"] == "buckets (head_budget)" and head["predicted_normalized_error"] is None
@@ -417,6 +427,19 @@ def test_tiny_table1_study_by_the_mnli_flags(tmp_path, one_torch_thread):
     ks = report["patterns"]["layers"]["k8_head"]["layers_k"]
     expected = [ks[str(layer)] for layer in tuned.config.partial_layers]
     assert tuned.config.partial_layers_k == (expected if len({tuple(r) for r in expected}) > 1 else None)
+    # layer 4 exact within k = 8's saving (derive --exact-layers 4): the model leaves it exact, and the report's
+    # saving counts it as a partial layer that saves nothing, so that the arm costs no more than k = 8 everywhere
+    exact = PartialBertForSequenceClassification.from_pretrained(tmp_path / "run" / "models" / "ft_k8_per_layer_none_"
+                                                                 "head_exact4_s0")
+    assert exact.config.partial_layers == [0, 1, 2, 3]
+    ks = report["patterns"]["layers"]["k8_head_exact4"]["layers_k"]
+    assert ks["4"] == [16, 32] and all(ks[str(layer)][-1] < 32 for layer in range(4))
+    d = exact.config.hidden_size // exact.config.num_attention_heads
+    row = report["rows"]["k8_per_layer_none_head_exact4"]
+    assert row["lengths"] == "buckets (head_exact4)"
+    assert row["qk_saving_partial_layers"] == pytest.approx(
+        sum(score_cost(32, ks[str(layer)][-1], d).saving for layer in range(5)) / 5)
+    assert row["qk_saving_partial_layers"] >= score_cost(32, 8, d).saving - 1e-9
     assert report["selection"] == {"arm": None, "chosen": 1e-3, "windows": None, "candidates": []}
     assert report["sizes"]["pairs"] == {"train": 64, "validation": 24}
     assert report["labels"] == ["entailment", "neutral", "contradiction"]

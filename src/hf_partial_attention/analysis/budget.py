@@ -16,6 +16,12 @@ run exactly), so that the budgeted file compares with ``derive --k 16`` at its c
 Writes ``patterns/[buckets_]<tag>_saving<S>_budget.safetensors`` (`LayerPatterns`, each layer its own k) beside
 ``..._uniform.safetensors`` (the uniform k at the same saving) and the ``budget_<tag>`` section of ``results.json``:
 each layer's k per bucket, each bucket's saving and the greedy's predicted error of both.
+
+``exact_layers`` (``derive --exact-layers``) leaves budget layers exact: each pays dense attention's cost (b·d_h per
+query row) out of the same budget, the other layers share the rest, and a conversion leaves them out of
+``partial_layers``. The greedy's error curves cannot weigh an exact layer against the others (a unit of objective does
+not cost the same embedding error in every layer): which layer to leave exact is measured at the output
+(`experiments.granularity_layers`).
 """
 
 from __future__ import annotations
@@ -201,7 +207,7 @@ def derive_budget(out: str, saving: str | float, *, granularity: str = "layer", 
                              for head in heads) * (1.0 if layer_weights is None else float(layer_weights[layer]))
                   for layer in budget_layers}  # the weighted error the allocation spends on
         per_row = k_u * d_head + (b - k_u) * k_u
-        # an exact layer costs what dense attention costs (b scores of d_h multiply-adds per query row) and adds no error
+        # an exact layer costs what dense attention costs (b scores of d_h multiply-adds a query row), adds no error
         try:
             ks = allocate({layer: curves[layer] for layer in spread}, b, d_head,
                           per_row * len(budget_layers) - b * d_head * len(exact_layers))
