@@ -41,9 +41,10 @@ def _demo_args(p):
     p.add_argument("--bucket-k", nargs="*", default=None, metavar="B=K", type=parse_bucket_k,
                    help="buckets at their own k in the length buckets' report and the pooled checkpoint (default "
                         "64=24: results/lengths/fisher_k64_24; give --bucket-k alone for --convert-k in every bucket)")
-    p.add_argument("--checkpoint-form", default="head_budget", choices=["head_budget", "pooled"],
-                   help="P and R of the checkpoint: per head with a k per layer at --convert-k's saving (closer to the "
-                        "original at every length: results/granularity_lengths), or one pooled P and R per bucket")
+    p.add_argument("--checkpoint-form", default="head_exact", choices=["head_exact", "head_budget", "pooled"],
+                   help="P and R of the checkpoint: per head with a k per layer at --convert-k's saving and the last "
+                        "partial layer exact (the closest at every length: results/granularity_lengths/"
+                        "fit_inputs_only), the same without the exact layer, or one pooled P and R per bucket")
 
 
 def _run_demo(args) -> int:
@@ -59,7 +60,8 @@ def _run_demo(args) -> int:
     print(f"Wrote {os.path.join(args.out, 'report.md')} in {demo['total_seconds']} s: patterns for k = "
           f"{', '.join(map(str, args.k))}, checkpoint {demo['convert']['checkpoint']} ("
           + (f"k = {demo['convert']['k']})" if not demo["convert"].get("layers_k") else
-             f"a k per layer at k = {args.convert_k}'s saving)"))
+             f"a k per layer at k = {args.convert_k}'s saving"
+             + "".join(f", layer {layer} exact" for layer in demo["convert"].get("exact_layers") or []) + ")"))
     return 0
 
 
@@ -201,6 +203,8 @@ def _run_granularity(args) -> int:
 def _granularity_lengths_args(p):
     from hf_partial_attention.analysis.selection import OBJECTIVES
 
+    from .granularity_lengths import ARMS
+
     p.add_argument("--out", default="runs/granularity_lengths", help="run folder (per-head bucket covariances, "
                    "patterns; reused when there)")
     p.add_argument("--results", default="results/granularity_lengths", help="where granularity_lengths.json/.md go")
@@ -213,16 +217,19 @@ def _granularity_lengths_args(p):
                    help="windows of n tokens of the demo text added to the longest bucket's fit (0: none)")
     p.add_argument("--max-heldout", type=int, default=600, help="held-out inputs of each kind")
     p.add_argument("--heldout-windows", type=int, default=64, help="held-out windows of n tokens")
+    p.add_argument("--arms", nargs="+", default=[f"{g}_{c}" for g, c in ARMS], metavar="ARM",
+                   help="the arms: pooled_uniform, layer_/head_ uniform or budget, or layer_/head_exact<l> (a budget "
+                        "with layer l exact)")
 
 
 def _run_granularity_lengths(args) -> int:
-    from .granularity_lengths import run_granularity_lengths
+    from .granularity_lengths import parse_arm, run_granularity_lengths
 
     result = run_granularity_lengths(args.out, args.results, args.model, k=args.k, lengths=tuple(args.lengths),
                                      objective=args.objective, fit_inputs=args.fit_inputs,
                                      fit_windows=args.fit_windows,
                                      max_heldout=args.max_heldout, heldout_windows=args.heldout_windows,
-                                     progress=not args.no_progress,
+                                     arms=tuple(parse_arm(arm) for arm in args.arms), progress=not args.no_progress,
                                      command=_command(args))
     print(f"Wrote {os.path.join(args.results, 'granularity_lengths.md')} in {result['total_seconds']:.0f} s")
     return 0
@@ -242,18 +249,20 @@ def _granularity_recover_args(p):
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--train-inputs", type=int, default=None, help="recovery inputs (default: all)")
     p.add_argument("--max-heldout", type=int, default=150, help="held-out inputs per kind")
-    p.add_argument("--arms", nargs="+", default=[f"{g}_{c}" for g, c in ARMS], choices=[f"{g}_{c}" for g, c in ARMS],
-                   help="the arms to recover")
+    p.add_argument("--arms", nargs="+", default=[f"{g}_{c}" for g, c in ARMS], metavar="ARM",
+                   help="the arms to recover (as granularity-lengths names them; head_exact<l>: the file of "
+                        "granularity-layers' exact arm)")
     p.add_argument("--rerun", action="store_true", help="run every arm again, even where its result exists")
 
 
 def _run_granularity_recover(args) -> int:
+    from .granularity_lengths import parse_arm
     from .granularity_recover import run_granularity_recover
 
     result = run_granularity_recover(args.lengths_run, args.out, args.results, args.model, k=args.k,
                                      steps=args.steps, batch_size=args.batch_size, train_inputs=args.train_inputs,
                                      max_heldout=args.max_heldout, rerun=args.rerun,
-                                     arms=[tuple(arm.split("_")) for arm in args.arms], progress=not args.no_progress,
+                                     arms=[parse_arm(arm) for arm in args.arms], progress=not args.no_progress,
                                      command=_command(args))
     print(f"Wrote {os.path.join(args.results, 'granularity_recover.md')} in {result['total_seconds']:.0f} s")
     return 0

@@ -9,7 +9,8 @@
    their own lengths, P (greedy, Fisher objective) and R per bucket at the converted k, each bucket's held-out error
    beside the zero fill of n's pattern.
 5. Conversion at the converted k's saving to a PartialBert checkpoint carrying the buckets, P and R per head with a k
-   per layer (`derive --saving`; ``--checkpoint-form pooled``: one P and R per bucket), reload with ``AutoModel``,
+   per layer and the last partial layer exact (`derive --saving --exact-layers`; ``--checkpoint-form head_budget``:
+   no exact layer, ``pooled``: one P and R per bucket), reload with ``AutoModel``,
    cosine of sentence embeddings beside the one-bucket (zero-fill) models.
 """
 
@@ -51,11 +52,14 @@ __all__ = ["run_demo", "DEMO_BUCKET_K", "CHECKPOINT_FORMS"]
 # of only 0.928–0.935, at 24 of 0.956–0.960, every other bucket unchanged (results/lengths/fisher_k64_24). The pooled
 # checkpoint's (``checkpoint_form="pooled"``).
 DEMO_BUCKET_K = {64: 24}
-# The checkpoint: P and R per head with a k per layer at convert_k's saving (`derive --saving k<k>`): closer to the
-# original than the pooled buckets with bucket 64 at k = 24 at every bucket of every kind of held-out input, at a
-# higher saving (results/granularity_lengths/fit_inputs_only: the demo fits the buckets on sentences and paragraphs
-# alone; results/lengths/fisher_k64_24). "pooled": the buckets of `derive_lengths` with DEMO_BUCKET_K.
-CHECKPOINT_FORMS = ("head_budget", "pooled")
+# The checkpoint: P and R per head with a k per layer at convert_k's saving and the last partial layer exact within it
+# (`derive --saving k<k> --exact-layers L-2`; "head_exact"): fitted as the demo fits its buckets (sentences and
+# paragraphs alone), it is at least as close to the original as the plain budget ("head_budget") at every bucket of
+# every kind of held-out input and closer at every bucket above 32, at a higher saving
+# (results/granularity_lengths/fit_inputs_only); granularity-layers chose that layer on MiniLM (the lowest error with
+# one layer exact). "head_budget" is closer than the pooled buckets with bucket 64 at k = 24 at every bucket
+# (results/lengths/fisher_k64_24). "pooled": the buckets of `derive_lengths` with DEMO_BUCKET_K.
+CHECKPOINT_FORMS = ("head_exact", "head_budget", "pooled")
 
 
 def _at(curve: torch.Tensor, ks=(1, 8, 32, 128, 512)) -> dict[str, float]:
@@ -110,9 +114,12 @@ def _embeddings(model_path: str, out: str, ks, convert_k: int, seq_len: int, bat
                   for k in ks}
     candidates[f"band P + R, k={convert_k}"] = fit_pattern(cov, nearest_keys(cov.seq_len, convert_k), "per_query")
     checkpoint = os.path.join(out, "checkpoint")  # the length buckets of step 4
-    if checkpoint_form == "head_budget":
-        path = derive_budget(out, f"k{convert_k}", granularity="head", objective="fisher")["budget_path"]
-        own = f", P and R per head, a k per layer at k={convert_k}'s saving"
+    if checkpoint_form != "pooled":
+        exact = [original.config.num_hidden_layers - 2] if checkpoint_form == "head_exact" else None  # last partial
+        path = derive_budget(out, f"k{convert_k}", granularity="head", objective="fisher",
+                             exact_layers=exact)["budget_path"]
+        own = f", P and R per head, a k per layer at k={convert_k}'s saving" + (f", layer {exact[0]} exact" if exact
+                                                                                 else "")
     else:
         path = os.path.join(out, "patterns", f"buckets_k{convert_k}{bucket_k_suffix(bucket_k)}.safetensors")
         own = "".join(f", bucket {b} at k={v}" for b, v in sorted(bucket_k.items()))
@@ -132,7 +139,7 @@ def run_demo(out: str = "runs/demo", model: str | None = None, *, seq_len: int =
              heldout_sequences: int = 64, ks=(16, 24, 32, 48), convert_k: int = 16, whole_seq_len: int = 32,
              whole_sequences: int = 640, batch_size: int = 8, bucket_inputs: int | None = None,
              progress: bool = True, bucket_k: dict[int, int] | None = None,
-             checkpoint_form: str = "head_budget") -> dict:
+             checkpoint_form: str = "head_exact") -> dict:
     """Run the demo end to end into ``out`` (report.md, figures/, patterns/, checkpoint/, whole_n*/).
     ``bucket_k``: buckets at their own k (default `DEMO_BUCKET_K`; ``{}`` for convert_k in all), of the length
     buckets' report and of the pooled checkpoint. ``checkpoint_form``: one of `CHECKPOINT_FORMS`."""
@@ -157,7 +164,7 @@ def run_demo(out: str = "runs/demo", model: str | None = None, *, seq_len: int =
     # per head for the per-head checkpoint (the pooled fits of the report use their sums)
     analyze_lengths(model, fit_documents(), out, lengths=LENGTHS, kind="sentence", model_id=model_id,
                     max_inputs=bucket_inputs, max_heldout=bucket_inputs, batch_size=batch_size * 2, progress=progress,
-                    granularity="head" if checkpoint_form == "head_budget" else "pooled")
+                    granularity="pooled" if checkpoint_form == "pooled" else "head")
     # The Fisher objective, errors weighted by the attention they move: at k = 16 it cuts the paper objective's
     # embedding error by a third to a half in every bucket (results/lengths/fisher_buckets).
     derive_lengths(out, [convert_k], objective="fisher", batch_size=batch_size * 2, progress=progress,

@@ -106,9 +106,14 @@ def run_granularity_layers(lengths_run: str = "runs/granularity_lengths", result
     # the layer whose exactness lowers the calibration error most, left exact at the same saving (its dense cost
     # taken out of the budget, the rest spread over the other layers)
     exact_layer = min(layers, key=lambda layer: exact[str(layer)]["calibration"])
-    exact_budget = derive_budget(fit, f"k{k}", granularity="head", objective=objective, exact_layers=[exact_layer])
     arms = {"head uniform": uniform_file, "head budget": arm_patterns_file(fit, "head", "budget", k, objective),
-            "head calibrated": budget["budget_path"], f"head exact{exact_layer}": exact_budget["budget_path"]}
+            "head calibrated": budget["budget_path"]}
+    try:
+        arms[f"head exact{exact_layer}"] = derive_budget(fit, f"k{k}", granularity="head", objective=objective,
+                                                         exact_layers=[exact_layer])["budget_path"]
+        exact_skipped = None
+    except ValueError as error:  # a saving too high to pay for a dense layer (small k at short lengths)
+        exact_skipped = str(error)
     models = {arm: PartialBertModel.from_bert(original, LayerPatterns.load(path), reconstruction="fixed").eval()
               for arm, path in arms.items()}
     rows = measure(original, models, {**tokens, "windows": held}, sorted(paths), batch_size)
@@ -118,7 +123,7 @@ def run_granularity_layers(lengths_run: str = "runs/granularity_lengths", result
               "ablation": {"all": everything, "alone": alone, "exact": exact},
               "objective_at_k": {str(layer): v for layer, v in objective_at_k.items()},
               "weights": {str(layer): w for layer, w in weights.items()},
-              "exact_layer": exact_layer,
+              "exact_layer": exact_layer, "exact_skipped": exact_skipped,
               "layers_k": {arm: {str(layer): _layer_k(path, layer) for layer in layers} for arm, path in arms.items()},
               "arms": list(arms), "rows": rows}
     result["total_seconds"] = round(time.perf_counter() - start, 1)
@@ -150,9 +155,11 @@ def render(result: dict) -> str:
             - ablation["exact"][layer]["calibration"] > ablation["alone"][layer]["calibration"]]
     lines += ["", f"On the calibration windows the layers alone add {summed:.4f} in all, and together they give "
               f"{ablation['all']['calibration']:.4f}. Layers whose error adds more with the others partial than alone "
-              f"(all minus 'all but l' above 'only l'): {', '.join(more) or 'none'}. Left exact in `head exact"
-              f"{result['exact_layer']}` (its dense cost out of the same budget, the other layers sharing the rest): "
-              f"layer {result['exact_layer']}, whose 'all but' error on the calibration windows is the lowest.",
+              f"(all minus 'all but l' above 'only l'): {', '.join(more) or 'none'}. " + (
+                  f"Left exact in `head exact{result['exact_layer']}` (its dense cost out of the same budget, the "
+                  f"other layers sharing the rest): layer {result['exact_layer']}, whose 'all but' error on the "
+                  "calibration windows is the lowest." if not result["exact_skipped"] else
+                  f"No exact-layer arm: {result['exact_skipped']}"),
               "", "## Weights and each layer's k per bucket", "",
               "| layer | objective at k | weight (error added in context / objective) | " +
               " | ".join(f"k {arm}" for arm in result["arms"]) + " |", "|---|---:|---:|" + "---|" * len(result["arms"])]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 
 from hf_partial_attention.analysis.budget import derive_budget
@@ -44,9 +45,28 @@ from .store import write_study
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["run_granularity_lengths", "render", "arm_patterns_file", "ARMS", "GOALS"]
+__all__ = ["run_granularity_lengths", "render", "arm_patterns_file", "parse_arm", "exact_layers_of", "ARMS",
+           "GOALS"]
 
 ARMS = (("pooled", "uniform"), ("layer", "uniform"), ("layer", "budget"), ("head", "uniform"), ("head", "budget"))
+# An arm beside them: ``exact<l>`` (``exact1and4``), a budget with those layers exact (``derive --exact-layers``).
+_EXACT = re.compile(r"exact(\d+(?:and\d+)*)")
+
+
+def parse_arm(text: str) -> tuple[str, str]:
+    """``"head_budget"`` -> ``("head", "budget")``: pooled_uniform, layer or head with uniform, budget or exact<l>
+    (``head_exact4``); a ValueError naming the forms otherwise."""
+    granularity, _, choice = text.partition("_")
+    if (granularity, choice) not in ARMS and not (granularity in ("layer", "head") and _EXACT.fullmatch(choice)):
+        raise ValueError(f"arm {text!r}: use one of {[f'{g}_{c}' for g, c in ARMS]} or layer_/head_exact<l> (a budget "
+                         "with layer l exact, e.g. head_exact4).")
+    return granularity, choice
+
+
+def exact_layers_of(choice: str) -> list[int]:
+    """The layers an ``exact<l>`` arm leaves exact (none for uniform / budget)."""
+    match = _EXACT.fullmatch(choice)
+    return [int(layer) for layer in match[1].split("and")] if match else []
 # Issue 34's goals for converted MiniLM at k = 16's saving: 1 − cos on held-out windows, Spearman in every bucket.
 GOALS = {"windows_one_minus_cos": 0.050, "spearman_every_bucket": 0.95}
 
@@ -96,8 +116,8 @@ def _pooled_buckets(paths: dict, lengths, k: int, objective: str) -> PatternBuck
 
 def _layer_savings(pattern, layers, lengths, d_head: int, real) -> dict:
     """The QKᵀ saving of ``layers`` over inputs of lengths ``real``: each layer's at its own ks, their mean."""
-    ks = {layer: (pattern.layer_lengths_k(layer) if isinstance(pattern, LayerPatterns) else pattern.lengths_k)
-          for layer in layers}
+    ks = {layer: (pattern.layer_lengths_k(layer) if layer in pattern.layers else list(lengths))  # absent: exact
+          if isinstance(pattern, LayerPatterns) else pattern.lengths_k for layer in layers}
     per_layer = {str(layer): distribution_saving(lengths, ks[layer], d_head, real) for layer in layers}
     return {"heldout": sum(per_layer.values()) / len(per_layer), "per_layer": per_layer,
             "ks": {str(layer): ks[layer] for layer in layers}}
@@ -129,9 +149,14 @@ def run_granularity_lengths(out: str = "runs/granularity_lengths", results: str 
             os.makedirs(os.path.dirname(pooled_file), exist_ok=True)
             sets[(granularity, choice)].save(pooled_file)
             continue
+        fit_dir = os.path.dirname(paths[lengths[-1]])
+        if exact := exact_layers_of(choice):  # its own budget file, beside the plain one
+            budgets[f"{granularity} {choice}"] = derive_budget(fit_dir, f"k{k}", granularity=granularity,
+                                                               objective=objective, exact_layers=exact)
+            sets[(granularity, choice)] = LayerPatterns.load(budgets[f"{granularity} {choice}"]["budget_path"])
+            continue
         if granularity not in budgets:
-            budgets[granularity] = derive_budget(os.path.dirname(paths[lengths[-1]]), f"k{k}",
-                                                 granularity=granularity, objective=objective)
+            budgets[granularity] = derive_budget(fit_dir, f"k{k}", granularity=granularity, objective=objective)
         sets[(granularity, choice)] = LayerPatterns.load(budgets[granularity][f"{choice}_path"])
     steps["P and R (uniform and budgeted)"] = time.perf_counter() - t
 
@@ -141,7 +166,9 @@ def run_granularity_lengths(out: str = "runs/granularity_lengths", results: str 
     tokens, windows = held_out_inputs(tok, max_heldout, heldout_windows, lengths[-1])
     models = {f"{g} {c}": PartialBertModel.from_bert(original, pattern, reconstruction="fixed").eval()
               for (g, c), pattern in sets.items()}
-    partial_layers = list(next(iter(models.values())).config.partial_layers)
+    # the budget's layers: every arm's partial layers and the exact arms' exact ones (their savings count them as 0)
+    partial_layers = sorted({layer for m in models.values() for layer in m.config.partial_layers}
+                            | {layer for _, choice in sets for layer in exact_layers_of(choice)})
     rows = measure(original, models, {**tokens, "windows": windows}, lengths, batch_size)
     steps["held-out measurement"] = time.perf_counter() - t
     d_head = original.config.hidden_size // original.config.num_attention_heads

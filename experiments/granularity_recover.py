@@ -1,4 +1,4 @@
-"""The lengths study's five arms after `make recover`'s recipe: ``python -m experiments granularity-recover``.
+"""The lengths study's arms after `make recover`'s recipe: ``python -m experiments granularity-recover``.
 
 `granularity_lengths` fits P and R pooled, per layer and per head, with one k or a k per layer at k = 16's saving, on
 length buckets (Fisher objective), and measures them converted. This study takes each arm's bucket file from that
@@ -7,7 +7,8 @@ and recovers it by `recover`'s recipe (distillation against the exact model, 300
 trained), then measures converted and recovered on the held-out prose `recover` uses: one `recover` run per arm
 (``<results>/<arm>/recovery.md``, its command in it), and one table of every arm beside the others (this module's
 ``granularity_recover.md``). An arm whose result exists for the same bucket file, steps and held-out size is read
-back, not run again (``--rerun`` runs it again).
+back, not run again (``--rerun`` runs it again). ``--arms`` takes the five or others of the same run's folder:
+``head_exact4`` is the file `granularity_layers` writes for its exact-layer arm.
 """
 
 from __future__ import annotations

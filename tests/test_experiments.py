@@ -219,7 +219,8 @@ def test_demo_small(tmp_path, minilm_path, capsys):
                              "--no-progress"]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith(f"Wrote {os.path.join(out, 'report.md')} in ")
-    assert printed.rstrip().endswith(f"checkpoint {os.path.join(out, 'checkpoint')} (a k per layer at k = 16's saving)")
+    assert printed.rstrip().endswith(f"checkpoint {os.path.join(out, 'checkpoint')} (a k per layer at k = 16's saving, "
+                                     "layer 4 exact)")
     report = open(os.path.join(out, "report.md")).read()
     assert "Headline, k = 16 at n = 128" in report and "Conversion and sentence embeddings" in report
     assert "saves 43.8% of QKᵀ" in report  # the headline is at a k that saves work (d_h = 32)
@@ -229,16 +230,19 @@ def test_demo_small(tmp_path, minilm_path, capsys):
     assert os.path.isfile(os.path.join(out, "checkpoint", "config.json"))
     config = json.load(open(os.path.join(out, "checkpoint", "config.json")))
     assert config["partial_lengths"] == [16, 32, 64, 128]  # the checkpoint carries the length buckets
-    # P and R per head, a k per partial layer at k = 16's saving (derive --saving k16): no layer costs more in sum
+    # P and R per head, a k per partial layer at k = 16's saving with the last partial layer (4) exact within it
+    # (derive --saving k16 --exact-layers 4): layers 0-3 and the dense layer 4 cost no more than five layers at k = 16
     assert config["partial_granularity"] == "head" and config["partial_format_version"] == 5
+    assert config["partial_layers"] == [0, 1, 2, 3]
     from hf_partial_attention.cost import score_cost
 
     rows = config["partial_layers_k"]
-    assert len(rows) == 5 and all(row[0] == 16 for row in rows)  # bucket 16 at k = 16 runs exactly
+    assert len(rows) == 4 and all(row[0] == 16 for row in rows)  # bucket 16 at k = 16 runs exactly
     for i, b in enumerate((32, 64, 128), start=1):
-        assert sum(score_cost(b, row[i], 32).total for row in rows) <= 5 * score_cost(b, 16, 32).total
+        spent = sum(score_cost(b, row[i], 32).total for row in rows) + score_cost(b, b, 32).dense
+        assert spent <= 5 * score_cost(b, 16, 32).total
     assert "Length buckets" in report and ("length buckets [16, 32, 64, 128]), k=16, P and R per head, a k per layer "
-                                           "at k=16's saving") in report
+                                           "at k=16's saving, layer 4 exact") in report
 
 
 def test_lengths_small(tmp_path, minilm_path, capsys):
@@ -455,8 +459,8 @@ def test_granularity_lengths_small(tmp_path, minilm_path, capsys, monkeypatch):
     assert data["layers"] == [0, 1, 2, 3, 4] and data["arms"][:3] == ["head uniform", "head budget", "head calibrated"]
     # the exact arm: the layer whose being left exact gives the lowest calibration error, exact at the same saving
     chosen = min(range(5), key=lambda layer: data["ablation"]["exact"][str(layer)]["calibration"])
-    assert data["exact_layer"] == chosen and data["arms"][3] == f"head exact{chosen}"
-    assert data["layers_k"][f"head exact{chosen}"][str(chosen)] == "exact"
+    assert data["exact_layer"] == chosen and len(data["arms"]) == 3  # k = 4's saving cannot pay for a dense layer
+    assert "leave fewer layers exact" in data["exact_skipped"]
     ids = make_windows(AutoTokenizer.from_pretrained(minilm_path), default_texts(), 32, 8)  # (8, 32)
     uniform = LayerPatterns.load(os.path.join(run, "fit", "patterns",
                                               "buckets_per_query_fisher_head_savingk4_uniform.safetensors"))
@@ -514,3 +518,36 @@ def test_granularity_lengths_small(tmp_path, minilm_path, capsys, monkeypatch):
         assert torch.allclose(context[3].reconstruction, base[3].reconstruction, atol=1e-5) == same
     with pytest.raises(ValueError, match=r"windows must be \(W, 32\)"):
         refit_layer(original, uniform, 1, ids[:, :16])
+
+    # An exact-layer arm (`--arms head_exact4`, at k = 12's saving: k = 4's cannot pay for a dense layer) on the same
+    # fit, converted and recovered: the model leaves layer 4 exact, its saving counts layer 4 as saving nothing, and
+    # its held-out windows are those of the file's conversion.
+    from experiments.granularity_lengths import parse_arm
+
+    exact_results = str(tmp_path / "exact")
+    assert studies_cli.main(["granularity-lengths", "--out", run, "--results", exact_results, "--k", "12", "--lengths",
+                             "16", "32", "--fit-inputs", "80", "--fit-windows", "16", "--max-heldout", "12",
+                             "--heldout-windows", "4", "--arms", "head_exact4", "--no-progress"]) == 0
+    capsys.readouterr()
+    data = json.load(open(os.path.join(exact_results, "granularity_lengths.json")))
+    assert data["arms"] == ["head exact4"] and data["saving"]["head exact4"]["ks"]["4"] == [16, 32]
+    assert data["saving"]["head exact4"]["per_layer"]["4"] == 0.0
+    exact_file = os.path.join(run, "fit", "patterns", "buckets_per_query_fisher_head_savingk12_exact4.safetensors")
+    exact_model = PartialBertModel.from_bert(original, LayerPatterns.load(exact_file), reconstruction="fixed").eval()
+    assert exact_model.config.partial_layers == [0, 1, 2, 3]
+    with torch.no_grad():
+        ref, got = (m(input_ids=held).last_hidden_state.mean(1) for m in (original, exact_model))
+    expected = float((1 - torch.cosine_similarity(ref.double(), got.double(), dim=-1)).mean())
+    windows_row = next(r for r in data["rows"] if r["inputs_kind"] == "windows" and r["bucket"] == "all")
+    assert windows_row["one_minus_cos"] == pytest.approx(expected, rel=1e-4)
+    assert studies_cli.main(["granularity-recover", "--lengths-run", run, "--out", out, "--results",
+                             str(tmp_path / "exact_recovered"), "--k", "12", "--steps", "1", "--batch-size", "8",
+                             "--train-inputs", "16", "--max-heldout", "8", "--arms", "head_exact4",
+                             "--no-progress"]) == 0
+    capsys.readouterr()
+    config = json.load(open(os.path.join(out, "head_exact4", "recovered", "config.json")))
+    assert config["partial_layers"] == [0, 1, 2, 3]
+    assert parse_arm("head_exact1and4") == ("head", "exact1and4")
+    for bad in ("pooled_exact4", "head_exact", "head_budgets"):
+        with pytest.raises(ValueError, match="use one of"):
+            parse_arm(bad)

@@ -113,6 +113,7 @@ def convert(pattern_path: str, out_dir: str, model: Any = None, *, reconstructio
               "seq_len": buckets.seq_len, "lengths": buckets.lengths, "lengths_k": buckets.lengths_k,
               "partial_layers": list(partial.config.partial_layers), "head_dim": head_dim(partial.config),
               "layers_k": partial.config.partial_layers_k,
+              "exact_layers": list(layers.metadata.get("exact_layers") or []) if layers is not None else [],
               "model_type": config.model_type, "partial_class": type(partial).__name__, "warnings": warnings}
     if isinstance(source, (str, os.PathLike)):
         tokenizer = AutoTokenizer.from_pretrained(os.fspath(source))
