@@ -211,10 +211,10 @@ def derive_budget(out: str, saving: str | float, *, granularity: str = "layer", 
         try:
             ks = allocate({layer: curves[layer] for layer in spread}, b, d_head,
                           per_row * len(budget_layers) - b * d_head * len(exact_layers))
-        except ValueError as error:
+        except ValueError as refused:
             if not exact_layers:
                 raise
-            raise ValueError(f"{error} Layers {exact_layers} exact take {b * d_head * len(exact_layers)} of it: leave "
+            raise ValueError(f"{refused} Layers {exact_layers} exact take {b * d_head * len(exact_layers)} of it: leave "
                              "fewer layers exact.") from None
         error = lambda k_of: sum(float(curves[l][k_of(l) - 1]) for l in spread)  # noqa: E731
         uniform_error = sum(float(curves[l][k_u - 1]) for l in budget_layers)
