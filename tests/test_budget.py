@@ -214,7 +214,9 @@ def test_exact_layers_pay_dense_cost_out_of_the_budget(minilm3, tmp_path, capsys
     assert "exact_layers" not in LayerPatterns.load(result["uniform_path"]).metadata
     ckpt = str(tmp_path / "ckpt")
     assert cli.main(["convert", result["budget_path"], "--out", ckpt, "--model", str(minilm3)]) == 0
-    capsys.readouterr()
+    saving = score_cost(16, 9, 32).saving / 2  # the budget's two layers: layer 0 at k = 9, layer 1 dense
+    assert (f"k = 9 (layers [1] exact within the budget) exact scores per query at n = 16, d_h = 32: a saving of "
+            f"{100 * saving:.1f} %") in capsys.readouterr().out
     model = AutoModel.from_pretrained(ckpt)
     assert model.config.partial_layers == [0] and model.get_pattern(0, head=3).k == 9
     with pytest.raises(ValueError, match="not a partial layer"):

@@ -206,6 +206,9 @@ def _run_convert(args) -> int:
         what = f"a k per partial layer at n ({', '.join(str(row[-1]) for row in rows)})"
     else:
         saving, what = score_cost(n, result["k"], d_head).saving, f"k = {result['k']}"
+    if exact := result.get("exact_layers"):  # derive --exact-layers: dense layers of the same budget save nothing
+        saving *= len(result["partial_layers"]) / (len(result["partial_layers"]) + len(exact))
+        what += f" (layers {exact} exact within the budget)"
     print(f"Wrote checkpoint {args.out}: {what} exact scores per query at n = {n}, d_h = {d_head}: a saving of "
           f"{100 * saving:.1f} % of QKᵀ multiply-adds; reloads as {result.get('reloaded_class', '(not checked)')}")
     if len(result["lengths"]) > 1:
