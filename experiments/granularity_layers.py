@@ -40,7 +40,7 @@ from .lengths import held_out_inputs
 from .recover import measure
 from .store import write_study
 
-__all__ = ["run_granularity_layers", "render"]
+__all__ = ["run_granularity_layers", "render", "load_per_head_run"]
 
 
 def _embeddings(model, ids: torch.Tensor, batch_size: int) -> torch.Tensor:
@@ -52,6 +52,18 @@ def _embeddings(model, ids: torch.Tensor, batch_size: int) -> torch.Tensor:
 
 def _error(reference: torch.Tensor, got: torch.Tensor) -> float:
     return float((1 - torch.nn.functional.cosine_similarity(reference, got, dim=-1)).mean())
+
+
+def load_per_head_run(lengths_run: str, model: str | None, k: int, objective: str):
+    """``(file, LayerPatterns, original model in eval mode, tokenizer, model id)``: the one-k per-head buckets of a
+    granularity-lengths run and the model they were fitted on; a ValueError naming the command when they are missing."""
+    uniform_file = arm_patterns_file(os.path.join(lengths_run, "fit"), "head", "uniform", k, objective)
+    if not os.path.isfile(uniform_file):
+        raise ValueError(f"no per-head buckets at {uniform_file}; run `python -m experiments granularity-lengths --out "
+                         f"{lengths_run} --k {k}` first (or pass --lengths-run).")
+    model_path, model_id = resolve_model(model)
+    original, tok = load_model_and_tokenizer(model_path)
+    return uniform_file, LayerPatterns.load(uniform_file), original.eval(), tok, model_id
 
 
 def _layer_k(path: str, layer: int) -> list[int] | str:
@@ -68,14 +80,7 @@ def run_granularity_layers(lengths_run: str = "runs/granularity_lengths", result
     and .md and returns the result."""
     start = time.perf_counter()
     fit = os.path.join(lengths_run, "fit")
-    uniform_file = arm_patterns_file(fit, "head", "uniform", k, objective)
-    if not os.path.isfile(uniform_file):
-        raise ValueError(f"no per-head buckets at {uniform_file}; run `python -m experiments granularity-lengths --out "
-                         f"{lengths_run} --k {k}` first (or pass --lengths-run).")
-    model_path, model_id = resolve_model(model)
-    original, tok = load_model_and_tokenizer(model_path)
-    original.eval()
-    uniform = LayerPatterns.load(uniform_file)
+    uniform_file, uniform, original, tok, model_id = load_per_head_run(lengths_run, model, k, objective)
     layers = sorted(uniform.layers)[:-1]  # the budget layers (derive's default: all but the last)
     paths = bucket_covariance_files(fit)
     n = max(paths)

@@ -21,14 +21,11 @@ held-out inputs of the longest bucket (the only one refit) and held-out windows.
 from __future__ import annotations
 
 import copy
-import os
 import time
 
 import torch
 
-from hf_partial_attention.analysis.collect import load_model_and_tokenizer
 from hf_partial_attention.analysis.corpus import default_texts, make_windows
-from hf_partial_attention.analysis.defaults import resolve_model
 from hf_partial_attention.modeling_partial_bert import PartialBertModel
 from hf_partial_attention.pattern import AttentionPattern
 from hf_partial_attention.pattern_buckets import bucket_for
@@ -36,7 +33,7 @@ from hf_partial_attention.pattern_layers import LayerPatterns
 from hf_partial_attention.reconstruction import solve_reconstruction
 from hf_partial_attention.training.pair_task import stdlib_docstring_documents
 
-from .granularity_lengths import arm_patterns_file
+from .granularity_layers import load_per_head_run
 from .lengths import held_out_inputs
 from .recover import measure
 from .store import write_study
@@ -131,14 +128,7 @@ def run_granularity_refit(lengths_run: str = "runs/granularity_lengths", results
                           command: str | None = None) -> dict:
     """Refit, convert and measure every arm (module docstring); writes ``results``/granularity_refit.json and .md."""
     start, steps = time.perf_counter(), {}
-    uniform_file = arm_patterns_file(os.path.join(lengths_run, "fit"), "head", "uniform", k, objective)
-    if not os.path.isfile(uniform_file):
-        raise ValueError(f"no per-head buckets at {uniform_file}; run `python -m experiments granularity-lengths --out "
-                         f"{lengths_run} --k {k}` first (or pass --lengths-run).")
-    model_path, model_id = resolve_model(model)
-    original, tok = load_model_and_tokenizer(model_path)
-    original.eval()
-    fitted = LayerPatterns.load(uniform_file)
+    _, fitted, original, tok, model_id = load_per_head_run(lengths_run, model, k, objective)
     n = fitted.seq_len
     # the layers a conversion runs partially (the paper's: all but the last), each with a pattern in bucket n
     partial = PartialBertModel.from_bert(original, fitted, reconstruction="fixed").config.partial_layers
