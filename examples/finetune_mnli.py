@@ -1,5 +1,7 @@
 #!/usr/bin/env python
-"""MNLI fine-tuning of a BERT with partial attention (or of the exact baseline), matched and mismatched accuracy.
+"""MNLI fine-tuning of an encoder with partial attention (or of the exact baseline), matched and mismatched accuracy,
+for every architecture `hf_partial_attention.supported_model_types()` names (each with its own
+sequence-classification head).
 
 Data: ``nyu-mll/glue`` / ``mnli`` from the Hub (default), or local JSON lines with ``premise``, ``hypothesis`` and
 ``label`` (``--train_file``, ``--validation_file`` for matched, ``--validation_mismatched_file``). Every pair is
@@ -8,8 +10,9 @@ batch padded to its longest pair (``--pad_to_max_length`` pads every pair to n i
 batches pairs of similar length). Accuracy comes from ``evaluate``: the Hub metric when reachable, else the
 bundled local module (same numbers), so it works offline.
 
-Model: usually the output of ``pretrain_mlm.py`` (``--model_name_or_path``); also a BERT checkpoint converted with
-``--pattern``, or ``--attention exact`` for the baseline. Every `TrainingArguments` flag works.
+Model: usually the output of ``pretrain_mlm.py`` (``--model_name_or_path``); also a partial checkpoint of
+``hf-partial-attention convert``, a source checkpoint (BERT, RoBERTa, ...) converted with ``--pattern``, or
+``--attention exact`` for the baseline. Every `TrainingArguments` flag works.
 
     python examples/finetune_mnli.py --model_name_or_path runs/mlm --output_dir runs/mnli --do_train --do_eval
     accelerate launch --config_file examples/accelerate/multi_gpu.yaml examples/finetune_mnli.py ...

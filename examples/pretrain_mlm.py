@@ -1,12 +1,14 @@
 #!/usr/bin/env python
-"""Masked-language-model pretraining of a BERT with partial attention (or of the exact baseline).
+"""Masked-language-model pretraining of an encoder with partial attention (or of the exact baseline), for every
+architecture `hf_partial_attention.supported_model_types()` names (BERT, RoBERTa, ModernBERT, DistilBERT, ...).
 
 Data: any `datasets` Hub dataset (``--dataset_name``) or local text files (``--train_file``), tokenized and cut
 into windows of exactly n tokens, ``[CLS] … [SEP]`` (``--mlm_inputs windows``, the default), or one example per
 line / sentence at its own length, at most n (``--mlm_inputs lines|sentences``), each batch padded to its longest
 example; ``--group_by_length`` (= ``--train_sampling_strategy group_by_length``) batches similar lengths.
-Model: from scratch (``--config_overrides``), from a BERT checkpoint converted with its weights kept, or a
-PartialBert checkpoint (``--model_name_or_path``); P and R from ``--pattern``; R trained as
+Model: from scratch (``--model_type`` or ``--config_name``, with ``--config_overrides``), from a checkpoint of a
+supported encoder converted with its weights kept, or a partial checkpoint (``--model_name_or_path``); P and R from
+``--pattern`` (any file ``derive`` writes); R trained as
 ``--reconstruction fixed|common|per_layer``. Every `TrainingArguments` flag works,
 plus ``--reconstruction_learning_rate`` and ``--reconstruction_weight_decay``.
 

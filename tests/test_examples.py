@@ -94,14 +94,18 @@ def recomputed_accuracy(model_dir, data_file):
     return int((predictions == labels).sum()) / len(rows)
 
 
-def accelerate_two_processes(script, args, tmp_path):
+def accelerate_two_processes(script, args, tmp_path, outputs=None):
+    """``accelerate launch`` of ``script`` (a file of examples/, or a path) with two CPU processes; ``outputs``: the
+    folders a retry clears (default the run's --output_dir)."""
     with socket.socket() as s:  # a free rendezvous port: other test runs may share the machine
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     # `accelerate launch` of this interpreter's environment
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
-           os.path.join(ROOT, "examples", script), *args, "--ddp_find_unused_parameters", "false"]
+           script if os.path.isabs(script) else os.path.join(ROOT, "examples", script), *args]
+    if not os.path.isabs(script):
+        cmd.extend(["--ddp_find_unused_parameters", "false"])
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
            "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_CACHE": str(tmp_path / "datasets_cache")}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
@@ -110,7 +114,8 @@ def accelerate_two_processes(script, args, tmp_path):
         # test runs alone; the run is repeated once from scratch, and a second failure fails the test.
         warnings.warn(f"accelerate launch: a worker aborted (SIGABRT); running once more. stderr tail:\n"
                       f"{done.stderr[-2000:]}")
-        shutil.rmtree(args[args.index("--output_dir") + 1], ignore_errors=True)
+        for out in outputs or [args[args.index("--output_dir") + 1]]:
+            shutil.rmtree(out, ignore_errors=True)
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     if done.returncode != 0:  # pytest.fail prints the whole message (an assert's repr is cut)
         pytest.fail(f"accelerate launch exited {done.returncode}\n--- stdout ---\n{done.stdout[-3000:]}\n--- stderr "

@@ -96,3 +96,39 @@ def test_training_arguments_validate_r_fields(tmp_path):
         PartialAttentionTrainingArguments(str(tmp_path), reconstruction_learning_rate=-1.0, use_cpu=True)
     with pytest.raises(ValueError, match="reconstruction_weight_decay"):
         PartialAttentionTrainingArguments(str(tmp_path), reconstruction_weight_decay=-0.1, use_cpu=True)
+
+
+def test_any_architecture_and_pattern_form(tmp_path):
+    """A RoBERTa checkpoint with P and R per head and a k per layer (what `derive --granularity head --saving`
+    writes) is converted as a PartialRoberta with that file's P and R in every head (R per layer, as `convert` makes
+    it); the saved partial checkpoint loads back as is, and `--pattern` replaces its P and R."""
+    from hf_partial_attention.pattern_layers import LayerPatterns
+    from transformers import RobertaConfig, RobertaForMaskedLM
+
+    torch.manual_seed(0)
+    config = RobertaConfig(vocab_size=99, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                           intermediate_size=37, max_position_embeddings=64, pad_token_id=0)
+    RobertaForMaskedLM(config).save_pretrained(tmp_path / "roberta")
+    heads = {layer: [AttentionPattern.local(32, k, correlation=0.3 + 0.1 * h) for h in range(4)]
+             for layer, k in ((0, 4), (1, 8))}
+    LayerPatterns(heads).save(tmp_path / "heads.safetensors")
+    built = build_model("sequence_classification", ModelArguments(model_name_or_path=str(tmp_path / "roberta"),
+                                                                  pattern=str(tmp_path / "heads.safetensors")),
+                        num_labels=3)
+    model = built.model
+    assert type(model).__name__ == "PartialRobertaForSequenceClassification" and model.config.num_labels == 3
+    assert (model.config.partial_granularity, model.config.reconstruction) == ("head", "per_layer")
+    assert model.config.partial_layers_k == [[4], [8]]
+    for layer, patterns in heads.items():
+        for head, pattern in enumerate(patterns):
+            assert torch.equal(model.get_pattern(layer, head=head).indices, pattern.indices)
+            assert torch.allclose(model.get_pattern(layer, head=head).reconstruction, pattern.reconstruction)
+    model.save_pretrained(tmp_path / "partial")
+    again = build_model("sequence_classification", ModelArguments(model_name_or_path=str(tmp_path / "partial")),
+                        num_labels=3).model
+    assert torch.equal(again.get_pattern(1, head=2).indices, heads[1][2].indices)
+    # a RoBERTa checkpoint into PartialBert's head is impossible now: the table picks the class
+    with pytest.raises(ValueError, match="--model_type 'bert' contradicts"):
+        build_model("masked_lm", ModelArguments(model_name_or_path=str(tmp_path / "partial"), model_type="bert"))
+    with pytest.raises(ValueError, match="exact needs a roberta checkpoint"):
+        build_model("masked_lm", ModelArguments(model_name_or_path=str(tmp_path / "partial"), attention="exact"))

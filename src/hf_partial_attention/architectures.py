@@ -163,10 +163,13 @@ def architecture_for(config_or_type) -> Architecture:
 
 
 def check_supported(config_or_type) -> None:
-    """Raise `UnsupportedModelError` (one line) unless partial attention can run in this model."""
+    """Raise `UnsupportedModelError` (one line) unless partial attention can run in this model (a supported source
+    type, or a partial model of one)."""
     config = None if isinstance(config_or_type, str) else config_or_type
     model_type = config_or_type if config is None else getattr(config, "model_type", None)
     supported = ", ".join(supported_model_types())
+    if any(model_type == arch.partial_model_type and arch.available() for arch in ARCHITECTURES.values()):
+        return  # a partial checkpoint (``partial_roberta``, ...): an encoder made partial already, never a decoder
     if model_type in ARCHITECTURES and ARCHITECTURES[model_type].available():
         if config is not None and (getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False)):
             raise UnsupportedModelError(

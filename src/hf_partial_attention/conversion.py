@@ -35,7 +35,7 @@ _NOT_BERT_FIELDS = ("model_type", "architectures", "auto_map", "transformers_ver
 
 
 
-def from_source(model_class, bert_model_or_path, pattern: AttentionPattern | PatternBuckets | LayerPatterns, *,
+def from_source(model_class, source_model_or_path, pattern: AttentionPattern | PatternBuckets | LayerPatterns, *,
                 output_loading_info: bool = False, revision: str | None = None, token: str | bool | None = None,
                 dtype=None, cache_dir: str | None = None, **config_overrides):
     """Convert a source checkpoint of ``model_class``'s architecture (BERT, MiniLM, RoBERTa, ModernBERT, ...) into
@@ -44,7 +44,7 @@ def from_source(model_class, bert_model_or_path, pattern: AttentionPattern | Pat
 
     Args:
         model_class: the partial class to build (its ``_source_class`` is the class the source is loaded as).
-        bert_model_or_path: a model instance of the source architecture, or a path / Hub id loadable by the
+        source_model_or_path: a model instance of the source architecture, or a path / Hub id loadable by the
             matching source class (`BertModel` for `PartialBertModel`, `RobertaForMaskedLM` for
             `PartialRobertaForMaskedLM`, and so on). A source of another architecture is an error naming both.
         pattern: a per-query `AttentionPattern` (one bucket), `PatternBuckets` (P and R per length bucket) or
@@ -64,7 +64,7 @@ def from_source(model_class, bert_model_or_path, pattern: AttentionPattern | Pat
     attn_impl = config_overrides.pop("attn_implementation", None)
     settings = {k: v for k, v in config_overrides.items() if k not in PARTIAL_FIELDS}
     source, source_info = load_source(
-        model_class._source_class, bert_model_or_path, settings,
+        model_class._source_class, source_model_or_path, settings,
         {"revision": revision, "token": token, "dtype": dtype, "cache_dir": cache_dir})
     config = partial_config(source, pattern, config_overrides, model_class.config_class)
     if attn_impl is not None:
@@ -78,33 +78,33 @@ def from_source(model_class, bert_model_or_path, pattern: AttentionPattern | Pat
     return (model, {**report, "source": source_info}) if output_loading_info else model
 
 
-def load_source(source_class, bert_model_or_path, settings: dict[str, Any], load_kwargs: dict[str, Any]):
+def load_source(source_class, source_model_or_path, settings: dict[str, Any], load_kwargs: dict[str, Any]):
     """``(source model, its loading info)``: an instance as given, or ``source_class.from_pretrained`` of a path/Hub
     id with the head ``settings`` (num_labels, ...) and ``load_kwargs`` (revision, token, dtype, ...). A source whose
     ``model_type`` is not ``source_class``'s is refused (`architectures.check_supported` names what is supported)."""
     unknown = sorted(set(load_kwargs) - set(_LOAD_KWARGS))
     if unknown:
         raise TypeError(f"from_source got unknown loading arguments {unknown}; it takes {list(_LOAD_KWARGS)}.")
-    if isinstance(bert_model_or_path, (str, os.PathLike)):
+    if isinstance(source_model_or_path, (str, os.PathLike)):
         from transformers import AutoConfig
 
         kwargs = {k: v for k, v in load_kwargs.items() if v is not None}
-        source_config = AutoConfig.from_pretrained(os.fspath(bert_model_or_path), **{
+        source_config = AutoConfig.from_pretrained(os.fspath(source_model_or_path), **{
             k: v for k, v in kwargs.items() if k in ("revision", "token", "cache_dir", "trust_remote_code")})
         _check_source_type(source_config, source_class)
-        return source_class.from_pretrained(os.fspath(bert_model_or_path), output_loading_info=True, **kwargs,
+        return source_class.from_pretrained(os.fspath(source_model_or_path), output_loading_info=True, **kwargs,
                                             **settings)
-    if not isinstance(bert_model_or_path, PreTrainedModel):
-        raise TypeError("bert_model_or_path (the source) must be a path, a Hub id or a transformers model, got "
-                        f"{type(bert_model_or_path).__name__}.")
-    _check_source_type(bert_model_or_path.config, source_class)
-    given = {k: v for k, v in settings.items() if getattr(bert_model_or_path.config, k, v) != v}
+    if not isinstance(source_model_or_path, PreTrainedModel):
+        raise TypeError("source_model_or_path (the source) must be a path, a Hub id or a transformers model, got "
+                        f"{type(source_model_or_path).__name__}.")
+    _check_source_type(source_model_or_path.config, source_class)
+    given = {k: v for k, v in settings.items() if getattr(source_model_or_path.config, k, v) != v}
     if given:
         raise ValueError(f"from_source was given {given} for a model instance whose config says otherwise; pass the "
                          "path or Hub id instead (the source is then loaded with these settings).")
     if any(v is not None for v in load_kwargs.values()):
         raise ValueError(f"{sorted(load_kwargs)} apply to loading a path or Hub id, not to a model instance.")
-    return bert_model_or_path, {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": []}
+    return source_model_or_path, {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": []}
 
 
 def _check_source_type(config, source_class) -> None:

@@ -64,16 +64,16 @@ def check_buckets(config: PartialConfigMixin, pattern: AttentionPattern | Patter
         raise ValueError(f"pattern has seq_len={buckets.seq_len}, k={buckets.k} but the config has "
                          f"partial_seq_len={config.partial_seq_len}, partial_k={ks[-1]}"
                          f"{'' if config.partial_layers_k is None else f' at layer {layer} (partial_layers_k)'}; "
-                         "build the config from the pattern (from_bert does) or pass a pattern of the config's n and k.")
+                         "build the config from the pattern (from_source does) or pass a pattern of the config's n and k.")
     if buckets.lengths != list(config.partial_lengths):
         raise ValueError(f"pattern has length buckets {buckets.lengths} but the config has partial_lengths="
-                         f"{config.partial_lengths}; build the config from the pattern (from_bert does) or pass "
+                         f"{config.partial_lengths}; build the config from the pattern (from_source does) or pass "
                          "buckets of the config's lengths.")
     if buckets.lengths_k != ks:
         where = ("partial_lengths_k=" if config.partial_layers_k is None else f"at layer {layer} (partial_layers_k) ")
         raise ValueError(f"pattern has a k per bucket of {buckets.lengths_k} but the config has {where}{ks} (buckets "
                          f"{config.partial_lengths}); "
-                         "build the config from the pattern (from_bert does) or pass buckets of the config's ks.")
+                         "build the config from the pattern (from_source does) or pass buckets of the config's ks.")
     return buckets
 
 

@@ -77,11 +77,14 @@ def convert(pattern_path: str, out_dir: str, model: Any = None, *, reconstructio
                                               or buckets.metadata.get("source_model")
                                               or (layers.metadata.get("source_model") if layers else None))
     if not source:
-        raise ValueError(f"{pattern_path!r} names no source_model; pass model=<path or Hub id of a BERT model>.")
+        raise ValueError(f"{pattern_path!r} names no source_model; pass model=<path or Hub id of the source model>.")
     base_id = base_model_id(pattern, model)
     name = base_id or display_name(source)
     config = source_config(source)
     check_supported(config)  # one line naming the model type and what is supported; nothing is written
+    if str(config.model_type).startswith("partial_"):
+        raise ValueError(f"{name} is a partial model already ({config.model_type}): convert its source model, or "
+                         "install the new P and R with model.set_pattern (the training scripts' --pattern).")
     warnings = check_convertible(pattern, pattern_path, config, name)
     warnings += source_warnings(pattern, pattern_path, model, config, name)
     if layers is not None:  # R per layer or head: its size before it is built

@@ -94,15 +94,21 @@ class PartialAttentionTrainingArguments(TrainingArguments):
 
 @dataclass
 class ModelArguments:
-    """Which model to train: a checkpoint (BERT or PartialBert) or a config to train from scratch."""
+    """Which model to train: a checkpoint (of a supported encoder, or partial) or a config to train from scratch."""
 
     model_name_or_path: str | None = field(
         default=None,
-        metadata={"help": "A BERT-family or PartialBert checkpoint (path or Hub id). "
+        metadata={"help": "A checkpoint (path or Hub id) of a supported encoder (BERT, RoBERTa, ModernBERT, ...: "
+                          "converted, weights kept) or a partial one (loaded with its P and R). "
                           "Leave unset to train from scratch."},
     )
     config_name: str | None = field(
         default=None, metadata={"help": "Config (path or Hub id) if not the one of model_name_or_path."}
+    )
+    model_type: str | None = field(
+        default=None,
+        metadata={"help": "The architecture of a model trained from scratch without --config_name (bert, roberta, "
+                          "modernbert, distilbert, ...; default bert), with --config_overrides."},
     )
     config_overrides: str | None = field(
         default=None,
@@ -118,12 +124,14 @@ class ModelArguments:
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow custom code from the Hub."})
     attention: str = field(
         default="partial",
-        metadata={"help": "'partial' (PartialBert) or 'exact' (plain BERT, the baseline).", "choices": ATTENTION_KINDS},
+        metadata={"help": "'partial' (partial attention) or 'exact' (the architecture's own class, the baseline).",
+                  "choices": ATTENTION_KINDS},
     )
     pattern: str | None = field(
         default=None,
         metadata={"help": "An AttentionPattern file (P and initial R). Without it: the checkpoint's own P and R, "
-                          "or the local default pattern (k nearest keys) for BERT checkpoints and new models."},
+                          "or the local default pattern (k nearest keys) for source checkpoints and new models. Any file "
+                          "`derive` writes: one pattern, length buckets, P and R per layer or head."},
     )
     reconstruction: str | None = field(
         default=None,
@@ -143,7 +151,8 @@ class ModelArguments:
         if self.reconstruction is not None and self.reconstruction not in RECONSTRUCTION_MODES:
             raise ValueError(f"reconstruction must be one of {RECONSTRUCTION_MODES}, got {self.reconstruction!r}.")
         if self.attention == "exact" and (self.pattern or self.reconstruction or self.partial_k):
-            raise ValueError("--attention exact trains plain BERT: drop --pattern, --reconstruction and --partial_k.")
+            raise ValueError("--attention exact trains the architecture's own exact class: drop --pattern, "
+                             "--reconstruction and --partial_k.")
 
     def partial_layer_list(self) -> list[int] | None:
         """`partial_layers` parsed to a list of ints (None: the config's default)."""

@@ -1,4 +1,4 @@
-"""Recovery objectives: train a converted PartialBert model to behave like the exact model it came from.
+"""Recovery objectives: train a converted partial model (any architecture) to behave like the exact model it came from.
 
 The exact model is the teacher: it is free (the weights before conversion), frozen, and run once per batch. Terms
 (`PartialAttentionTrainingArguments.recovery_objective`, comma-separated, summed with ``recovery_weights``):
@@ -113,8 +113,8 @@ def parse_recovery_objective(objective: str, weights: str | None = None, has_mlm
                 raise ValueError(f"recovery_objective={objective!r} lists {name!r} twice.")
             out[name] = weight
     if "distill_kl" in out and not has_mlm_head:
-        raise ValueError("recovery_objective has distill_kl, which needs an MLM head (BertForMaskedLM / "
-                         "PartialBertForMaskedLM); use distill_hidden or embedding for this model.")
+        raise ValueError("recovery_objective has distill_kl, which needs an MLM head (*ForMaskedLM: "
+                         "BertForMaskedLM, PartialRobertaForMaskedLM, ...); use distill_hidden or embedding for this model.")
     return RecoveryObjective(out)
 
 
@@ -134,18 +134,18 @@ def _base_partial_model(model: nn.Module):
 
 
 def exact_teacher(model: nn.Module) -> nn.Module:
-    """The exact twin of a PartialBert model: its BERT class (``BertForMaskedLM`` for ``PartialBertForMaskedLM``,
+    """The exact twin of a partial model: its source class (``RobertaForMaskedLM`` for ``PartialRobertaForMaskedLM``,
     ...) with every weight but P and R copied, exact attention (sdpa) in every layer, in eval mode, frozen.
 
     Built from the model as it is now: call it on the converted model before training (the trainer does, at
     construction), so the teacher is the original exact model.
 
     Raises:
-        TypeError: for a model that is not (or does not wrap) a PartialBert model; pass ``teacher_model`` then.
+        TypeError: for a model that is not (or does not wrap) a partial model; pass ``teacher_model`` then.
     """
     base = _base_partial_model(model)
     if base is None or base is not model:
-        what = "wraps a PartialBert model (peft?)" if base is not None else "is not a PartialBert model"
+        what = "wraps a partial model (peft?)" if base is not None else "is not a partial model"
         raise TypeError(f"exact_teacher: {type(model).__name__} {what}; pass the exact model yourself "
                         "(PartialAttentionTrainer(teacher_model=BertForMaskedLM.from_pretrained(...))).")
     fields = {k: v for k, v in base.config.to_dict().items() if k not in PARTIAL_FIELDS and k not in _NOT_BERT_FIELDS}
@@ -301,14 +301,14 @@ def recovery_losses(student: nn.Module, teacher: nn.Module | None, inputs: dict,
     """The weighted recovery loss of one batch and each term's value (detached).
 
     Args:
-        student: the model being trained (PartialBert, possibly wrapped by peft / DDP).
+        student: the model being trained (a partial model, possibly wrapped by peft / DDP).
         teacher: the frozen exact model (`exact_teacher`); needed by every term but ``mlm``.
         inputs: the batch; ``labels`` reach only the ``mlm`` term.
         partial_layers: the layers attention transfer matches (the student's partial layers).
         temperature: τ of ``distill_kl``.
     """
     if objective.needs_teacher and teacher is None:
-        raise ValueError(f"recovery_objective {objective.terms} needs a teacher: give teacher_model, or a PartialBert "
+        raise ValueError(f"recovery_objective {objective.terms} needs a teacher: give teacher_model, or a partial "
                          "model for exact_teacher.")
     terms: dict[str, torch.Tensor] = {}
     body = {k: v for k, v in inputs.items() if k != "labels"}
@@ -353,9 +353,8 @@ def recovery_losses(student: nn.Module, teacher: nn.Module | None, inputs: dict,
 
 
 def _has_mlm_head(model: nn.Module) -> bool:
-    from transformers import BertForMaskedLM
-
-    return any(isinstance(m, BertForMaskedLM) for m in model.modules())
+    # any architecture's MLM class (BertForMaskedLM, PartialRobertaForMaskedLM, ...), also inside peft / DDP wrappers
+    return any(type(m).__name__.endswith("ForMaskedLM") for m in model.modules())
 
 
 def setup_recovery(model: nn.Module | None, args, teacher_model: nn.Module | None):

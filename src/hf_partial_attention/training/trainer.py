@@ -68,7 +68,7 @@ class _CollatorEpoch(TrainerCallback):
 
 
 class PartialAttentionTrainer(Trainer):
-    """`Trainer` for PartialBert models (works for any model; the R features switch off without R).
+    """`Trainer` for partial models of every architecture (works for any model; the R features switch off without R).
 
     Use it with `PartialAttentionTrainingArguments`; plain `TrainingArguments` also work (R then shares the
     main learning rate, with no weight decay, and statistics are logged).
@@ -366,7 +366,7 @@ class PartialAttentionTrainer(Trainer):
     def create_model_card(self, language: str | None = None, license: str | None = None, tags=None,
                           model_name: str | None = None, finetuned_from: str | None = None, tasks=None,
                           dataset_tags=None, dataset=None, dataset_args=None, eval_results=None) -> None:
-        """This project's card for a PartialBert model (`model_card.build_model_card`: P, R, cost, base model,
+        """This project's card for a partial model (`model_card.build_model_card`: P, R, cost, base model,
         tags, the run's hyper-parameters and last metrics); `Trainer`'s template for any other model.
 
         ``eval_results``: `huggingface_hub.EvalResult` objects or their keyword dicts, for the ``model-index``.
