@@ -1,8 +1,9 @@
-"""Command line: ``python -m experiments {demo,paper,objectives,lengths,recover,granularity,granularity-lengths,granularity-recover,granularity-layers,granularity-refit,table1} ...`` (the Makefile's targets).
+"""Command line: ``python -m experiments {demo,paper,objectives,lengths,recover,granularity,granularity-lengths,granularity-recover,granularity-layers,granularity-refit,table1,table1-scratch} ...`` (the Makefile's targets).
 
 Errors a user can cause (`hf_partial_attention.cli.USER_ERRORS`: a wrong value, a missing file) print as one line,
-``error: <what and the fix>``, on stderr and exit with 2; ``-v`` shows the traceback instead. ``table1``'s flags
-are its `table1_spec.StudyArguments`, parsed by transformers' `HfArgumentParser` (``table1 -h`` lists them).
+``error: <what and the fix>``, on stderr and exit with 2; ``-v`` shows the traceback instead. The flags of
+``table1`` and ``table1-scratch`` are dataclasses (`table1_spec.StudyArguments`,
+`table1_scratch_spec.ScratchArguments`) parsed by transformers' `HfArgumentParser` (``table1 -h`` lists them).
 """
 
 from __future__ import annotations
@@ -332,13 +333,20 @@ _SUBCOMMANDS = {
     "granularity-refit": ("the per-head R refit without training: on more text, in context layer by layer "
                           "(make granularity-refit)", _granularity_refit_args, _run_granularity_refit),
 }
-COMMANDS = (*_SUBCOMMANDS, "table1")  # every study, as `--help` lists them
-_TABLE1_HELP = ("Table 1 on the real MiniLM: conversion loses, training with partial attention recovers? "
-                "(resumable; make table1)")
+# Studies whose flags are a dataclass parsed by transformers' HfArgumentParser: name -> (help, module, arguments
+# class, run function, report file).
+_DATACLASS_STUDIES = {
+    "table1": ("Table 1 on the real MiniLM: conversion loses, training with partial attention recovers? "
+               "(resumable; make table1)", "table1", "StudyArguments", "run_table1", "table1.md"),
+    "table1-scratch": ("Table 1 as the paper ran it: BERT pretrained from scratch with P and R built in, beside "
+                       "exact, P alone and the converted exact model (resumable; make table1-scratch)",
+                       "table1_scratch", "ScratchArguments", "run_table1_scratch", "table1.md"),
+}
+COMMANDS = (*_SUBCOMMANDS, *_DATACLASS_STUDIES)  # every study, as `--help` lists them
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The parser of every study but ``table1`` (whose flags are its dataclass); each option's help shows its
+    """The parser of every study (the dataclass studies' flags are their own); each option's help shows its
     default."""
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -346,24 +354,27 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text, description=text, formatter_class=HelpFormatter)
         add_arguments(p)
         common_arguments(p)
-    p = sub.add_parser("table1", help=_TABLE1_HELP, description=_TABLE1_HELP, add_help=False)
-    p.add_argument("study_args", nargs=argparse.REMAINDER,
-                   help=f"the study's own flags (StudyArguments; `{PROG} table1 -h` lists them)")
+    for name, (text, _, arguments, _, _) in _DATACLASS_STUDIES.items():
+        p = sub.add_parser(name, help=text, description=text, add_help=False)
+        p.add_argument("study_args", nargs=argparse.REMAINDER,
+                       help=f"the study's own flags ({arguments}; `{PROG} {name} -h` lists them)")
     return parser
 
 
-def _run_table1(study_args: list[str]) -> int:
+def _run_dataclass_study(name: str, study_args: list[str]) -> int:
+    import importlib
+
     from transformers import HfArgumentParser
 
-    from .table1 import StudyArguments, run_table1
-
-    parser = HfArgumentParser(StudyArguments, prog=f"{PROG} table1",
-                              description=f"{_TABLE1_HELP}. -v: tracebacks of errors.")
+    text, module_name, arguments, run, report_file = _DATACLASS_STUDIES[name]
+    module = importlib.import_module(f"{__package__}.{module_name}")
+    parser = HfArgumentParser(getattr(module, arguments), prog=f"{PROG} {name}",
+                              description=f"{text}. -v: tracebacks of errors.")
     (study,) = parser.parse_args_into_dataclasses(study_args)
     logging.getLogger("hf_partial_attention").setLevel(logging.INFO)
     logging.getLogger("experiments").setLevel(logging.INFO)
-    report = run_table1(study, study_args)
-    print(f"Wrote {os.path.join(study.output_dir, 'table1.md')}")
+    report = getattr(module, run)(study, study_args)
+    print(f"Wrote {os.path.join(study.output_dir, report_file)}")
     return 0 if report else 1
 
 
@@ -372,11 +383,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     verbose = False
     try:
-        if argv[:1] == ["table1"]:  # its flags (and -h) are the study's dataclass, parsed by HfArgumentParser
+        if argv[:1] and argv[0] in _DATACLASS_STUDIES:  # its flags (and -h) are a dataclass: HfArgumentParser
             study_args = [a for a in argv[1:] if a not in ("-v", "--verbose")]  # -v: ours, as for every study
             verbose = len(study_args) < len(argv) - 1
             logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-            return _run_table1(study_args)
+            return _run_dataclass_study(argv[0], study_args)
         args = build_parser().parse_args(argv)
         args.argv = argv
         verbose = args.verbose

@@ -197,7 +197,7 @@ def test_set_pattern_errors():
         model.set_pattern(AttentionPattern(pattern.indices, pattern.reconstruction, torch.zeros(16, 12)))
     with pytest.raises(TypeError, match="AttentionPattern"):
         model.set_pattern("pattern.safetensors")
-    with pytest.raises(TypeError, match="bert_model_or_path"):
+    with pytest.raises(TypeError, match="source_model_or_path"):
         PartialBertModel.from_bert(3, pattern)
 
 

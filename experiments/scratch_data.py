@@ -1,0 +1,165 @@
+"""Data of the from-scratch Table 1 study (`table1_scratch`): real English prose, split by document.
+
+Corpora (``--corpus``):
+
+- ``python-docs`` (the default): the prose paragraphs (``<p>``, code blocks left out) of CPython's own HTML
+  documentation as Debian's ``python3.11-doc`` installs it (``/usr/share/doc/python3.11/html``: tutorial, library and
+  language reference, how-tos, FAQs, what's new; ``make python-docs`` installs it), beside the standard library's
+  docstrings; about 1.5 M words after exact duplicates are dropped.
+- ``pydoc``: ``pydoc_data.topics`` and the standard library's docstrings (what the other studies use; small, for the
+  tiny run of the tests).
+
+Every ``test_every``-th document is held out (the test split: MLM losses, the pair task's test pairs); the others
+train (MLM windows, the covariance for P and R, the pair task's training pairs). Splits: ``windows`` train / test
+(n-token MLM windows), ``pairs`` train / test (sentence order at the pairs' own lengths).
+"""
+
+from __future__ import annotations
+
+import glob
+import html.parser
+import math
+import os
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ScratchData", "load_scratch_data", "python_docs_documents", "DOCS_DIR", "unigram_cross_entropy"]
+
+DOCS_DIR = "/usr/share/doc/python3.11/html"
+_SKIP_PAGES = ("genindex", "modindex", "search.html", "contents.html", "copyright.html", "license.html",
+               "download.html")
+
+
+class _Paragraphs(html.parser.HTMLParser):
+    """The text of every ``<p>`` of a page, code (``<pre>``) left out."""
+
+    def __init__(self):
+        super().__init__()
+        self.depth, self.skip, self.buffer, self.paragraphs = 0, 0, [], []
+
+    def handle_starttag(self, tag, attrs):
+        self.depth += tag == "p"
+        self.skip += tag in ("pre", "script", "style")
+
+    def handle_endtag(self, tag):
+        if tag == "p" and self.depth:
+            self.depth -= 1
+            self.paragraphs.append(" ".join("".join(self.buffer).split()))
+            self.buffer = []
+        elif tag in ("pre", "script", "style") and self.skip:
+            self.skip -= 1
+
+    def handle_data(self, data):
+        if self.depth and not self.skip:
+            self.buffer.append(data)
+
+
+def python_docs_documents(folder: str = DOCS_DIR, min_words: int = 8) -> list[list[str]]:
+    """The prose paragraphs of every page of CPython's HTML documentation under ``folder``, one list per page
+    (sorted by path); paragraphs under ``min_words`` words are dropped. A FileNotFoundError names how to install it."""
+    pages = sorted(glob.glob(os.path.join(folder, "**", "*.html"), recursive=True))
+    if not pages:
+        raise FileNotFoundError(f"No HTML pages under {folder!r}: install CPython's documentation (`make python-docs`, "
+                                "i.e. `apt-get install python3.11-doc`) or pass --corpus pydoc / --docs_dir.")
+    documents = []
+    for page in pages:
+        if any(skip in page for skip in _SKIP_PAGES):
+            continue
+        parser = _Paragraphs()
+        with open(page, encoding="utf-8") as f:
+            parser.feed(f.read())
+        paragraphs = [p for p in parser.paragraphs if len(p.split()) >= min_words]
+        if paragraphs:
+            documents.append(paragraphs)
+    return documents
+
+
+def _dedupe(documents: list[list[str]]) -> list[list[str]]:
+    """Each paragraph once (the first time it appears), empty documents dropped."""
+    seen, out = set(), []
+    for doc in documents:
+        kept = [p for p in doc if not (p in seen or seen.add(p))]
+        if kept:
+            out.append(kept)
+    return out
+
+
+@dataclass
+class ScratchData:
+    tokenizer: Any
+    windows: Any  # DatasetDict train / test of n-token MLM windows
+    pairs: Any  # DatasetDict train / test of tokenized pairs (test sorted by length)
+    labels: tuple[str, ...]
+    corpus: str
+    sizes: dict
+
+
+def _documents(corpus: str, docs_dir: str) -> tuple[list[list[str]], str]:
+    from hf_partial_attention.analysis.corpus import pydoc_paragraphs
+    from hf_partial_attention.training.pair_task import stdlib_docstring_documents
+
+    version = sys.version.split()[0]
+    if corpus == "python-docs":
+        return (_dedupe(python_docs_documents(docs_dir) + stdlib_docstring_documents()),
+                f"CPython 3.11's HTML documentation (Debian python3.11-doc, <p> prose) + standard-library docstrings "
+                f"(CPython {version})")
+    if corpus == "pydoc":
+        return (_dedupe(pydoc_paragraphs() + stdlib_docstring_documents()),
+                f"pydoc_data.topics + standard-library docstrings (CPython {version})")
+    raise ValueError(f"corpus must be 'python-docs' or 'pydoc', got {corpus!r}.")
+
+
+def load_scratch_data(a) -> ScratchData:
+    """Windows and pairs of the study's corpus (`ScratchArguments`: corpus, docs_dir, test_every, max_seq_length,
+    max_train_windows, test_windows, test_pairs, seed)."""
+    from datasets import Dataset, DatasetDict
+    from transformers import AutoTokenizer
+
+    from hf_partial_attention.analysis.defaults import resolve_model
+    from hf_partial_attention.training import group_into_windows, tokenize_pairs
+    from hf_partial_attention.training.pair_task import PAIR_LABELS, sentence_order_examples
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(a.tokenizer_name)[0])
+    documents, corpus = _documents(a.corpus, a.docs_dir)
+    if a.test_every < 2:
+        raise ValueError(f"test_every must be >= 2 (every test_every-th document is held out), got {a.test_every}.")
+    test_docs = documents[::a.test_every]
+    train_docs = [d for i, d in enumerate(documents) if i % a.test_every]
+    raw = DatasetDict(train=Dataset.from_dict({"text": [" ".join(d) for d in train_docs]}),
+                      test=Dataset.from_dict({"text": [" ".join(d) for d in test_docs]}))
+    windows = group_into_windows(raw, tokenizer, a.max_seq_length)
+    if a.max_train_windows and len(windows["train"]) > a.max_train_windows:
+        windows["train"] = windows["train"].select(range(a.max_train_windows))
+    windows["test"] = windows["test"].shuffle(seed=a.seed).select(range(min(a.test_windows, len(windows["test"]))))
+    for split in ("train", "test"):
+        if not len(windows[split]):
+            raise ValueError(f"The {split} split has no window of max_seq_length={a.max_seq_length} tokens; give "
+                             "more text or a smaller --max_seq_length.")
+    pairs_raw = DatasetDict(train=Dataset.from_list(sentence_order_examples(train_docs, seed=a.seed,
+                                                                            all_variants=True)),
+                            test=Dataset.from_list(sentence_order_examples(test_docs, seed=a.seed + 1)))
+    pairs_raw["test"] = pairs_raw["test"].shuffle(seed=a.seed).select(range(min(a.test_pairs,
+                                                                                  len(pairs_raw["test"]))))
+    pairs = tokenize_pairs(pairs_raw, tokenizer, a.max_seq_length, pad=False)
+    lengths = [len(x) for x in pairs["test"]["input_ids"]]
+    pairs["test"] = pairs["test"].add_column("length", lengths).sort("length").remove_columns("length")
+    words = sum(len(p.split()) for d in documents for p in d)
+    sizes = {"documents": {"train": len(train_docs), "test": len(test_docs)}, "words": words,
+             "windows": {k: len(v) for k, v in windows.items()},
+             "train_tokens": len(windows["train"]) * a.max_seq_length,
+             "pairs": {k: len(v) for k, v in pairs.items()},
+             "unigram_nats": unigram_cross_entropy(windows["train"], windows["test"], tokenizer)}
+    return ScratchData(tokenizer, windows, pairs, PAIR_LABELS, corpus, sizes)
+
+
+def unigram_cross_entropy(train_windows, test_windows, tokenizer) -> float:
+    """Nats per token of the test windows' ordinary tokens under the training windows' unigram distribution
+    (add-½ smoothing over the vocabulary): the MLM loss of a model that ignores context, the floor the exact model
+    must clearly beat."""
+    special = set(tokenizer.all_special_ids)
+    counts = Counter(t for row in train_windows["input_ids"] for t in row if t not in special)
+    total, vocab = sum(counts.values()), len(tokenizer)
+    test = [t for row in test_windows["input_ids"] for t in row if t not in special]
+    return -sum(math.log((counts.get(t, 0) + 0.5) / (total + 0.5 * vocab)) for t in test) / len(test)

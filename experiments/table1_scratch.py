@@ -1,0 +1,289 @@
+"""Table 1 as the paper ran it: BERT pretrained *from scratch* with partial attention built in, beside the exact
+model, P alone, and the exact model converted (issue 41). ``python -m experiments table1-scratch`` (``make
+table1-scratch``); the arms are `table1_scratch_spec`'s, the report `table1_scratch_report`'s.
+
+1. **Exact** (job ``pretrain_exact``): a BERT with BERT-base's head width (d_h = 64) pretrained by MLM from scratch
+   on the corpus's training windows through `build_model` and `PartialAttentionTrainer`, the held-out MLM loss
+   recorded every ``eval_every`` steps (and the training time to that step).
+2. **P and R** (``patterns``) from that model's scores by the project's own analysis: `analyze` on training windows
+   (second moment, the paper's) and `derive` (the pooled greedy, per k); per head, `analyze --granularity head` and
+   `derive_budget` (a k per layer at k's saving).
+3. **Arms from scratch** (``pretrain_<arm>``): the same seed (so the same initial weights: `build_model` converts the
+   exact class's own initialisation), data order, masks and steps, with P and R built in (every layer partial but
+   the last) or P alone; ``convert`` and ``convert_train`` arms start from the exact model.
+4. **Fine-tuning** (``ft_<arm>_s<seed>``) on sentence order (3 classes) at the pairs' own lengths, several seeds.
+5. **Cost** (``timing``): the training step and inference time of the trained-in models beside the exact one (SDPA
+   and eager), interleaved in one process.
+
+Every job's result is a JSON under ``run_dir/jobs``: a killed run started again continues with the job it was in.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import time
+
+import torch
+from transformers import TrainerCallback, set_seed
+from tqdm.auto import tqdm
+
+from . import table1_steps as steps
+from .scratch_data import load_scratch_data
+from .scratch_p_only import P_ONLY, install_p_only
+from .store import JobStore
+from .table1_scratch_spec import COMMAND, ScratchArguments, ScratchArm
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["run_table1_scratch", "ScratchArguments"]
+
+
+class _Curve(TrainerCallback):
+    """The held-out MLM loss every ``every`` steps and at the end, with the training seconds to that step (the
+    evaluation's own time left out)."""
+
+    def __init__(self, windows, tokenizer, seed: int, every: int):
+        self.windows, self.tokenizer, self.seed, self.every = windows, tokenizer, seed, every
+        self.points, self.eval_seconds, self.start = [], 0.0, None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step % self.every and state.global_step != state.max_steps:
+            return
+        t0 = time.perf_counter()
+        result = steps.mlm_window_losses(model, self.tokenizer, self.windows, self.seed)
+        model.train()
+        self.points.append({"step": state.global_step, "loss": sum(result["loss_sums"]) / sum(result["token_counts"]),
+                            "train_seconds": t0 - self.start - self.eval_seconds})
+        self.eval_seconds += time.perf_counter() - t0
+
+
+class _Study:
+    def __init__(self, a: ScratchArguments, store: JobStore, data):
+        self.a, self.store, self.data = a, store, data
+        self.arms = {arm.name: arm for arm in a.arm_list()}
+
+    # ------------------------------------------------------------------ models
+    def pattern_path(self, arm: ScratchArm) -> str:
+        if arm.kind == "head_budget":
+            return os.path.join(self.a.run_dir, "analysis_head", "patterns",
+                                f"per_query_head_savingk{arm.k}_budget.safetensors")
+        return os.path.join(self.a.run_dir, "analysis", "patterns", f"per_query_k{arm.k}.safetensors")
+
+    def partial_layers(self) -> list[int]:
+        return list(range(self.a.num_hidden_layers - 1))  # every layer but the last, as the paper
+
+    def new_model(self, arm: ScratchArm):
+        """An arm's model before pretraining from scratch: the exact class's initialisation for the study's seed,
+        converted with the arm's P and R (`build_model`), or P alone installed."""
+        from hf_partial_attention.training import ModelArguments, build_model
+
+        set_seed(self.a.seed)
+        exact = arm.kind in ("exact", "p_only")
+        args = ModelArguments(model_type="bert", config_overrides=self.a.config_overrides(),
+                              attention="exact" if exact else "partial",
+                              pattern=None if exact else self.pattern_path(arm),
+                              reconstruction=None if exact else arm.reconstruction)
+        model = build_model("masked_lm", args, self.data.tokenizer, max_seq_length=self.a.max_seq_length).model
+        if arm.kind == "p_only":
+            from hf_partial_attention.pattern import AttentionPattern
+
+            install_p_only(model, AttentionPattern.load(self.pattern_path(arm)).indices, self.partial_layers())
+        elif not exact:
+            model.set_partial_implementation("auto")
+        return model
+
+    def converted(self, arm: ScratchArm, head=None, **kwargs):
+        """The pretrained exact model converted with the arm's pooled P and R (its R mode)."""
+        from hf_partial_attention.modeling_partial_bert import PartialBertForMaskedLM
+        from hf_partial_attention.pattern import AttentionPattern
+
+        model = (head or PartialBertForMaskedLM).from_bert(self.store.model_dir("exact"),
+                                                           AttentionPattern.load(self.pattern_path(arm)),
+                                                           reconstruction=arm.reconstruction, **kwargs)
+        model.set_partial_implementation("auto")
+        return model
+
+    def test_losses(self, model) -> dict:
+        return steps.mlm_window_losses(model, self.data.tokenizer, self.data.windows["test"], self.a.seed)
+
+    # ------------------------------------------------------------------ jobs
+    def pretrain(self, arm: ScratchArm) -> dict:
+        """Pretraining of a from-scratch arm, or the training of a ``convert_train`` arm; test losses after."""
+        a, data = self.a, self.data
+        model = self.converted(arm) if arm.kind == "convert_train" else self.new_model(arm)
+        count = a.convert_train_steps() if arm.kind == "convert_train" else a.pretrain_steps
+        args = steps.train_args(self.store.model_dir("tmp"), count, a.pretrain_batch_size, a.pretrain_learning_rate,
+                                a.seed, a.seed, mlm=True)
+        curve_windows = data.windows["test"].select(range(min(a.curve_windows, len(data.windows["test"]))))
+        curve = _Curve(curve_windows, data.tokenizer, a.seed, a.eval_every)
+        from hf_partial_attention.training import MlmCollator, PartialAttentionTrainer
+
+        trainer = PartialAttentionTrainer(model=model, args=args, data_collator=MlmCollator(data.tokenizer, seed=a.seed),
+                                          train_dataset=data.windows["train"], callbacks=[curve])
+        t0 = time.perf_counter()
+        trainer.train()
+        seconds = time.perf_counter() - t0
+        model = trainer.model
+        model.save_pretrained(self.store.model_dir(arm.name))
+        data.tokenizer.save_pretrained(self.store.model_dir(arm.name))
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        stats = trainer.reconstruction_stats() if arm.reconstruction else {}
+        drift = {k.split("/", 1)[1]: v for k, v in stats.items() if k.startswith("reconstruction_drift/")}
+        return {"steps": count, "train_seconds": seconds - curve.eval_seconds, "curve": curve.points,
+                "train_losses": losses, "r_drift": drift, "test": self.test_losses(model)}
+
+    def patterns(self) -> dict:
+        """Pooled P and R per k (`analyze` + `derive`), and per head at each head arm's saving (`derive_budget`)."""
+        from hf_partial_attention.analysis.budget import derive_budget
+        from hf_partial_attention.analysis.workflow import analyze, derive
+
+        a, data = self.a, self.data
+        windows = torch.tensor(data.windows["train"].shuffle(seed=a.seed)[: a.covariance_windows]["input_ids"])
+        exact_dir = self.store.model_dir("exact")
+        pooled_ks = sorted({arm.k for arm in self.arms.values() if arm.k and arm.kind != "head_budget"})
+        head_ks = sorted({arm.k for arm in self.arms.values() if arm.kind == "head_budget"})
+        out = {"windows": int(windows.shape[0])}
+        folder = os.path.join(a.run_dir, "analysis")
+        analyze(exact_dir, windows, folder, tokenizer=data.tokenizer, seq_len=a.max_seq_length, heldout_every=0,
+                centered=False, batch_size=32, progress=a.progress, model_id=f"table1-scratch exact ({a.corpus})")
+        derived = derive(folder, pooled_ks, evaluate=False, progress=a.progress)
+        out["pooled"] = {str(r["k"]): r["predicted"] for r in derived["patterns"]}
+        if head_ks:
+            folder = os.path.join(a.run_dir, "analysis_head")
+            analyze(exact_dir, windows, folder, tokenizer=data.tokenizer, seq_len=a.max_seq_length, heldout_every=0,
+                    centered=False, granularity="head", batch_size=32, progress=a.progress,
+                    model_id=f"table1-scratch exact ({a.corpus})")
+            out["head"] = {str(k): {key: value for key, value in derive_budget(folder, f"k{k}", granularity="head")
+                                    .items() if key in ("layers_k", "saving", "budget_layers")} for k in head_ks}
+        return out
+
+    def finetune(self, arm: ScratchArm, seed: int) -> dict:
+        from transformers import BertForSequenceClassification
+
+        from hf_partial_attention.modeling_partial_bert import PartialBertForSequenceClassification
+
+        a, data = self.a, self.data
+        labels = {"num_labels": len(data.labels)}
+        folder = self.store.model_dir(arm.name)
+        if arm.kind == "exact":
+            build = lambda: BertForSequenceClassification.from_pretrained(folder, **labels)  # noqa: E731
+        elif arm.kind == "p_only":
+            build = lambda: BertForSequenceClassification.from_pretrained(  # noqa: E731
+                folder, attn_implementation=P_ONLY, **labels)
+        elif arm.kind == "convert":
+            build = lambda: self.converted(arm, PartialBertForSequenceClassification, **labels)  # noqa: E731
+        else:
+            build = lambda: PartialBertForSequenceClassification.from_pretrained(  # noqa: E731
+                folder, partial_implementation="auto", **labels)
+        model = steps.seeded(seed, build)
+        result = steps.finetune(model, data.tokenizer, data.pairs["train"], data.pairs["test"],
+                                self.store.model_dir(f"ft_{arm.name}_s{seed}"), a.finetune_steps,
+                                a.finetune_batch_size, a.finetune_learning_rate, seed)
+        result.pop("trainer")
+        return result
+
+    def timing(self) -> dict:
+        """Training-step and inference time at the study's size: the exact model (SDPA, eager) beside every
+        trained-in arm's model, interleaved (`table1_steps.time_models`)."""
+        from transformers import BertForMaskedLM
+
+        from hf_partial_attention.modeling_partial_bert import PartialBertForMaskedLM
+
+        a = self.a
+        models = {f"exact/{impl}": BertForMaskedLM.from_pretrained(self.store.model_dir("exact"),
+                                                                   attn_implementation=impl)
+                  for impl in ("sdpa", "eager")}
+        for arm in self.arms.values():
+            if arm.trained_in:
+                models[arm.name] = PartialBertForMaskedLM.from_pretrained(self.store.model_dir(arm.name),
+                                                                          partial_implementation="auto")
+        ms = steps.time_models(models, a.timing_batch_size, a.max_seq_length, a.timing_repeats,
+                               self.data.tokenizer.vocab_size, a.seed)
+        return {"ms": ms, "batch": a.timing_batch_size, "n": a.max_seq_length, "repeats": a.timing_repeats,
+                "threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
+def estimate_seconds(a: ScratchArguments, step_seconds: float, pair_fraction: float = 0.35) -> float:
+    """The study's wall time from one measured pretraining step: every from-scratch arm's steps, the convert-train
+    arms' tenth, the curves' evaluations (a forward is about a third of a step), the fine-tuning runs (pairs are
+    about ``pair_fraction`` of n long) and a tenth more for the analysis, the evaluations and the timing."""
+    arms = a.arm_list()
+    pretrain = sum(a.pretrain_steps for arm in arms if arm.from_scratch)
+    pretrain += sum(a.convert_train_steps() for arm in arms if arm.kind == "convert_train")
+    batches = a.pretrain_batch_size
+    curve = len([arm for arm in arms if arm.from_scratch or arm.kind == "convert_train"]) * \
+        (a.pretrain_steps // a.eval_every + 1) * a.curve_windows / batches / 3
+    finetune = len(arms) * len(a.seed_list()) * a.finetune_steps * a.finetune_batch_size / batches * pair_fraction
+    return 1.1 * step_seconds * (pretrain + curve + finetune)
+
+
+def _step_seconds(study: _Study) -> float:
+    """The median time of a few pretraining steps of the exact model (forward, backward, AdamW)."""
+    from hf_partial_attention.training.trainer import masked_only_mlm_loss
+
+    model = study.new_model(study.arms["exact"]).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    from hf_partial_attention.training import MlmCollator
+
+    batch = MlmCollator(study.data.tokenizer, seed=0)(
+        [study.data.windows["train"][i] for i in range(study.a.pretrain_batch_size)])
+    times = []
+    for _ in range(4):
+        t0 = time.perf_counter()
+        masked_only_mlm_loss(model, batch)["loss"].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def run_table1_scratch(a: ScratchArguments, argv: list[str] | None = None) -> dict:
+    """Run (or resume) the study and write its report (`table1_scratch_report.write_scratch_report`)."""
+    from .table1_scratch_report import write_scratch_report
+
+    command = " ".join([COMMAND, *(shlex.quote(x) for x in (argv or []))])
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    store = JobStore(a.run_dir, a.result_fields())
+    study = _Study(a, store, load_scratch_data(a))
+    arms = list(study.arms.values())
+    jobs = (["estimate", "pretrain_exact", "patterns"] + [f"pretrain_{arm.name}" for arm in arms[1:]
+                                                          if arm.kind != "convert"]
+            + [f"convert_{arm.name}" for arm in arms if arm.kind == "convert"]
+            + [f"ft_{arm.name}_s{seed}" for arm in arms for seed in a.seed_list()] + ["timing"])
+    bar = tqdm(total=len(jobs), desc="table1-scratch jobs", disable=not a.progress)
+    bar.update(sum(store.done(j) for j in jobs))
+
+    def job(name, fn):
+        if not store.done(name):
+            t0 = time.time()
+            bar.set_postfix_str(name)
+            result = fn()
+            result["seconds"] = time.time() - t0
+            store.save(name, result)
+            logger.info("table1-scratch job %s done in %.0f s", name, result["seconds"])
+            bar.update(1)
+        return store.load(name)
+
+    estimate = job("estimate", lambda: {"step_seconds": (s := _step_seconds(study)),
+                                        "estimate_seconds": estimate_seconds(a, s)})
+    logger.warning("table1-scratch: estimated %.1f h for the whole study on this machine (%.2f s a pretraining "
+                   "step); it resumes after a kill.", estimate["estimate_seconds"] / 3600, estimate["step_seconds"])
+    job("pretrain_exact", lambda: study.pretrain(study.arms["exact"]))
+    job("patterns", study.patterns)
+    for arm in arms[1:]:
+        if arm.kind == "convert":
+            job(f"convert_{arm.name}", lambda arm=arm: {"test": study.test_losses(study.converted(arm))})
+        else:
+            job(f"pretrain_{arm.name}", lambda arm=arm: study.pretrain(arm))
+    for arm in arms:
+        for seed in a.seed_list():
+            job(f"ft_{arm.name}_s{seed}", lambda arm=arm, seed=seed: study.finetune(arm, seed))
+    job("timing", study.timing)
+    bar.close()
+    return write_scratch_report(a, store, study.data, command)

@@ -1,0 +1,153 @@
+"""The from-scratch Table 1 study (`experiments.table1_scratch`): a tiny run of every kind of arm end to end, its
+resume, the P-alone control against a hand-computed masked attention, and the study's arguments."""
+
+import json
+import os
+import pathlib
+
+import pytest
+import torch
+from transformers import BertConfig, BertModel
+
+from experiments.scratch_p_only import allowed_keys, install_p_only
+from experiments.table1_scratch import ScratchArguments, estimate_seconds, run_table1_scratch
+from experiments.table1_scratch_spec import parse_scratch_arm
+
+ARMS = "exact,k8_fixed,k8_per_layer,k8_head_budget,k8_p_only,k8_convert,k8_convert_train"
+
+
+def tiny_args(tmp_path, **overrides):
+    fields = dict(output_dir=str(tmp_path / "results"), run_dir=str(tmp_path / "run"), cards_dir=str(tmp_path / "cards"),
+                  corpus="pydoc", max_seq_length=32, num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
+                  intermediate_size=37, arms=ARMS, pretrain_steps=20, pretrain_batch_size=8, eval_every=10,
+                  covariance_windows=128, test_windows=32, curve_windows=16, test_pairs=64, finetune_steps=4,
+                  finetune_batch_size=8, seeds="0,1", timing_repeats=2, timing_batch_size=4, max_train_windows=400,
+                  progress=False)
+    return ScratchArguments(**{**fields, **overrides})
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("scratch")
+    a = tiny_args(tmp)
+    return a, run_table1_scratch(a, ["--tiny"])
+
+
+def test_tiny_study_end_to_end(tiny_run):
+    a, report = tiny_run
+    with open(os.path.join(a.output_dir, "table1.json")) as f:
+        saved = json.load(f)
+    rows = saved["rows"]
+    assert list(rows) == ARMS.split(",")
+    assert saved["command"] == "python -m experiments table1-scratch --tiny" and saved["seconds"] > 0
+    for name, row in rows.items():
+        assert 0.0 <= row["accuracy"]["mean"] <= 1.0 and len(row["accuracy"]["values"]) == 2
+        assert row["mlm_windows"] > 0
+        assert row["k"] == (None if name == "exact" else 8)
+    # the losses against steps: every eval_every steps and the last, for the arms that train from scratch
+    assert [p["step"] for p in rows["k8_per_layer"]["curve"]] == [10, 20]
+    assert [p["step"] for p in rows["k8_convert_train"]["curve"]] == [2]  # a tenth of the steps
+    assert rows["k8_convert"]["curve"] is None
+    # trained R moved, fixed R did not
+    assert max(rows["k8_per_layer"]["r_drift"].values()) > 0
+    assert max(rows["k8_fixed"]["r_drift"].values(), default=0.0) == 0.0
+    # the saving of a pooled k = 8 at n = 32, d_h = 16 in 1 of 2 layers: (1 - (8·16 + 24·8) / (32·16)) / 2
+    assert rows["k8_fixed"]["qk_saving"] == pytest.approx((1 - (8 * 16 + 24 * 8) / (32 * 16)) / 2)
+    assert {v for pairs in saved["verdicts"].values() for p in pairs for v in (p["mlm_verdict"],)} <= {
+        "below", "above", "not distinguishable"}
+    assert [g["goal"].split(" ")[0] for g in saved["goals"]][:1] == ["k8_convert"]
+    with open(os.path.join(a.output_dir, "table1.md")) as f:
+        text = f.read()
+    assert "| k8_p_only | 8 | — | — |" in text and "(e, ours)" in text
+    for figure in saved["figures"].values():
+        assert os.path.getsize(os.path.join(a.output_dir, figure)) > 1000
+    for arm in ("k8_fixed", "k8_per_layer", "k8_head_budget"):
+        with open(os.path.join(a.cards_dir, arm, "README.md")) as f:
+            assert "Pretrained from scratch with P and R built in" in f.read()
+
+
+def test_arms_run_what_they_name(tiny_run):
+    """The saved checkpoints are what each arm says: P and R of the derived files, P alone in a BERT config, the
+    per-head arm per head; the exact arm and a trained-in one start from the same weights."""
+    from experiments.table1_scratch import _Study
+    from hf_partial_attention.modeling_partial_bert import PartialBertForMaskedLM
+    from hf_partial_attention.pattern import AttentionPattern
+
+    a, _ = tiny_run
+    models = os.path.join(a.run_dir, "models")
+    pooled = AttentionPattern.load(os.path.join(a.run_dir, "analysis", "patterns", "per_query_k8.safetensors"))
+    trained = PartialBertForMaskedLM.from_pretrained(os.path.join(models, "k8_per_layer"))
+    assert torch.equal(trained.get_pattern(0).indices, pooled.indices)
+    assert trained.config.reconstruction == "per_layer" and trained.config.partial_layers == [0]
+    head = PartialBertForMaskedLM.from_pretrained(os.path.join(models, "k8_head_budget"))
+    assert head.config.partial_granularity == "head"
+    with open(os.path.join(models, "k8_p_only", "config.json")) as f:
+        config = json.load(f)
+    assert config["p_only_layers"] == [0] and torch.equal(torch.tensor(config["p_only_indices"]), pooled.indices)
+    study = _Study.__new__(_Study)
+    study.a, study.arms = a, {arm.name: arm for arm in a.arm_list()}
+    study.data = type("Data", (), {"tokenizer": __import__("transformers").AutoTokenizer.from_pretrained(
+        os.path.join(models, "exact"))})()
+    exact, partial = study.new_model(parse_scratch_arm("exact")), study.new_model(parse_scratch_arm("k8_common"))
+    partial_state = partial.state_dict()
+    for name, tensor in exact.state_dict().items():
+        assert torch.equal(partial_state[name], tensor), name
+
+
+def test_resume_runs_only_missing_jobs(tiny_run):
+    a, report = tiny_run
+    jobs = os.path.join(a.run_dir, "jobs")
+    stamps = {name: os.path.getmtime(os.path.join(jobs, name)) for name in os.listdir(jobs)}
+    os.remove(os.path.join(jobs, "ft_k8_p_only_s1.json"))  # as if killed in that job
+    again = run_table1_scratch(a, ["--tiny"])
+    for name, stamp in stamps.items():
+        if name != "ft_k8_p_only_s1.json":
+            assert os.path.getmtime(os.path.join(jobs, name)) == stamp, name
+    assert again["rows"]["k8_p_only"]["accuracy"]["values"] == report["rows"]["k8_p_only"]["accuracy"]["values"]
+    with pytest.raises(ValueError, match="other arguments"):
+        run_table1_scratch(tiny_args(pathlib.Path(a.run_dir).parent, pretrain_steps=30), [])
+
+
+def test_p_only_attention_is_masked_attention():
+    """P alone equals a hand-written attention with every key outside P masked; P holding every key is SDPA."""
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=37, max_position_embeddings=16, attention_probs_dropout_prob=0.0)
+    model = BertModel(config).eval()
+    ids = torch.randint(5, 99, (2, 16))
+    mask = torch.ones_like(ids)
+    mask[1, 11:] = 0
+    reference = model(ids, attention_mask=mask).last_hidden_state
+    install_p_only(model, torch.arange(16).repeat(16, 1), [0])
+    assert torch.allclose(model(ids, attention_mask=mask).last_hidden_state, reference, atol=1e-6)
+    indices = torch.stack([torch.tensor(sorted({0, i, min(i + 1, 15), max(i - 1, 0)} | {15 - i})[:3])
+                           for i in range(16)])  # (n, 3)
+    install_p_only(model, indices, [0])
+    seen = {}
+    self_attn = model.encoder.layer[0].attention.self
+    hook = self_attn.register_forward_hook(lambda mod, args, kwargs, out: seen.update(x=args[0], out=out[0]),
+                                           with_kwargs=True)
+    got = model(ids, attention_mask=mask).last_hidden_state
+    hook.remove()
+    assert not torch.allclose(got, reference, atol=1e-3)
+    # layer 0's attention by hand, every key outside P (and padding) masked
+    q, k, v = (lin(seen["x"]).view(2, 16, 2, 16).transpose(1, 2) for lin in (self_attn.query, self_attn.key,
+                                                                              self_attn.value))  # (B, H, T, d)
+    keep = allowed_keys(indices, 16)[None, None] & mask.bool()[:, None, None, :]  # (B, 1, T, T)
+    weights = (q @ k.transpose(-1, -2) / 4.0).masked_fill(~keep, float("-inf")).softmax(-1)  # (B, H, T, T)
+    expected = (weights @ v).transpose(1, 2).reshape(2, 16, 32)  # (B, T, h)
+    assert torch.allclose(seen["out"].reshape(2, 16, 32), expected, atol=1e-5)
+    with pytest.raises(ValueError, match="positions"):
+        install_p_only(model, torch.arange(4).repeat(32, 1), [0])
+
+
+def test_arguments_refuse_and_estimate(tmp_path):
+    with pytest.raises(ValueError, match="must start with 'exact'"):
+        tiny_args(tmp_path, arms="k8_fixed,exact")
+    with pytest.raises(ValueError, match="kind one of"):
+        tiny_args(tmp_path, arms="exact,k8_sparse")
+    a = tiny_args(tmp_path, pretrain_steps=100, eval_every=100, curve_windows=8, finetune_steps=10, seeds="0")
+    # 6 pretraining runs from scratch... of which exact, fixed, per_layer, head_budget, p_only: 5 × 100 steps; the
+    # convert-train arm 10; curves 6 arms × 2 points × 8/8 batches / 3; fine-tuning 7 × 10 × 0.35
+    expected = 1.1 * 0.5 * (500 + 10 + 6 * 2 * 8 / 8 / 3 + 7 * 10 * 0.35)
+    assert estimate_seconds(a, 0.5) == pytest.approx(expected)
