@@ -186,3 +186,30 @@ def test_derive_objective(tiny_run):
     assert saved.metadata["objective"] == "fisher"
     assert torch.equal(saved.indices, select_pattern(cov, 4, objective="fisher").indices)
     assert not torch.equal(saved.indices, select_pattern(cov, 4).indices)  # the objective changed P here
+
+
+def test_analyze_derive_convert_without_matplotlib(tiny_bert_dir, tmp_path):
+    """matplotlib is the [analysis] extra: without it the commands write every number and say once which extra
+    brings the figures."""
+    import subprocess
+    import sys
+
+    text = tmp_path / "text.txt"
+    text.write_text("\n\n".join(default_texts()[:6]), encoding="utf-8")
+    out, ckpt = str(tmp_path / "run"), str(tmp_path / "ckpt")
+    script = (  # matplotlib made unimportable, as in an environment without it
+        "import sys; sys.modules['matplotlib'] = None\n"
+        "from hf_partial_attention import cli\n"
+        f"assert cli.main(['analyze', '--model', {tiny_bert_dir!r}, '--text-file', {str(text)!r}, '--seq-len', '16',"
+        f" '--max-sequences', '10', '--heldout-every', '0', '--out', {out!r}, '--no-progress']) == 0\n"
+        f"assert cli.main(['derive', {out!r}, '--k', '5', '--no-progress']) == 0\n"
+        f"assert cli.main(['convert', {os.path.join(out, 'patterns', 'per_query_k5.safetensors')!r}, '--out', "
+        f"{ckpt!r}]) == 0\n"
+        "assert 'matplotlib' not in sys.modules or sys.modules['matplotlib'] is None\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("figures skipped: matplotlib is not installed (pip install "
+                             "'hf-partial-attention[analysis]'") == 1
+    assert os.path.isfile(os.path.join(ckpt, "model.safetensors"))
+    assert not os.path.exists(os.path.join(out, "figures")) or not os.listdir(os.path.join(out, "figures"))
+    assert "![" not in open(os.path.join(out, "report.md"), encoding="utf-8").read()

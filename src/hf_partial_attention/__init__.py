@@ -18,11 +18,19 @@ from .modeling_partial_bert import (
     PartialBertPreTrainedModel,
 )
 from .architectures import UnsupportedModelError, supported_model_types
+from . import configuration_partial_encoders as _configs
+from . import modeling_partial_encoders as _models
 from .modeling_partial_encoders import partial_class_for
 from .pattern import AttentionPattern
 from .version import __version__
 
 register()
+
+# Every other architecture's partial config and classes (PartialRobertaConfig, PartialRobertaModel, ...), generated
+# from the architecture table; an architecture the installed transformers lacks has none.
+_GENERATED = {name: getattr(module, name) for module in (_configs, _models) for name in module.__all__
+              if name.startswith("Partial")}
+globals().update(_GENERATED)
 
 __all__ = [
     "AttentionPattern",
@@ -38,4 +46,5 @@ __all__ = [
     "supported_model_types",
     "UnsupportedModelError",
     "__version__",
+    *_GENERATED,
 ]

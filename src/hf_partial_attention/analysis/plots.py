@@ -1,18 +1,50 @@
-"""Figures (PNG, matplotlib Agg): the only module of the package that imports matplotlib."""
+"""Figures (PNG, matplotlib Agg): the only module of the package that imports matplotlib.
+
+matplotlib comes with the ``[analysis]`` extra. Without it every ``plot_*`` logs one warning naming the extra and
+returns None instead of a path: ``analyze``, ``derive`` and ``convert`` still write every number, reports list only
+the figures that exist.
+"""
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 import os
 from collections.abc import Sequence
 
-import matplotlib
+import torch
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
+from ..pattern import AttentionPattern
 
-from ..pattern import AttentionPattern  # noqa: E402
+try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+except ImportError:  # figures are optional: the numbers never need them
+    matplotlib = plt = None
+
+logger = logging.getLogger(__name__)
+MISSING = ("figures skipped: matplotlib is not installed (pip install 'hf-partial-attention[analysis]' "
+           "or pip install matplotlib)")
+_warned = False
+
+
+def _figure(plot):
+    """``plot`` returns its PNG's path, or None (one warning) where matplotlib is missing."""
+
+    @functools.wraps(plot)
+    def wrapper(*args, **kwargs):
+        global _warned
+        if plt is None:
+            if not _warned:
+                logger.warning(MISSING)
+                _warned = True
+            return None
+        return plot(*args, **kwargs)
+
+    return wrapper
 
 __all__ = [
     "pattern_mask",
@@ -39,7 +71,7 @@ def pattern_mask(pattern: AttentionPattern) -> torch.Tensor:
     return torch.zeros(n, n, dtype=torch.bool).scatter_(-1, pattern.indices, True)  # (n, n)
 
 
-def _save(fig, path) -> str:
+def _save(fig, path) -> str | None:
     os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=_DPI)
@@ -52,7 +84,8 @@ def _grid(count: int, cols: int) -> tuple[int, int]:
     return math.ceil(count / cols), cols
 
 
-def plot_layer_projection(global_curve: torch.Tensor, layers: Sequence, path, title: str = "") -> str:
+@_figure
+def plot_layer_projection(global_curve: torch.Tensor, layers: Sequence, path, title: str = "") -> str | None:
     """Fig. 3: per layer, its own cumulative spectrum and its energy on the global top-k eigenspace."""
     rows, cols = _grid(len(layers), 3)
     fig, axes = plt.subplots(rows, cols, figsize=(3.3 * cols, 2.6 * rows), squeeze=False)
@@ -73,7 +106,8 @@ def plot_layer_projection(global_curve: torch.Tensor, layers: Sequence, path, ti
     return _save(fig, path)
 
 
-def plot_overlap(curves: dict[str, torch.Tensor], path, title: str = "") -> str:
+@_figure
+def plot_overlap(curves: dict[str, torch.Tensor], path, title: str = "") -> str | None:
     """Fig. 4: energy of one covariance captured by another's top-k eigenspace, beside its own spectrum."""
     fig, ax = plt.subplots(figsize=(4.5, 3.3))
     for label, curve in curves.items():
@@ -88,8 +122,9 @@ def plot_overlap(curves: dict[str, torch.Tensor], path, title: str = "") -> str:
     return _save(fig, path)
 
 
+@_figure
 def plot_images(images: torch.Tensor, path, titles: Sequence[str] | None = None, title: str = "",
-                cols: int = 4, cmap: str = "RdBu_r") -> str:
+                cols: int = 4, cmap: str = "RdBu_r") -> str | None:
     """A row of n×n images (eigenvectors, Fig. 5 and 7), symmetric colour scale around 0."""
     count = images.shape[0]
     rows, cols = _grid(count, cols)
@@ -109,7 +144,8 @@ def plot_images(images: torch.Tensor, path, titles: Sequence[str] | None = None,
     return _save(fig, path)
 
 
-def plot_per_query_spectra(eigenvalues: torch.Tensor, share: torch.Tensor, path, rows=None) -> str:
+@_figure
+def plot_per_query_spectra(eigenvalues: torch.Tensor, share: torch.Tensor, path, rows=None) -> str | None:
     """Fig. 6: (a) eigenvalues of Q^i for a few rows; (b) the top eigenvalue's share of Tr Q^i per row."""
     n = eigenvalues.shape[0]
     rows = rows if rows is not None else sorted({0, 1, n // 4, n // 2, n - 2, n - 1})
@@ -132,12 +168,14 @@ def plot_per_query_spectra(eigenvalues: torch.Tensor, share: torch.Tensor, path,
     return _save(fig, path)
 
 
-def plot_energy_comparison(curves: dict[str, torch.Tensor], path, title: str = "") -> str:
+@_figure
+def plot_energy_comparison(curves: dict[str, torch.Tensor], path, title: str = "") -> str | None:
     """Cumulative energy curves against the number of eigenvalues (global vs pooled per-query)."""
     return plot_overlap(curves, path, title or "Cumulative energy")
 
 
-def plot_patterns(masks: Sequence[tuple[str, torch.Tensor]], path, title: str = "") -> str:
+@_figure
+def plot_patterns(masks: Sequence[tuple[str, torch.Tensor]], path, title: str = "") -> str | None:
     """Fig. 8: the exactly computed (query, key) pairs of several patterns as black-on-white images."""
     rows, cols = _grid(len(masks), 4)
     fig, axes = plt.subplots(rows, cols, figsize=(2.5 * cols, 2.6 * rows + 0.3), squeeze=False)
@@ -153,7 +191,8 @@ def plot_patterns(masks: Sequence[tuple[str, torch.Tensor]], path, title: str = 
     return _save(fig, path)
 
 
-def plot_error_curves(curves: Sequence[dict], path) -> str:
+@_figure
+def plot_error_curves(curves: Sequence[dict], path) -> str | None:
     """Fig. 9: normalised error vs k̄ (with eigenvector references) and vs relative cost."""
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
     for curve in curves:
@@ -175,7 +214,8 @@ def plot_error_curves(curves: Sequence[dict], path) -> str:
     return _save(fig, path)
 
 
-def plot_baselines(series: dict[str, list[tuple[float, float]]], path, title: str = "") -> str:
+@_figure
+def plot_baselines(series: dict[str, list[tuple[float, float]]], path, title: str = "") -> str | None:
     """Measured held-out normalised error against relative cost, one line per method."""
     fig, ax = plt.subplots(figsize=(5.2, 3.6))
     for name, points in series.items():
@@ -191,8 +231,9 @@ def plot_baselines(series: dict[str, list[tuple[float, float]]], path, title: st
     return _save(fig, path)
 
 
+@_figure
 def plot_length_histogram(fit: Sequence[int], heldout: Sequence[int], buckets: Sequence[int], path,
-                          title: str = "") -> str:
+                          title: str = "") -> str | None:
     """Histogram of input lengths in tokens (fit and held-out inputs), the bucket lengths as vertical lines."""
     fig, ax = plt.subplots(figsize=(5.2, 3.2))
     top = max([*fit, *heldout, *buckets, 1])
