@@ -136,7 +136,7 @@ def _embeddings(model_path: str, out: str, ks, convert_k: int, seq_len: int, bat
 
 
 def run_demo(out: str = "runs/demo", model: str | None = None, *, seq_len: int = 128, fit_sequences: int = 320,
-             heldout_sequences: int = 64, ks=(16, 24, 32, 48), convert_k: int = 16, whole_seq_len: int = 32,
+             heldout_sequences: int = 64, ks=(8, 16, 24), convert_k: int = 16, whole_seq_len: int = 32,
              whole_sequences: int = 640, batch_size: int = 8, bucket_inputs: int | None = None,
              progress: bool = True, bucket_k: dict[int, int] | None = None,
              checkpoint_form: str = "head_exact") -> dict:

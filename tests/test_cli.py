@@ -81,6 +81,9 @@ def test_help_of_every_command_prints_usage(command, capsys):
     assert exit_info.value.code in (0, None)
     out = capsys.readouterr().out
     assert out.startswith(f"usage: hf-partial-attention{' ' + command if command else ''}")
+    # plain text, and nothing an installed user cannot reach (a clone's results/, its experiments, make)
+    for clone_only in ("``", "results/", "python -m experiments", "make "):
+        assert clone_only not in " ".join(out.split()), clone_only
 
 
 def test_help_shows_defaults_and_version(capsys):

@@ -215,7 +215,7 @@ def test_no_import_cycle_in_the_repository():
 def test_demo_small(tmp_path, minilm_path, capsys):
     out = str(tmp_path / "demo")
     assert studies_cli.main(["demo", "--out", out, "--fit-sequences", "16", "--heldout-sequences", "8", "--k", "16",
-                             "32", "--whole-seq-len", "16", "--whole-sequences", "32", "--bucket-inputs", "96",
+                             "24", "--whole-seq-len", "16", "--whole-sequences", "32", "--bucket-inputs", "96",
                              "--no-progress"]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith(f"Wrote {os.path.join(out, 'report.md')} in ")
@@ -551,3 +551,12 @@ def test_granularity_lengths_small(tmp_path, minilm_path, capsys, monkeypatch):
     for bad in ("pooled_exact4", "head_exact", "head_budgets"):
         with pytest.raises(ValueError, match="use one of"):
             parse_arm(bad)
+
+
+def test_demo_derives_only_patterns_that_save_work():
+    """`make demo` runs the defaults: every k it derives saves QKᵀ work at the MiniLM's d_h = 32 and n = 128."""
+    from hf_partial_attention.cost import saving_warning
+
+    args = studies_cli.build_parser().parse_args(["demo"])
+    assert args.k and all(saving_warning(128, k, 32) is None for k in args.k), args.k
+    assert args.convert_k in args.k

@@ -226,11 +226,16 @@ register_command("convert", "partial checkpoint (PartialBert, PartialRoberta, ..
                  _run_convert)
 
 
+DESCRIPTION = ("Partial attention for encoders: analyze a model's attention scores on text, derive the exact positions "
+               "P and the reconstruction R, convert the model into a partial checkpoint. Run a command with -h for "
+               "its options.")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every registered command; each option's help shows its default."""
     from .version import __version__
 
-    parser = argparse.ArgumentParser(prog="hf-partial-attention", description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(prog="hf-partial-attention", description=DESCRIPTION,
                                      formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -31,11 +31,10 @@ def derive_arguments(p):
                         "windows), shared diagonals (bands), or blocks of 32 rows sharing P and R (shared_blocks: "
                         "the tiled kernel); see hf_partial_attention.analysis.selection")
     p.add_argument("--objective", default="paper", choices=OBJECTIVES,
-                   help="error the greedy minimises: paper (eq. 8, every score alike; what `make demo` derives), shift "
+                   help="error the greedy minimises: paper (eq. 8, every score alike), shift "
                         "(modulo a per-row constant) or fisher (weighted by the attention probabilities). "
-                        "results/objectives/objectives.md finds fisher closest at the output of converted MiniLM "
-                        "although its score error is higher; compare them on your model with the repository's "
-                        "`python -m experiments objectives`. "
+                        "On a converted MiniLM fisher came closest at the model's output although its score error "
+                        "is higher (the project's objectives study); compare them on your model by converting each. "
                         "Files of another objective than paper are named <scope>_<objective>_k<k>")
     p.add_argument("--bucket-k", nargs="+", default=None, metavar="B=K", type=parse_bucket_k,
                    help="length buckets: a bucket that takes its own k instead of --k, e.g. 64=24 (partial_lengths_k; "
