@@ -112,7 +112,14 @@ def _verdicts(report: dict, arms, runs, test) -> dict:
 
 
 def _goals(report: dict, arms) -> list[dict]:
-    rows, goals = report["rows"], []
+    rows = report["rows"]
+    exact, unigram = rows["exact"], report["sizes"]["unigram_nats"]
+    goals = [{"goal": "the exact model has learned: held-out MLM loss >= 1.5 nats below the unigram model's and the pair "
+                      "task >= 10 points above chance (33.3 %)",
+              "met": unigram - exact["mlm_windows"] >= 1.5 and exact["accuracy"]["mean"] - 1 / 3 >= 0.10,
+              "figure": f"MLM {exact['mlm_windows']:.3f} vs unigram {unigram:.3f} nats ({unigram - exact['mlm_windows']:.2f}"
+                        f" below); accuracy {100 * exact['accuracy']['mean']:.1f} % "
+                        f"({100 * (exact['accuracy']['mean'] - 1 / 3):+.1f} points over chance)"}]
     for k, points in ((32, 0.01), (24, 0.01), (16, 0.02)):
         best = _best_trained(report, arms, k)
         if best is None:

@@ -11,6 +11,21 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # are defined (at the first import of hf_partial_attention.attention_triton): set it before any test imports it.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# `make test` runs the suite in two passes: every test but the `serial` ones across both cores (pytest-xdist, one
+# torch thread per worker so two workers do not oversubscribe two cores), then the `serial` ones alone with every
+# thread: those that time things (their ratios would measure the other worker) or spawn processes of their own
+# (accelerate launch, torch.multiprocessing), which would fight the other worker for the cores.
+SERIAL_MODULES = {"test_benchmarks", "test_examples", "test_examples_encoders", "test_analysis_distributed"}
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"  # for processes the tests start, too
+    torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__.rpartition(".")[2] in SERIAL_MODULES:
+            item.add_marker(pytest.mark.serial)
+
 
 @pytest.fixture(scope="session")
 def minilm_path():

@@ -55,7 +55,10 @@ def test_tiny_study_end_to_end(tiny_run):
     assert rows["k8_fixed"]["qk_saving"] == pytest.approx((1 - (8 * 16 + 24 * 8) / (32 * 16)) / 2)
     assert {v for pairs in saved["verdicts"].values() for p in pairs for v in (p["mlm_verdict"],)} <= {
         "below", "above", "not distinguishable"}
-    assert [g["goal"].split(" ")[0] for g in saved["goals"]][:1] == ["k8_convert"]
+    learned, convert = saved["goals"][:2]
+    assert learned["goal"].startswith("the exact model has learned") and convert["goal"].startswith("k8_convert")
+    # 20 steps of a tiny model learn little: its MLM loss is not 1.5 nats below the unigram model's
+    assert saved["sizes"]["unigram_nats"] - rows["exact"]["mlm_windows"] < 1.5 and learned["met"] is False
     with open(os.path.join(a.output_dir, "table1.md")) as f:
         text = f.read()
     assert "| k8_p_only | 8 | — | — |" in text and "(e, ours)" in text
