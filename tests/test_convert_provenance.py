@@ -247,12 +247,39 @@ def test_card_snippets_run_as_printed_on_converted_folders(derived, minilm_conve
     _run_snippets([tmp_path / "ckpt", minilm_converted], tmp_path)
 
 
-def test_readme_quickstart_writes_a_folder_its_card_loads(tiny_bert_dir, tmp_path, monkeypatch):
-    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+def test_usage_python_api_writes_a_folder_its_card_loads(tiny_bert_dir, tmp_path, monkeypatch):
+    readme = open(os.path.join(ROOT, "docs", "usage.md"), encoding="utf-8").read()
     quick = re.search(r"## PartialBert and the paper\n\n[^`]*```python\n(.*?)```", readme, flags=re.S).group(1)
     assert quick.count('"bert-base-uncased"') >= 1 and 'save_pretrained("pbert")' in quick
     monkeypatch.chdir(tmp_path)
     os.makedirs("runs/demo/patterns")
     AttentionPattern.local(16, 4).save("runs/demo/patterns/per_query_k16.safetensors")  # n = 16 fits the tiny BERT
-    exec(compile(quick.replace('"bert-base-uncased"', repr(tiny_bert_dir)), "README.md", "exec"), {})
+    exec(compile(quick.replace('"bert-base-uncased"', repr(tiny_bert_dir)), "usage.md", "exec"), {})
     _run_snippets([tmp_path / "pbert"], tmp_path)
+
+
+def test_readme_quickstart_runs_as_printed(minilm_path, tmp_path, monkeypatch, capsys):
+    """The README's three commands and its sentence-transformers comparison, on the packaged MiniLM (the Hub id
+    replaced by its local folder: tests are offline) and a text file of real prose."""
+    import shlex
+
+    from hf_partial_attention import cli
+    from hf_partial_attention.analysis.corpus import default_texts
+
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    section = readme.split("## Quickstart", 1)[1]
+    commands = re.search(r"```bash\n(.*?)```", section, flags=re.S).group(1)
+    python = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
+    model_id = "sentence-transformers/all-MiniLM-L6-v2"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_text.txt").write_text("\n\n".join(default_texts()[:40]), encoding="utf-8")
+    lines = [line.split("  #")[0] for line in commands.strip().splitlines()]
+    assert len(lines) == 3 and all(line.startswith("hf-partial-attention ") for line in lines)
+    for line in lines:
+        argv = [minilm_path if word == model_id else word for word in shlex.split(line)[1:]]
+        assert cli.main(argv + (["--max-sequences", "64", "--heldout-sequences", "16", "--no-progress"] if argv[0] == "analyze" else [])) == 0
+    assert "a saving of 43.8 % of QKᵀ" in capsys.readouterr().out  # MiniLM: d_h = 32, k = 16, n = 128
+    namespace = {}
+    exec(compile(python.replace(repr(model_id).replace("'", '"'), repr(minilm_path)), "README.md", "exec"), namespace)
+    cosines = namespace["torch"].nn.functional.cosine_similarity(namespace["a"], namespace["b"])
+    assert cosines.shape == (3,) and bool((cosines > 0.5).all()) and bool((cosines < 0.99999).any())
