@@ -5,11 +5,19 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # transformers' common model tests, from the sdist of the installed version (tests/fetch_transformers_tests.py)
 COMMON_TESTS := $(VENV)/transformers_common/transformers_tests/TRANSFORMERS_VERSION
+# `make test-compat`: COMPAT_TESTS against the lowest transformers pyproject.toml allows and the newest tested (the
+# comment there follows these two), each in its own venv .venv-compat-<version>.
+COMPAT_LOW := 5.13.0
+COMPAT_NEW := 5.25.0
+COMPAT_TESTS := tests/test_encoders.py tests/test_encoders_workflow.py tests/test_modeling.py \
+	tests/test_configuration.py tests/test_checkpoints.py tests/test_layer_patterns.py tests/test_heads_kernel.py \
+	tests/test_hub.py tests/test_hub_push.py tests/test_sentence_transformers.py tests/test_peft.py \
+	tests/test_length_buckets_clients.py
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test test-fast demo paper related bench bench-model bench-quick objectives lengths recover granularity granularity-lengths granularity-recover granularity-layers granularity-refit table1 table1-scratch python-docs clean
+.PHONY: setup test test-fast test-compat demo paper related bench bench-model bench-quick objectives lengths recover granularity granularity-lengths granularity-recover granularity-layers granularity-refit table1 table1-scratch python-docs clean
 
 setup: $(STAMP)
 
@@ -31,6 +39,26 @@ test: setup $(COMMON_TESTS)
 
 test-fast: setup $(COMMON_TESTS)
 	$(PY) -m pytest -q -m "not slow"
+
+# A compat venv: torch first (the CPU build), then the project with constraints.txt less its transformers and
+# huggingface_hub pins and the given transformers, in one resolve (huggingface_hub: whatever that transformers takes).
+.venv-compat-%/.installed: pyproject.toml constraints.txt
+	test -x .venv-compat-$*/bin/python || $(PYTHON) -m venv .venv-compat-$*
+	.venv-compat-$*/bin/python -m pip install --quiet --upgrade pip
+	.venv-compat-$*/bin/python -m pip install --quiet -c constraints.txt torch==2.13.0
+	grep -v -e '^transformers==' -e '^huggingface_hub==' constraints.txt > .venv-compat-$*/constraints.txt
+	.venv-compat-$*/bin/python -m pip install --quiet -c .venv-compat-$*/constraints.txt -e ".[dev]" transformers==$*
+	.venv-compat-$*/bin/python -m pip check
+	touch $@
+
+# The architecture, checkpoint, hub and client tests on COMPAT_LOW and COMPAT_NEW (offline; both run, then it fails if
+# either failed). An architecture that transformers lacks is skipped, with the reason.
+test-compat: .venv-compat-$(COMPAT_LOW)/.installed .venv-compat-$(COMPAT_NEW)/.installed
+	status=0; for v in $(COMPAT_LOW) $(COMPAT_NEW); do \
+		.venv-compat-$$v/bin/python -c "import transformers as t, huggingface_hub as h; print(t.__version__, h.__version__)" \
+			| sed 's/^/== transformers, huggingface_hub: /'; \
+		.venv-compat-$$v/bin/python -m pytest -q -rs -p no:cacheprovider $(COMPAT_TESTS) || status=1; \
+	done; exit $$status
 
 # The studies live in experiments/ (not in the installed package), run by `python -m experiments <study>`.
 demo: setup
@@ -111,4 +139,4 @@ bench-quick: setup
 	$(PY) benchmarks/run.py --quick --allocator reuse --out runs/bench-quick
 
 clean:
-	rm -rf $(VENV) runs build *.egg-info src/*.egg-info .pytest_cache
+	rm -rf $(VENV) .venv-compat-* runs build *.egg-info src/*.egg-info .pytest_cache

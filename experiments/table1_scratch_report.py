@@ -182,7 +182,11 @@ def render_scratch(report: dict) -> str:
         f"training and {sizes['pairs']['test']:,} held-out pairs, {a['finetune_steps']} steps, seeds {a['seeds']}.",
         f"- P and R: `analyze` (second moment) on {report['patterns']['windows']} training windows of the exact model, "
         "`derive` (pooled greedy, optimal R); per head: `derive_budget` at k's saving. Every layer but the last is "
-        "partial.", "",
+        "partial.",
+        f"- `*_convert`: the exact model converted after pretraining, untrained; `*_convert_train`: then "
+        f"{round(a['pretrain_steps'] * a['convert_train_fraction'])} more MLM steps with P and R built in (per-layer "
+        "R trained), so it has seen more batches than exact, and its lead over exact is that extra training; "
+        "`*_p_only`: the same P with no R (masked attention, sparse like the paper's alternative).", "",
         "| arm | k | R | QKᵀ saving | held-out MLM (nats) | vs exact | accuracy (mean ± sd) | vs exact |",
         "|---|---|---|---|---|---|---|---|",
     ]
