@@ -5,8 +5,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # transformers' common model tests, from the sdist of the installed version (tests/fetch_transformers_tests.py)
 COMMON_TESTS := $(VENV)/transformers_common/transformers_tests/TRANSFORMERS_VERSION
-# `make test-compat`: COMPAT_TESTS against the lowest transformers pyproject.toml allows and the newest tested (the
-# comment there follows these two), each in its own venv .venv-compat-<version>.
+# `make test-compat`: COMPAT_TESTS against the lowest and the newest transformers pyproject.toml allows (its bounds
+# follow these two), each in its own venv .venv-compat-<version>.
 COMPAT_LOW := 5.13.0
 COMPAT_NEW := 5.25.0
 COMPAT_TESTS := tests/test_encoders.py tests/test_encoders_workflow.py tests/test_modeling.py \

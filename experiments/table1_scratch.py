@@ -123,7 +123,8 @@ class _Study:
         curve = _Curve(curve_windows, data.tokenizer, a.seed, a.eval_every)
         from hf_partial_attention.training import MlmCollator, PartialAttentionTrainer
 
-        trainer = PartialAttentionTrainer(model=model, args=args, data_collator=MlmCollator(data.tokenizer, seed=a.seed),
+        collator = MlmCollator(data.tokenizer, a.mlm_probability, seed=a.seed)
+        trainer = PartialAttentionTrainer(model=model, args=args, data_collator=collator,
                                           train_dataset=data.windows["train"], callbacks=[curve])
         t0 = time.perf_counter()
         trainer.train()
@@ -230,7 +231,7 @@ def _step_seconds(study: _Study) -> float:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     from hf_partial_attention.training import MlmCollator
 
-    batch = MlmCollator(study.data.tokenizer, seed=0)(
+    batch = MlmCollator(study.data.tokenizer, study.a.mlm_probability, seed=0)(
         [study.data.windows["train"][i] for i in range(study.a.pretrain_batch_size)])
     times = []
     for _ in range(4):

@@ -90,6 +90,8 @@ class ScratchArguments:
     pretrain_steps: int = 2500
     pretrain_batch_size: int = 32
     pretrain_learning_rate: float = 1e-3
+    mlm_probability: float = field(default=0.15, metadata={
+        "help": "fraction of tokens masked and predicted in pretraining (held-out losses always mask 0.15)"})
     eval_every: int = field(default=250, metadata={"help": "steps between held-out losses of the curves"})
     convert_train_fraction: float = 0.1
     covariance_windows: int = field(default=1024, metadata={"help": "training windows of the covariances"})
@@ -109,6 +111,8 @@ class ScratchArguments:
                      "test_pairs", "curve_windows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if not 0 < self.mlm_probability < 1:
+            raise ValueError(f"mlm_probability must be in (0, 1), got {self.mlm_probability}.")
         if not 0 < self.convert_train_fraction <= 1:
             raise ValueError(f"convert_train_fraction must be in (0, 1], got {self.convert_train_fraction}.")
         if self.hidden_size % self.num_attention_heads:

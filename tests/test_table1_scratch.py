@@ -149,6 +149,9 @@ def test_arguments_refuse_and_estimate(tmp_path):
         tiny_args(tmp_path, arms="k8_fixed,exact")
     with pytest.raises(ValueError, match="kind one of"):
         tiny_args(tmp_path, arms="exact,k8_sparse")
+    for p in (0.0, 1.0):
+        with pytest.raises(ValueError, match="mlm_probability"):
+            tiny_args(tmp_path, mlm_probability=p)
     a = tiny_args(tmp_path, pretrain_steps=100, eval_every=100, curve_windows=8, finetune_steps=10, seeds="0")
     # 6 pretraining runs from scratch... of which exact, fixed, per_layer, head_budget, p_only: 5 × 100 steps; the
     # convert-train arm 10; curves 6 arms × 2 points × 8/8 batches / 3; fine-tuning 7 × 10 × 0.35

@@ -16,7 +16,7 @@ Part of the remote-code bundle (imports: transformers and siblings only).
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["Architecture", "ARCHITECTURES", "HEAD_SUFFIXES", "architecture_for", "check_supported",
@@ -65,7 +65,6 @@ class Architecture:
     owner: str = "encoder"
     heads: tuple[str, ...] = tuple(HEAD_SUFFIXES)
     note: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def partial_model_type(self) -> str:

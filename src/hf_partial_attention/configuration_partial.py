@@ -9,7 +9,6 @@ transformers and siblings only).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 RECONSTRUCTION_MODES = ("fixed", "common", "per_layer")
 # One P and R for every partial layer (the paper's), each layer its own, or each head of each layer its own
@@ -38,10 +37,6 @@ _NOT_SERIALIZED = ("partial_implementation",)
 @dataclass(kw_only=True, repr=False)
 class PartialConfigMixin:
     """The partial-attention fields (see `PartialBertConfig` for each) and their checks, for any source config."""
-
-    # Set by an architecture whose attention modules serve several layers (ALBERT): the layers a module serves,
-    # grouped, so that a partial layer set splitting a group (or an R per layer) is refused with the reason.
-    partial_shared_layers: ClassVar[tuple[tuple[int, ...], ...] | None] = None
 
     partial_seq_len: int = 128
     partial_k: int = 32

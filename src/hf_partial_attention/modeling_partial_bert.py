@@ -93,7 +93,7 @@ class PartialBertPreTrainedModel(PartialModelMixin, BertPreTrainedModel):
     config_class = PartialBertConfig
     config: PartialBertConfig
     _partial_arch = ARCHITECTURES["bert"]
-    _source_class = _bert_class = BertModel  # the upstream class whose checkpoints map one-to-one onto this one
+    _source_class = BertModel  # the upstream class whose checkpoints map one-to-one onto this one
 
     def _partial_attention_module(self, base, layer_idx, module, pattern):
         """`PartialBertSelfAttention` in the partial layers, `PartialBertExactSelfAttention` in the others."""
@@ -120,7 +120,7 @@ class PartialBertModel(PartialBertPreTrainedModel, BertModel):
     """`BertModel` with partial self-attention in `config.partial_layers`; ``pattern``: the P and R it starts with
     (default: `default_pattern` of the config)."""
 
-    _source_class = _bert_class = BertModel
+    _source_class = BertModel
 
     def __init__(self, config: PartialBertConfig, add_pooling_layer: bool = True,
                  pattern: AttentionPattern | PatternBuckets | None = None):
@@ -141,7 +141,7 @@ def _add_classifier(head, config: PartialBertConfig) -> None:
 class PartialBertForMaskedLM(PartialBertPreTrainedModel, BertForMaskedLM):
     """`BertForMaskedLM` on a `PartialBertModel`."""
 
-    _source_class = _bert_class = BertForMaskedLM
+    _source_class = BertForMaskedLM
 
     def __init__(self, config: PartialBertConfig, pattern: AttentionPattern | PatternBuckets | None = None):
         self._start_head(BertForMaskedLM, config, pattern, add_pooling_layer=False)
@@ -152,7 +152,7 @@ class PartialBertForMaskedLM(PartialBertPreTrainedModel, BertForMaskedLM):
 class PartialBertForSequenceClassification(PartialBertPreTrainedModel, BertForSequenceClassification):
     """`BertForSequenceClassification` on a `PartialBertModel`."""
 
-    _source_class = _bert_class = BertForSequenceClassification
+    _source_class = BertForSequenceClassification
 
     def __init__(self, config: PartialBertConfig, pattern: AttentionPattern | PatternBuckets | None = None):
         self._start_head(BertForSequenceClassification, config, pattern, add_pooling_layer=True)
@@ -163,7 +163,7 @@ class PartialBertForSequenceClassification(PartialBertPreTrainedModel, BertForSe
 class PartialBertForTokenClassification(PartialBertPreTrainedModel, BertForTokenClassification):
     """`BertForTokenClassification` on a `PartialBertModel`."""
 
-    _source_class = _bert_class = BertForTokenClassification
+    _source_class = BertForTokenClassification
 
     def __init__(self, config: PartialBertConfig, pattern: AttentionPattern | PatternBuckets | None = None):
         self._start_head(BertForTokenClassification, config, pattern, add_pooling_layer=False)
@@ -174,7 +174,7 @@ class PartialBertForTokenClassification(PartialBertPreTrainedModel, BertForToken
 class PartialBertForQuestionAnswering(PartialBertPreTrainedModel, BertForQuestionAnswering):
     """`BertForQuestionAnswering` on a `PartialBertModel`."""
 
-    _source_class = _bert_class = BertForQuestionAnswering
+    _source_class = BertForQuestionAnswering
 
     def __init__(self, config: PartialBertConfig, pattern: AttentionPattern | PatternBuckets | None = None):
         self._start_head(BertForQuestionAnswering, config, pattern, add_pooling_layer=False)
