@@ -14,7 +14,8 @@ from transformers.models.nystromformer.modeling_nystromformer import Nystromform
 from hf_partial_attention import AttentionPattern, PartialBertConfig, PartialBertModel, partial_class_for
 from hf_partial_attention.architectures import ARCHITECTURES
 from hf_partial_attention.cost import forward_ratio
-from hf_partial_attention.modeling_partial_bert import PartialBertPattern, PartialBertSelfAttention
+from hf_partial_attention.modeling_partial_bert import PartialBertPattern
+from hf_partial_attention.partial_layer import make_partial
 from hf_partial_attention.analysis.selection import DEFAULT_BLOCK_ROWS
 from hf_partial_attention.attention_common import DerivedState, PatternLayout, PatternStructure
 from hf_partial_attention.attention_dispatch import auto_kernel, partial_attention_forward
@@ -120,7 +121,9 @@ def peer_modules(b: int, n: int, hidden: int, heads: int, k: int, seed: int = 0)
         encoder.partial_pattern.indices.copy_(pattern_indices("columns", n, k))
         encoder.partial_pattern.reconstruction.copy_(0.1 * torch.randn(n, n - k, k))
         encoder.partial_pattern.refresh_layout()
-    partial = PartialBertSelfAttention(pcfg, encoder).eval()
+    partial = BertSelfAttention(pcfg)  # made partial in place, as a PartialBert layer is
+    make_partial(partial, encoder, None, pcfg)
+    partial.eval()
     landmarks = min(64, n // 2)  # HF's default 64 landmarks; fewer for tiny test shapes
     nys_cfg = NystromformerConfig(hidden_size=hidden, num_attention_heads=heads, segment_means_seq_len=n,
                                   num_landmarks=landmarks, attention_probs_dropout_prob=0.0)

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 from transformers import AttentionInterface, AutoModel, BertConfig, BertModel
+from transformers.models.bert.modeling_bert import BertSelfAttention
 from transformers.masking_utils import AttentionMaskInterface
 
 from hf_partial_attention import (
@@ -16,8 +17,11 @@ from hf_partial_attention import (
     PartialBertForSequenceClassification,
     PartialBertForTokenClassification,
     PartialBertModel,
+    PartialBertPreTrainedModel,
 )
 from hf_partial_attention import partial_pattern
+from hf_partial_attention.modeling_partial import PartialModelMixin
+from hf_partial_attention.partial_layer import is_partial
 from hf_partial_attention.attention_dispatch import attention_function_name, kernel_function
 from hf_partial_attention.configuration_partial_bert import KERNEL_NAMES, PARTIAL_IMPLEMENTATIONS
 
@@ -146,25 +150,25 @@ def test_exact_layers_keep_attn_implementation(exact, monkeypatch):
 
 
 @pytest.mark.parametrize("cls", HEADS)
-def test_heads_are_berts_own_classes_with_a_partial_body(cls):
+def test_heads_are_berts_own_classes_made_partial_in_place(cls):
+    """PartialBert comes from the architecture table like every encoder: transformers' own BERT classes (body and
+    heads, never copies), the partial layers' ``BertSelfAttention`` made partial in place."""
     model = cls(PartialBertConfig(**TINY, num_labels=3))
     body = model if cls is PartialBertModel else model.bert
-    assert type(body) is PartialBertModel
-    kinds = [type(layer.attention.self).__name__ for layer in body.encoder.layer]
-    assert kinds == ["PartialBertSelfAttention", "PartialBertSelfAttention", "PartialBertExactSelfAttention"]
     bert_cls = cls._source_class  # BertModel, BertForMaskedLM, ...
-    assert bert_cls in cls.__mro__
-    assert issubclass(cls, bert_cls) and bert_cls.__module__ == "transformers.models.bert.modeling_bert"
+    assert type(body) is (PartialBertModel if cls is PartialBertModel else BertModel)
+    assert [type(layer.attention.self) for layer in body.encoder.layer] == [BertSelfAttention] * 3
+    assert [is_partial(layer.attention.self) for layer in body.encoder.layer] == [True, True, False]
+    assert cls.__mro__[1:4] == (PartialBertPreTrainedModel, PartialModelMixin, bert_cls)
+    assert bert_cls.__module__ == "transformers.models.bert.modeling_bert"
     bert = bert_cls(BertConfig(**{k: v for k, v in TINY.items() if not k.startswith("partial")}, num_labels=3))
     prefix = "" if cls is PartialBertModel else "bert."
     assert set(model.state_dict()) - set(bert.state_dict()) == {f"{prefix}encoder.partial_pattern.{t}" for t in
                                                                 ("indices", "reconstruction")}
-    # the head __init__ written out here builds BERT's modules, of BERT's types, in BERT's places
+    # BERT's modules, of BERT's types, in BERT's places
     ours = {name: type(m).__name__ for name, m in model.named_modules() if "partial_pattern" not in name}
     theirs = {name: type(m).__name__ for name, m in bert.named_modules()}
-    renamed = {"PartialBertSelfAttention": "BertSelfAttention", "PartialBertExactSelfAttention": "BertSelfAttention",
-               cls.__name__: bert_cls.__name__, "PartialBertModel": "BertModel"}
-    assert {name: renamed.get(kind, kind) for name, kind in ours.items()} == theirs
+    assert {name: bert_cls.__name__ if kind == cls.__name__ else kind for name, kind in ours.items()} == theirs
     assert [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)] == \
         [m.p for m in bert.modules() if isinstance(m, torch.nn.Dropout)]
 

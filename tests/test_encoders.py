@@ -342,3 +342,29 @@ def test_attention_dropout_drops_as_the_source_does(model_type):
     # EuroBERT's eager softmax runs in float32 (1e-7); a different draw moves the outputs by 1e-2
     torch.testing.assert_close(ours, dropped, atol=1e-5, rtol=0)
     assert (dropped - undropped).abs().max() > 1e-2  # dropout is in effect
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_masked_only_mlm_loss_equals_each_architectures_own_loss(model_type):
+    """`masked_only_mlm_loss` (the head run at the labelled positions only) gives the model's own MLM loss and
+    gradient, through each architecture's own MLM head (ELECTRA's generator head, DistilBERT's projector, ...)."""
+    from hf_partial_attention.training.losses import masked_only_mlm_loss
+
+    model = partial_class_for(model_type, "AutoModelForMaskedLM").from_source(
+        source_model(model_type, "AutoModelForMaskedLM"), fitted_pattern(model_type), reconstruction="common").float().train()
+    ids, mask = batch()
+    labels = torch.full_like(ids, -100)
+    labels[0, 2], labels[0, 15], labels[1, 0], labels[1, 8] = 7, 9, 11, 13
+    inputs = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    ours = masked_only_mlm_loss(model, inputs)
+    assert ours["logits"].shape == (4, model.config.vocab_size)
+    ours["loss"].backward()
+    r = model._partial_owner().partial_pattern.reconstruction
+    grad = r.grad.clone()
+    model.zero_grad()
+    theirs = model(**inputs).loss
+    theirs.backward()
+    torch.testing.assert_close(ours["loss"], theirs)
+    torch.testing.assert_close(grad, r.grad)
+    with pytest.raises(TypeError, match="mlm_logits_at_masked_only"):
+        masked_only_mlm_loss(model.base_model, inputs)

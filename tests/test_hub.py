@@ -38,7 +38,8 @@ def test_save_pretrained_writes_auto_map_and_code(tmp_path):
                       "attention_gather.py", "attention_fused.py", "attention_tiled.py", "attention_triton.py", "attention_dispatch.py",
                       "attention_heads.py",
                       "attention_lengths.py", "pattern_buckets.py", "pattern_layers.py", "configuration_partial.py", "modeling_partial.py",
-                      "architectures.py", "partial_layer.py"}, bundle
+                      "architectures.py", "partial_layer.py", "configuration_partial_encoders.py",
+                      "modeling_partial_encoders.py", "partial_places.py"}, bundle
     assert "partial_implementation" not in json.loads((tmp_path / "config.json").read_text())
 
 

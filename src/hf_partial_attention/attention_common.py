@@ -14,6 +14,8 @@ probability, as in dense attention.
 from __future__ import annotations
 
 import enum
+import itertools
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -24,7 +26,8 @@ from .reconstruction import complement_indices, inverse_permutation
 __all__ = ["PatternStructure", "MIN_SHARED_ROWS", "TILE_ELEMENTS", "PatternLayout", "PartialTensors", "DerivedState",
            "block_rows", "shared_rows", "reconstruction_matrix", "bias_in_key_order", "check_length", "full_length", "first_keys", "masked_keys",
            "masked_at_p", "gathered_scores", "structured_scores", "masked_exact_scores", "rows_first", "needs_grad",
-           "softmax_in_place", "normalised_in_place", "tile_groups", "broadcast_slice", "tie_rows"]
+           "softmax_in_place", "normalised_in_place", "tile_groups", "broadcast_slice", "tie_rows",
+           "STATES"]
 
 # Blocks of at least this many rows sharing P and R make a pattern ROWS_SHARING_P_AND_R (fewer: the tiles of the
 # tiled kernel are too thin to pay for themselves).
@@ -134,26 +137,52 @@ def bias_in_key_order(layout: PatternLayout, bias: torch.Tensor | None, dtype: t
     return full.scatter(-1, layout.complement, bias.to(dtype))  # (n, n) in key order
 
 
+# Every live `DerivedState` by its key: a compiled graph names its state by this int (a custom op takes no Python
+# object), and `attention_dispatch.compiled_attention` looks it up at run time, outside the graph.
+STATES: "weakref.WeakValueDictionary[int, DerivedState]" = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
+
+
 class DerivedState:
-    """What the kernels derive from P and one R: the blocks of rows sharing P and R, and W = [I | R] of a frozen R.
+    """What the kernels derive from P and one R: the blocks of rows sharing P and R, and W = [I | R] of a frozen R
+    (and, for the compiled path, P's layout).
 
     Owned by the module that owns R (`partial_pattern.PartialBertPattern` holds one for a common or fixed R and one
     per partial layer for per-layer R), and rebuilt when P or R changes: their storage or version counter moves
     with `set_pattern`, loading, an optimizer step or any in-place edit. Memory: at most one W per state, n·k·n
     values in the dtype last asked for (per distinct R: one for a common or fixed R, one per layer for per-layer R).
+
+    ``key`` names the state in `STATES`; a copy (deepcopy, pickle) starts empty under a key of its own.
     """
 
     def __init__(self):
+        self.key = next(_KEYS)
+        STATES[self.key] = self
         self.clear()
+
+    def __getstate__(self) -> dict:
+        return {"cache": "not copied"}  # not empty: pickle calls __setstate__ only for a true state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
 
     def clear(self) -> None:
         self._rows: tuple | None = None
         self._w: tuple | None = None
+        self._layout: tuple | None = None
 
     @staticmethod
     def _stamp(indices: torch.Tensor, reconstruction: torch.Tensor) -> tuple:
         return (reconstruction.data_ptr(), reconstruction._version, tuple(reconstruction.shape), indices.data_ptr(),
                 indices._version)
+
+    def layout(self, indices: torch.Tensor, reconstruction: torch.Tensor) -> PatternLayout:
+        """The layout of this P with the blocks of rows sharing P and R, derived again only when P or R changed
+        (from P itself, not from its owner's buffers: a P edited in place between compiled calls is seen)."""
+        stamp = (indices.data_ptr(), indices._version, tuple(indices.shape), indices.device)
+        if self._layout is None or self._layout[0] != stamp:
+            self._layout = (stamp, PatternLayout.from_indices(indices))
+        return self._layout[1]._replace(shared_rows=self.shared_rows(indices, reconstruction))
 
     def shared_rows(self, indices: torch.Tensor, reconstruction: torch.Tensor) -> int:
         """`shared_rows` of this P and R, computed again only when either changed."""

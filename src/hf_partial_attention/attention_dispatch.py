@@ -14,7 +14,9 @@ Whatever the setting, a call that asks for the attention map runs ``gather`` (as
 for ``output_attentions``), ``tiled`` under autograd runs ``fused``, a dynamic (symbolic) batch or length of
 ``torch.export(..., dynamic_shapes=...)`` runs the reference (its shapes follow the input's, where the fast kernels'
 tile sizes would specialise the length), and under ``torch.export`` with autograd on the reference runs (an exported program keeps a kernel's forward ops, not its autograd Function, and replays them under
-autograd, where the in-place ``out=`` ops refuse to run).
+autograd, where the in-place ``out=`` ops refuse to run). Under ``torch.compile`` without autograd, ``fused`` and
+``tiled`` (and ``auto`` where it picks one of them) run as one custom op with W and the blocks of rows sharing P and
+R from the owner's cache (the compiled fast path below; ``auto`` is resolved inside it).
 
 ``"auto"`` (`auto_kernel`): ``triton`` on a CUDA device when triton is installed (head size a power of two >= 16,
 no attention dropout); otherwise ``tiled`` in inference at n >= 256 for rows sharing P and R; otherwise ``fused``.
@@ -24,20 +26,23 @@ case where another kernel beats its choice by more than 10 %.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import re
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from .attention_common import DerivedState, PartialTensors, PatternLayout, PatternStructure, needs_grad
+from .attention_common import STATES, DerivedState, PartialTensors, PatternLayout, PatternStructure, needs_grad
 from .attention_fused import fused_attention
 from .attention_gather import gather_attention
 from .attention_tiled import tiled_attention
-from .configuration_partial import KERNEL_NAMES, PARTIAL_IMPLEMENTATIONS
+from .configuration_partial import KERNEL_NAMES, PARTIAL_IMPLEMENTATIONS, check_implementation
 
-__all__ = ["TILED_MIN_LENGTH", "auto_kernel", "kernel_for", "kernel_function", "check_implementation",
-           "partial_attention_forward", "attention_function_name"]
+__all__ = ["TILED_MIN_LENGTH", "COMPILED_PREFIX", "auto_kernel", "kernel_for", "kernel_function",
+           "check_implementation", "applies_compiled", "compiled_attention", "partial_attention_forward",
+           "attention_function_name"]
 
 # The shortest n at which `auto` runs `tiled` for rows sharing P and R (below it `fused` is as fast or faster).
 TILED_MIN_LENGTH = 256
@@ -60,12 +65,6 @@ def auto_kernel(layout: PatternLayout, device: torch.device | str, head_dim: int
     return "fused"
 
 
-def check_implementation(name: str) -> None:
-    """Raise a ValueError naming the choices unless ``name`` is ``"auto"`` or a kernel."""
-    if name not in PARTIAL_IMPLEMENTATIONS:
-        raise ValueError(f"partial_implementation must be one of {PARTIAL_IMPLEMENTATIONS}, got {name!r}.")
-
-
 def kernel_for(implementation: str, partial: PartialTensors, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, *, need_weights: bool, dropout: float = 0.0) -> str:
     """The kernel a call runs for the setting ``implementation`` (see the module docstring)."""
@@ -76,13 +75,22 @@ def kernel_for(implementation: str, partial: PartialTensors, query: torch.Tensor
     dynamic = torch.compiler.is_exporting() and any(isinstance(size, torch.SymInt) for size in query.shape[:3])
     if need_weights or dynamic or (grad and torch.compiler.is_exporting()):
         return "gather"
-    if implementation == "auto":
-        implementation = auto_kernel(partial.layout, query.device, query.shape[-1], grad, dropout)
-    return "fused" if implementation == "tiled" and grad else implementation
+    name = implementation
+    if name == "auto":
+        name = auto_kernel(partial.layout, query.device, query.shape[-1], grad, dropout)
+    name = "fused" if name == "tiled" and grad else name
+    # Compiled with R frozen: the setting runs as one custom op that reads W and the blocks of rows sharing P and R
+    # from the owner's state at run time (the compiled fast path, below); "auto" is resolved there, where they are known.
+    if name in ("fused", "tiled") and applies_compiled(partial, grad, need_weights, dropout):
+        return COMPILED_PREFIX + implementation
+    return name
 
 
 def kernel_function(name: str) -> Callable:
-    """The attention function of a kernel (of `KERNEL_NAMES`)."""
+    """The attention function of a kernel (of `KERNEL_NAMES`), or of the compiled fast path (``compiled_<setting>``,
+    as `kernel_for` names it)."""
+    if name.startswith(COMPILED_PREFIX):
+        return functools.partial(compiled_attention, name[len(COMPILED_PREFIX):])
     if name == "triton":  # imported at first use: it reads TRITON_INTERPRET and imports triton
         from .attention_triton import triton_attention
 
@@ -133,3 +141,91 @@ def partial_attention_forward(
 def attention_function_name(implementation: str) -> str:
     """The `AttentionInterface` name of a setting: ``"partial_fused"``, ``"partial_auto"`` and so on."""
     return "partial_" + implementation
+
+
+# ------------------------------------------------------------------ the compiled fast path
+# The compiled fast path: under ``torch.compile`` with R frozen, a partial layer's kernel runs as one opaque custom
+# op, so that W = [I | R], P's layout and the blocks of rows sharing P and R come from the owner's `DerivedState`
+# (computed once, outside the graph) instead of being rebuilt in the graph at every call.
+#
+#
+# Why a custom op. A graph cannot branch on tensor values (the blocks of rows sharing P and R) nor keep a Python-side
+# cache; a W kept as a tensor the graph reads would need someone to refresh it whenever R or P change in place
+# between compiled calls, and a stale W is a silently wrong result. The op's implementation runs at run time, in
+# eager mode, on the very tensors P and R of the model (graph inputs reach an opaque op as they are, or as views of
+# them): it checks their storage and version counter against the state's stamps, as eager does, and rebuilds what
+# changed (`set_pattern`, loading, an optimizer step, any in-place edit). Its output is a fresh tensor, never the
+# cached W (Inductor may reuse an op's output buffer), and it introduces no graph break (``fullgraph=True`` holds).
+#
+# When it runs (`applies`): compiling but not exporting (an exported program keeps W built in its graph, as it must
+# run without this process's caches), no autograd on q, k, v, R or the bias, no attention map asked for, no
+# dropout in effect, and a pattern module that passed its state (`partial_pattern.PartialPattern.compiled_fast_path`).
+# Under autograd (a trained R, or training other weights with R fixed) W stays built in the graph, differentiable.
+
+
+
+# `attention_dispatch.kernel_for` names the compiled path "compiled_<setting>": the setting (auto, fused, tiled) is
+# resolved at run time, where the blocks of rows sharing P and R are known ("auto" may then pick tiled).
+COMPILED_PREFIX = "compiled_"
+
+# One op per copy of the package (the remote-code bundle imports its own copy under another module name, with its own
+# `STATES`): the canonical package's name, or one suffixed by that copy's package.
+_PACKAGE = __name__.rpartition(".")[0]
+_NAME = "frozen_attention" + ("" if _PACKAGE == "hf_partial_attention" else "_" + re.sub(r"\W", "_", _PACKAGE))
+_SCHEMA = ("(Tensor query, Tensor key, Tensor value, Tensor? attention_mask, Tensor indices, Tensor reconstruction, "
+           "Tensor? bias, float scaling, int state, str implementation) -> Tensor")
+
+# The kernels read ``module.training`` (dropout): the op runs only without dropout.
+_EVAL = nn.Module().eval()
+
+
+def _run(query, key, value, attention_mask, indices, reconstruction, bias, scaling, state, implementation):
+    """The op's implementation, eager: the state's layout (blocks sharing P and R included) and W, then the kernel's
+    own no-grad path; ``(B, H, T, D)`` q, k, v -> ``(B, T, H, Dv)``."""
+    derived = STATES.get(state)
+    derived = DerivedState() if derived is None else derived  # a state gone (its model freed): built for this call
+    with torch.no_grad():
+        layout = derived.layout(indices, reconstruction)
+        partial = PartialTensors(layout, reconstruction, bias, derived)
+        name = (auto_kernel(layout, query.device, query.shape[-1], False) if implementation == "auto"
+                else implementation)
+        return kernel_function(name)(_EVAL, query, key, value, attention_mask, scaling, 0.0, partial=partial)[0]
+
+
+def _fake(query, key, value, attention_mask, indices, reconstruction, bias, scaling, state, implementation):
+    b, h, t, _ = query.shape
+    return value.new_empty(b, t, h, value.shape[-1])  # (B, T, H, Dv), contiguous like every kernel's output
+
+
+def _define():
+    namespace = getattr(torch.ops, "hf_partial_attention")
+    if hasattr(namespace, _NAME):  # this module imported again (importlib.reload): the op exists
+        return getattr(namespace, _NAME).default
+    op = torch.library.custom_op(f"hf_partial_attention::{_NAME}", _run, mutates_args=(), schema=_SCHEMA)
+    op.register_fake(_fake)
+    return op
+
+
+_frozen_attention = _define()
+
+
+def applies_compiled(partial: PartialTensors, grad: bool, need_weights: bool, dropout: float) -> bool:
+    """Whether a call runs the compiled fast path (see the module docstring); ``grad``: autograd records the call,
+    ``dropout``: the attention dropout in effect."""
+    return (torch.compiler.is_compiling() and not torch.compiler.is_exporting() and partial.derived is not None
+            and not grad and not need_weights and dropout == 0.0)
+
+
+def compiled_attention(implementation: str, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                       value: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None = None,
+                       dropout: float = 0.0, *, partial: PartialTensors | None = None, **kwargs
+                       ) -> tuple[torch.Tensor, None]:
+    """Partial attention by the setting ``implementation`` (auto, fused or tiled) as one custom op, in transformers'
+    calling convention (arguments as `attention_gather.gather_attention`): ``(output (B, T, H, D), None)``."""
+    partial = module.partial_tensors() if partial is None else partial
+    scaling = module.scaling if scaling is None else scaling
+    if needs_grad(query, key, value, partial.reconstruction, partial.bias):
+        raise ValueError("the compiled fast path runs without autograd only")
+    out = _frozen_attention(query, key, value, attention_mask, partial.layout.indices, partial.reconstruction,
+                            partial.bias, float(scaling), partial.derived.key, implementation)
+    return out, None  # (B, T, H, Dv)

@@ -112,8 +112,11 @@ def _rows_backward(ctx, grad_out, rows, w, v3, probs, keep, need_rows, need_v, n
         kept = _dropped(probs, keep, ctx.dropout)
         grad_v = torch.bmm(kept.permute(1, 2, 0), g3)  # (B·H, T, Dv)
         del kept
-    grad_p = probs.new_empty(probs.shape)  # (T, B·H, T), written through its (B·H, T, T) view
-    torch.bmm(g3, v3.transpose(1, 2), out=grad_p.transpose(0, 1))
+    if torch.compiler.is_compiling():  # a graph takes no `out=` into a non-contiguous view: one copy instead
+        grad_p = torch.bmm(g3, v3.transpose(1, 2)).transpose(0, 1).contiguous()  # (T, B·H, T)
+    else:
+        grad_p = probs.new_empty(probs.shape)  # (T, B·H, T), written through its (B·H, T, T) view
+        torch.bmm(g3, v3.transpose(1, 2), out=grad_p.transpose(0, 1))
     if keep is not None:
         grad_p.mul_(keep).div_(1.0 - ctx.dropout)
     grad_s = _softmax_backward_in_place(grad_p, probs)  # (T, B·H, T)

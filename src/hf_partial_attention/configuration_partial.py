@@ -34,6 +34,13 @@ CHECKPOINT_FORMAT_VERSION = 5
 _NOT_SERIALIZED = ("partial_implementation",)
 
 
+def check_implementation(name: str) -> None:
+    """Raise a ValueError naming the choices unless ``name`` is ``"auto"`` or a kernel: the one check of the
+    ``partial_implementation`` setting (config, `set_partial_implementation`, the kernel dispatch)."""
+    if name not in PARTIAL_IMPLEMENTATIONS:
+        raise ValueError(f"partial_implementation must be one of {PARTIAL_IMPLEMENTATIONS}, got {name!r}.")
+
+
 @dataclass(kw_only=True, repr=False)
 class PartialConfigMixin:
     """The partial-attention fields (see `PartialBertConfig` for each) and their checks, for any source config."""
@@ -231,10 +238,7 @@ class PartialConfigMixin:
         return 3 if len({self.bucket_k(b) for b in (*self.partial_buckets, None)}) > 1 else 2
 
     def _check_implementation(self) -> None:
-        if self.partial_implementation not in PARTIAL_IMPLEMENTATIONS:
-            raise ValueError(
-                f"partial_implementation must be one of {PARTIAL_IMPLEMENTATIONS}, got {self.partial_implementation!r}."
-            )
+        check_implementation(self.partial_implementation)
 
     def validate_partial_attention(self):
         """Re-checked by `save_pretrained` (strict dataclass validators)."""
@@ -260,4 +264,4 @@ class PartialConfigMixin:
 
 
 __all__ = ["PartialConfigMixin", "RECONSTRUCTION_MODES", "KERNEL_NAMES", "PARTIAL_IMPLEMENTATIONS",
-           "CHECKPOINT_FORMAT_VERSION"]
+           "CHECKPOINT_FORMAT_VERSION", "check_implementation"]

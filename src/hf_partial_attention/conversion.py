@@ -122,11 +122,15 @@ def _check_source_type(config, source_class) -> None:
 
 def partial_config(source, pattern: AttentionPattern | PatternBuckets | LayerPatterns, overrides: dict[str, Any],
                    config_class=None):
-    """The source's config as ``config_class`` (default PartialBertConfig) with n, k, the buckets and the bias flag
+    """The source's config as ``config_class`` (default: the partial config of the source's architecture) with n,
+    k, the buckets and the bias flag
     of ``pattern`` (and, for `LayerPatterns`, ``partial_granularity="layer"`` and R per layer unless
     ``reconstruction="fixed"`` is asked for) and the given overrides."""
     if config_class is None:
-        from .configuration_partial_bert import PartialBertConfig as config_class
+        from .architectures import architecture_for
+        from .configuration_partial_encoders import config_class_for
+
+        config_class = config_class_for(architecture_for(source.config).model_type)
     if not isinstance(pattern, LayerPatterns):
         pattern = PatternBuckets.coerce(pattern)
     fields = source.config.to_dict()

@@ -28,18 +28,11 @@ from transformers import (
 from transformers.utils.hub import hf_api
 
 from . import model_card
-from .configuration_partial_bert import PartialBertConfig
 from .configuration_partial_encoders import PARTIAL_CONFIG_CLASSES
 from .modeling_partial import PartialModelMixin
+from .modeling_partial_bert import PartialBertModel
 from .modeling_partial_encoders import PARTIAL_MODEL_CLASSES
 from .version import __version__
-from .modeling_partial_bert import (
-    PartialBertForMaskedLM,
-    PartialBertForQuestionAnswering,
-    PartialBertForSequenceClassification,
-    PartialBertForTokenClassification,
-    PartialBertModel,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -53,17 +46,11 @@ AUTO_FACTORIES = {
     "AutoModelForTokenClassification": AutoModelForTokenClassification,
     "AutoModelForQuestionAnswering": AutoModelForQuestionAnswering,
 }
+# Every architecture: (config class, {Auto class name: model class}), one entry per architecture of the table.
+_ALL = [(PARTIAL_CONFIG_CLASSES[t], classes) for t, classes in PARTIAL_MODEL_CLASSES.items()]
 # PartialBert's: Auto class -> (factory, PartialBert class).
-AUTO_CLASSES = {
-    "AutoModel": (AutoModel, PartialBertModel),
-    "AutoModelForMaskedLM": (AutoModelForMaskedLM, PartialBertForMaskedLM),
-    "AutoModelForSequenceClassification": (AutoModelForSequenceClassification, PartialBertForSequenceClassification),
-    "AutoModelForTokenClassification": (AutoModelForTokenClassification, PartialBertForTokenClassification),
-    "AutoModelForQuestionAnswering": (AutoModelForQuestionAnswering, PartialBertForQuestionAnswering),
-}
-# Every architecture: (config class, {Auto class name: model class}).
-_ALL = [(PartialBertConfig, {auto: klass for auto, (_, klass) in AUTO_CLASSES.items()}),
-        *((PARTIAL_CONFIG_CLASSES[t], classes) for t, classes in PARTIAL_MODEL_CLASSES.items())]
+AUTO_CLASSES = {auto: (AUTO_FACTORIES[auto], klass)
+                for auto, klass in PARTIAL_MODEL_CLASSES[PartialBertModel._partial_arch.model_type].items()}
 
 
 def _auto_map(config_class, classes: dict[str, type]) -> dict[str, str]:
@@ -74,7 +61,7 @@ def _auto_map(config_class, classes: dict[str, type]) -> dict[str, str]:
             **{auto: f"{klass.__module__.rsplit('.', 1)[-1]}.{klass.__name__}" for auto, klass in classes.items()}}
 
 
-AUTO_MAP = _auto_map(*_ALL[0])  # PartialBert's
+AUTO_MAP = _auto_map(PartialBertModel.config_class, {auto: klass for auto, (_, klass) in AUTO_CLASSES.items()})
 
 
 def register() -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from .architectures import UnsupportedModelError, architecture_for
 from .model_card_text import PLACEHOLDER, loading_section, partial_section, provenance_section, training_section
 
 logger = logging.getLogger(__name__)
@@ -25,7 +26,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["build_model_card", "write_model_card", "validate_card_metadata", "conversion_record", "CARD_TAGS",
            "SENTENCE_TRANSFORMERS_TAGS"]
 
-CARD_TAGS = ["partial-attention", "attention-reconstruction", "bert", "custom_code"]
+# The tags of a partial model's card; the source architecture's model type goes third.
+CARD_TAGS = ["partial-attention", "attention-reconstruction", "custom_code"]
 # what sentence-transformers' own cards carry (sentence_transformers.base.model_card), plus transformers: the folder
 # loads with AutoModel as well
 SENTENCE_TRANSFORMERS_TAGS = ["sentence-transformers", "sentence-similarity", "feature-extraction", "transformers"]
@@ -106,10 +108,14 @@ def _base_line(hub_bases: list[str], local_bases: list[str], record: dict[str, A
     return ""
 
 
-# How the card names the source architecture.
-_ARCH_NAMES = {"bert": "BERT", "roberta": "RoBERTa", "xlm-roberta": "XLM-RoBERTa", "xlm_roberta": "XLM-RoBERTa",
-               "camembert": "CamemBERT", "electra": "ELECTRA", "distilbert": "DistilBERT", "albert": "ALBERT",
-               "modernbert": "ModernBERT", "nomic_bert": "NomicBERT", "gte": "GTE", "eurobert": "EuroBERT"}
+def _display_name(model_type: str) -> str:
+    """How the card names the source architecture of a (partial or source) model type: its table entry's
+    `display_name`, else the source model type."""
+    source_type = model_type.removeprefix("partial_")
+    try:
+        return architecture_for(model_type).display_name or source_type
+    except UnsupportedModelError:
+        return source_type
 
 
 def _tensor_paths(model) -> tuple[str, str] | None:
@@ -190,8 +196,8 @@ def build_model_card(
     pipeline = _pipeline(model, sentence_transformers)
     results = _eval_results(eval_results)
     partial = str(getattr(config, "model_type", "")).startswith("partial_")
-    source_type = str(getattr(config, "model_type", "bert")).removeprefix("partial_")
-    ours = ([source_type if t == "bert" else t for t in CARD_TAGS] if partial
+    source_type = str(getattr(config, "model_type", "")).removeprefix("partial_")
+    ours = ([*CARD_TAGS[:2], source_type, *CARD_TAGS[2:]] if partial
             else [source_type, "partial-attention-baseline"])
     card_tags = list(dict.fromkeys([*ours, *(SENTENCE_TRANSFORMERS_TAGS if sentence_transformers else []),
                                     pipeline, *(tags or [])]))
@@ -216,10 +222,11 @@ def build_model_card(
     loading = loading_section(_AUTO[pipeline], repo_id or PLACEHOLDER, hub=repo_id is not None,
                               sentence_transformers=sentence_transformers, tokenizer_saved=tokenizer_saved,
                               tokenizer_hint=hub_bases[0] if hub_bases else None)
+    architecture = _display_name(str(getattr(config, "model_type", "")))
     body = f"""
 # {name}
 
-A {_ARCH_NAMES.get(source_type, source_type)}{' with **partial attention**' if partial else ''} made with `hf-partial-attention`, a HuggingFace
+A {architecture}{' with **partial attention**' if partial else ''} made with `hf-partial-attention`, a HuggingFace
 Transformers plugin implementing Bhojanapalli et al. (2021), *{PAPER}* ({ARXIV}).
 {status}
 {_base_line(hub_bases, local_bases, record)}

@@ -2,16 +2,15 @@
 construction and at loading (refusing a checkpoint whose P or R is missing or mis-shaped), pattern access, the kernel
 setting, conversion from a source checkpoint and the Hub hooks.
 
-`PartialModelMixin` goes first among the bases of a partial class: ``PartialBertPreTrainedModel(PartialModelMixin,
-BertPreTrainedModel)`` and the generated ``PartialRobertaModel(PartialModelMixin, RobertaModel)`` etc.
-(`modeling_partial_encoders`). Its ``post_init`` finds the architecture's attention modules through its table entry
+`PartialModelMixin` goes first among the bases of every partial class, all generated from the architecture table
+(`modeling_partial_encoders`): ``PartialBertPreTrainedModel(PartialModelMixin, BertPreTrainedModel)``,
+``PartialBertModel(PartialBertPreTrainedModel, BertModel)``, ``PartialRobertaForMaskedLM(...)`` and so on. Its ``post_init`` finds the architecture's attention modules through its table entry
 (``_partial_arch``, `architectures.Architecture`), gives their owner the pattern modules (one per length bucket) and
 makes each attention module partial or exact in place (`partial_layer`). Part of the remote-code bundle.
 """
 
 from __future__ import annotations
 
-import re
 from typing import ClassVar
 
 import torch
@@ -19,19 +18,17 @@ from transformers import initialization as init
 
 from .architectures import Architecture
 from .attention_common import PatternLayout
-from .attention_dispatch import check_implementation
+from .configuration_partial import check_implementation
 from .conversion import from_source
 from .partial_layer import is_partial, make_exact, make_partial
-from .partial_pattern import (PartialPattern, bucket_suffix, check_buckets, check_layers, head_count, init_bias,
-                              initial_for, initial_stack, pattern_module_name)
+from .partial_pattern import PartialPattern, check_buckets, check_layers, init_bias, initial_for, initial_stack
+from .partial_places import (PARTIAL_NAME, Place, attention_r_names, bucket_suffix, heads, pattern_layers,
+                             pattern_module_name, place, r_on_attention)
 from .pattern import AttentionPattern
 from .pattern_buckets import PatternBuckets
 from .pattern_layers import LayerPatterns
 
 __all__ = ["PartialModelMixin", "PARTIAL_NAME"]
-
-# P, R and their biases in a state dict: the pattern modules' tensors and each partial layer's own R (per_layer).
-PARTIAL_NAME = re.compile(r"\.partial_pattern(_layer\d+)?(_len\d+)?\.|\.reconstruction(_bias)?(_len\d+)?$")
 
 
 class PartialModelMixin:
@@ -69,7 +66,7 @@ class PartialModelMixin:
         if pattern is not None:
             check_layers(config, pattern)
             for layer in layers:
-                for head in self._heads():
+                for head in heads(config):
                     check_buckets(config, pattern.group(layer, head) if isinstance(pattern, LayerPatterns) else pattern,
                                   layer)
         for layer in layers:
@@ -81,18 +78,10 @@ class PartialModelMixin:
             if id(module) in done:  # a module serving several layers (ALBERT): its group is all partial or exact
                 continue
             done.add(id(module))
-            module = self._partial_attention_module(base, layer_idx, module, pattern)
-            if getattr(module.config, "_partial_base", None) is not None:  # built partial or exact already
-                continue
             if layer_idx in config.partial_layers:
                 make_partial(module, owner, layer_idx, config, pattern)
             else:
                 make_exact(module, config)
-
-    def _partial_attention_module(self, base, layer_idx: int, module, pattern):
-        """The attention module of layer ``layer_idx``: ``module`` itself, made partial in place (PartialBert swaps in
-        classes of its own names)."""
-        return module
 
     def _partial_base(self):
         return getattr(self, self.base_model_prefix, self)
@@ -104,6 +93,14 @@ class PartialModelMixin:
     def _partial_attention(self, layer: int):
         """Layer ``layer``'s attention module."""
         return dict(self._partial_arch.attention_modules(self._partial_base()))[layer]
+
+    def _place(self, layer: int | None = None, length: int | None = None, head: int | None = None
+               ) -> tuple[PartialPattern, torch.nn.Module, Place]:
+        """The modules holding the P and R of ``layer``, ``head``, bucket ``length`` (`partial_places.place`): the
+        pattern module (P), the module holding R and its bias, and their `Place`."""
+        where = place(self.config, layer, length, head)
+        pattern = getattr(self._partial_owner(), where.pattern)
+        return pattern, (self._partial_attention(where.layer) if where.on_attention else pattern), where
 
     def initialize_weights(self):
         # transformers initialises a sub-model's modules with the sub-model's own `_init_weights`. The base model of a
@@ -135,13 +132,13 @@ class PartialModelMixin:
                 init.copy_(module.reconstruction, r)
             if getattr(module, "reconstruction_bias", None) is not None:
                 init.zeros_(module.reconstruction_bias) if bias is None else init.copy_(module.reconstruction_bias, bias)
-        elif is_partial(module) and "reconstruction" in module._parameters:
+        elif is_partial(module) and r_on_attention(self.config):
             for length in (None, *self.config.partial_buckets):
                 pattern = initial_for(self.config, self._initial_pattern, length)
-                suffix = bucket_suffix(self.config, length)
-                init.copy_(getattr(module, "reconstruction" + suffix), pattern.reconstruction)
-                if getattr(module, "reconstruction_bias" + suffix) is not None:
-                    init_bias(getattr(module, "reconstruction_bias" + suffix), pattern)
+                r_name, bias_name = attention_r_names(self.config, length)
+                init.copy_(getattr(module, r_name), pattern.reconstruction)
+                if getattr(module, bias_name) is not None:
+                    init_bias(getattr(module, bias_name), pattern)
 
     def set_partial_implementation(self, implementation: str) -> None:
         """Switch the kernel of the partial layers at run time: ``"auto"``, ``"gather"``, ``"fused"``, ``"tiled"`` or
@@ -179,9 +176,9 @@ class PartialModelMixin:
                     "reconstruction, or convert a source checkpoint with from_source(path, pattern) (from_bert for "
                     "PartialBert; `hf-partial-attention convert`).")
         # P and R must also be a valid pattern (sorted, unique, in range, finite): AttentionPattern checks that.
-        for layer in self._pattern_layers():
+        for layer in pattern_layers(self.config):
             try:
-                for head in self._heads():
+                for head in heads(self.config):
                     self.get_patterns(layer, head)
             except ValueError as err:
                 raise ValueError(f"{source!s} holds an invalid P or R ({sorted(names)}): {err}") from err
@@ -189,18 +186,6 @@ class PartialModelMixin:
                 owner.refresh_layout()
 
     # ------------------------------------------------------------------ pattern access
-    def _heads(self) -> list[int | None]:
-        """Each head when P and R are per head, else ``[None]``."""
-        heads = head_count(self.config)
-        return [None] if heads is None else list(range(heads))
-
-    def _pattern_layers(self) -> list[int | None]:
-        """The layers with a P and R of their own (per_layer R or per-layer P), else ``[None]``."""
-        config = self.config
-        if config.reconstruction == "per_layer" or config.partial_granularity != "pooled":
-            return list(config.partial_layers)
-        return [None]
-
     def _pattern_modules(self, layer: int | None = None) -> dict[int, PartialPattern]:
         """Bucket length -> the owner's pattern module of that bucket (n first, then the shorter buckets); of
         ``layer`` (default: the first partial layer) when each layer has its own P."""
@@ -217,21 +202,16 @@ class PartialModelMixin:
         return layer
 
     def reconstruction_tensors(self) -> dict[str, torch.Tensor]:
-        """Name -> R tensor: ``{"common": R}`` / ``{"fixed": R}`` or ``{"layer.3": R_3, ...}`` (per_layer); a bucket
-        b < n adds ``"common.len{b}"`` / ``"layer.3.len{b}"``."""
-        owner = self._partial_owner()
+        """Name -> R tensor: ``{"common": R}`` / ``{"fixed": R}`` or ``{"layer.3": R_3, ...}`` (per_layer, or P per
+        layer or head: the layer's R, its heads stacked); a bucket b < n adds ``"common.len{b}"`` /
+        ``"layer.3.len{b}"``."""
         out = {}
         for length in (None, *self.config.partial_buckets):
-            suffix = bucket_suffix(self.config, length)
-            tag = suffix.replace("_", ".")
-            if self.config.partial_granularity != "pooled":  # each layer's module holds its R (its heads')
-                out.update({f"layer.{l}{tag}": self._pattern_modules(l)[length or self.config.partial_seq_len]
-                            .reconstruction for l in self.config.partial_layers})
-            elif self.config.reconstruction != "per_layer":
-                out[self.config.reconstruction + tag] = getattr(owner, "partial_pattern" + suffix).reconstruction
-            else:
-                out.update({f"layer.{l}{tag}": getattr(self._partial_attention(l), "reconstruction" + suffix)
-                            for l in self.config.partial_layers})
+            tag = bucket_suffix(self.config, length).replace("_", ".")
+            for layer in pattern_layers(self.config):
+                _, holder, where = self._place(layer, length)
+                out[(self.config.reconstruction if layer is None else f"layer.{layer}") + tag] = \
+                    getattr(holder, where.r_name)
         return out
 
     def get_pattern(self, layer: int | None = None, length: int | None = None, head: int | None = None
@@ -245,15 +225,13 @@ class PartialModelMixin:
             raise ValueError(f"length={length} is not a length bucket with a pattern; the buckets with P and R are "
                              f"{sorted(modules)} (partial_lengths={self.config.partial_lengths}, partial_lengths_k="
                              f"{self.config.partial_lengths_k}: buckets with k = b run exactly).")
-        suffix = bucket_suffix(self.config, length)
-        owner, r_name = modules[length], "reconstruction"
-        if self.config.reconstruction == "per_layer" and self.config.partial_granularity == "pooled":
-            owner, r_name = self._partial_attention(self._check_layer(layer)), "reconstruction" + suffix
-        p, r = modules[length].indices, getattr(owner, r_name)
-        bias = getattr(owner, r_name.replace("reconstruction", "reconstruction_bias"), None)
         if self.config.partial_granularity == "head":
             head = self._check_head(head)
-            p, r, bias = p[head], r[head], None if bias is None else bias[head]
+        layer = None if pattern_layers(self.config) == [None] else self._check_layer(layer)
+        pattern, holder, where = self._place(layer, length, head)
+        p, r, bias = pattern.indices, getattr(holder, where.r_name), getattr(holder, where.bias_name, None)
+        if where.head is not None:  # head h's slice of the stacked tensors
+            p, r, bias = p[where.head], r[where.head], None if bias is None else bias[where.head]
         return AttentionPattern(
             p, r, bias,
             metadata={"source_model": self.config._name_or_path or "", "reconstruction": self.config.reconstruction},
@@ -274,9 +252,9 @@ class PartialModelMixin:
     def get_layer_patterns(self) -> LayerPatterns:
         """Every partial layer's (and head's) P and R, every bucket, as `LayerPatterns` (what `set_pattern` takes
         back)."""
-        heads = self._heads()
-        return LayerPatterns({layer: self.get_patterns(layer) if heads == [None] else
-                              [self.get_patterns(layer, head) for head in heads]
+        each = heads(self.config)
+        return LayerPatterns({layer: self.get_patterns(layer) if each == [None] else
+                              [self.get_patterns(layer, head) for head in each]
                               for layer in self.config.partial_layers})
 
     @torch.no_grad()
@@ -295,7 +273,7 @@ class PartialModelMixin:
             raise ValueError(f"{err} Build the model with from_source(..., pattern).") from err
         if isinstance(pattern, LayerPatterns):
             for layer in self.config.partial_layers:
-                for head in self._heads():
+                for head in heads(self.config):
                     self._set_buckets(pattern.group(layer, head), layer, head)
         else:
             self._set_buckets(pattern, None)
@@ -309,18 +287,18 @@ class PartialModelMixin:
         if buckets.has_bias != self.config.partial_use_bias:
             raise ValueError(f"pattern {'has' if buckets.has_bias else 'has no'} bias but "
                              f"config.partial_use_bias={self.config.partial_use_bias}.")
+        # R goes where it lives: beside P, or (pooled P, R per layer) into every partial layer's attention module
+        r_layers = self.config.partial_layers if layer is None and r_on_attention(self.config) else [layer]
         for length, module in self._pattern_modules(layer).items():
             bucket = buckets[length]
             pick = (lambda t: t) if head is None else (lambda t: t[head])  # head h's slice of stacked tensors
             pick(module.indices).copy_(bucket.indices)
             module.refresh_layout()
-            suffix = bucket_suffix(self.config, length)
-            owners = ([(module, "")] if layer is not None or self.config.reconstruction != "per_layer"
-                      else [(self._partial_attention(l), suffix) for l in self.config.partial_layers])
-            for owner, tag in owners:
-                pick(getattr(owner, "reconstruction" + tag)).copy_(bucket.reconstruction)
+            for r_layer in r_layers:
+                _, holder, where = self._place(r_layer, length, head)
+                pick(getattr(holder, where.r_name)).copy_(bucket.reconstruction)
                 if bucket.bias is not None:
-                    pick(getattr(owner, "reconstruction_bias" + tag)).copy_(bucket.bias)
+                    pick(getattr(holder, where.bias_name)).copy_(bucket.bias)
 
     # ------------------------------------------------------------------ hub
     def save_pretrained(self, save_directory, *args, **kwargs):

@@ -28,7 +28,8 @@ from .attention_heads import all_heads_attention
 from .attention_dispatch import attention_function_name, kernel_for, kernel_function
 from .attention_lengths import bucketed_attention, exact_attention
 from .configuration_partial import PARTIAL_IMPLEMENTATIONS
-from .partial_pattern import bucket_suffix, pattern_module_name, r_tensor
+from .partial_pattern import r_tensor
+from .partial_places import attention_r_names, place, r_on_attention
 
 try:  # transformers' recorder of `output_*` (private), read by `attention_weights_requested` at every forward
     from transformers.utils.output_capturing import _active_collector
@@ -83,12 +84,11 @@ def make_partial(module: nn.Module, owner: nn.Module, layer_idx: int | None, con
     object.__setattr__(module, "_partial_owner", owner)
     object.__setattr__(module, "_partial_layer", layer_idx)
     module.config = config_view(config, "partial")
-    if config.reconstruction == "per_layer" and config.partial_granularity == "pooled":  # else: the layer's module
+    if r_on_attention(config):  # else R lives in the pattern module beside P (`partial_places`)
         for length in (None, *config.partial_buckets):  # n's R, then each shorter bucket's
-            suffix = bucket_suffix(config, length)
-            setattr(module, "reconstruction" + suffix, r_tensor(config, True, False, pattern, length))
-            setattr(module, "reconstruction_bias" + suffix,
-                    r_tensor(config, True, True, pattern, length) if config.partial_use_bias else None)
+            r_name, bias_name = attention_r_names(config, length)
+            setattr(module, r_name, r_tensor(config, True, False, pattern, length))
+            setattr(module, bias_name, r_tensor(config, True, True, pattern, length) if config.partial_use_bias else None)
 
 
 def make_exact(module: nn.Module, config) -> None:
@@ -106,12 +106,10 @@ def layer_tensors(module: nn.Module, length: int | None = None) -> PartialTensor
     """P's layout, R, its bias and their derived state in bucket ``length`` (default n), as the partial ``module``
     reconstructs with them. The owner's pattern module of the bucket is called (not held), so that a wrapper installed
     in its place (peft's modules_to_save) is the one that runs."""
-    config = module.config
-    suffix = bucket_suffix(config, length)
-    pattern_module = getattr(module._partial_owner, pattern_module_name(config, length, module._partial_layer))
-    if "reconstruction" in module._parameters:  # per_layer with a pooled P: this layer's own R
-        return pattern_module(getattr(module, "reconstruction" + suffix),
-                              getattr(module, "reconstruction_bias" + suffix), module._partial_layer)
+    where = place(module.config, module._partial_layer, length)
+    pattern_module = getattr(module._partial_owner, where.pattern)
+    if where.on_attention:  # per_layer with a pooled P: this layer's own R
+        return pattern_module(getattr(module, where.r_name), getattr(module, where.bias_name), where.layer)
     return pattern_module()
 
 

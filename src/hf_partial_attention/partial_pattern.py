@@ -19,26 +19,11 @@ from .attention_common import DerivedState, PartialTensors, PatternLayout, needs
 from .pattern import AttentionPattern
 from .pattern_buckets import PatternBuckets
 from .pattern_layers import LayerPatterns
+# Where P and R live (re-exported: the names were defined here before `partial_places`).
+from .partial_places import bucket_suffix, head_count, pattern_module_name
 
 __all__ = ["PartialPattern", "PartialBertPattern", "default_pattern", "initial_for", "initial_stack", "check_buckets",
            "check_layers", "r_tensor", "init_bias", "bucket_suffix", "pattern_module_name", "head_count"]
-
-
-def bucket_suffix(config: PartialConfigMixin, length: int | None) -> str:
-    """The suffix of a bucket's tensor names: ``""`` for n (the names of format 1), ``"_len{b}"`` for b < n."""
-    return "" if length is None or length == config.partial_seq_len else f"_len{length}"
-
-
-def pattern_module_name(config: PartialConfigMixin, length: int | None = None, layer: int | None = None) -> str:
-    """The owner's attribute holding the pattern module of bucket ``length`` (default n): ``partial_pattern`` +
-    the bucket's suffix, with ``_layer{l}`` before it when each layer has its own P (``partial_granularity`` "layer"
-    or "head", where ``layer`` is required)."""
-    if config.partial_granularity != "pooled":
-        if layer is None:
-            raise ValueError(f"partial_granularity={config.partial_granularity!r}: name the layer whose pattern "
-                             "module is meant.")
-        return f"partial_pattern_layer{layer}" + bucket_suffix(config, length)
-    return "partial_pattern" + bucket_suffix(config, length)
 
 
 @functools.lru_cache(maxsize=4)
@@ -75,11 +60,6 @@ def check_buckets(config: PartialConfigMixin, pattern: AttentionPattern | Patter
                          f"{config.partial_lengths}); "
                          "build the config from the pattern (from_source does) or pass buckets of the config's ks.")
     return buckets
-
-
-def head_count(config: PartialConfigMixin) -> int | None:
-    """The heads of a layer when each has its own P and R (``partial_granularity="head"``), else None."""
-    return config.num_attention_heads if config.partial_granularity == "head" else None
 
 
 def check_layers(config: PartialConfigMixin, pattern) -> None:
@@ -169,6 +149,11 @@ class PartialPattern(nn.Module):
     trainable for ``reconstruction="per_layer"``; per head (``"head"``), layer ``layer``'s heads' P and R, stacked
     along a leading head dimension (P ``(H, n, k)``, R ``(H, n, n−k, k)``)."""
 
+    # Under torch.compile without autograd, whether the kernels run as one custom op reading W and the blocks of
+    # rows sharing P and R from the derived state (`attention_dispatch.compiled_attention`); False: W built in the graph at every
+    # call (what compiled models did before; benchmarks/compiled.py compares both). Set before compiling.
+    compiled_fast_path: bool = True
+
     def __init__(self, config: PartialConfigMixin, pattern: AttentionPattern | PatternBuckets | LayerPatterns | None
                  = None, length: int | None = None, layer: int | None = None):
         super().__init__()
@@ -254,9 +239,13 @@ class PartialPattern(nn.Module):
                 for h in range(self.heads)]
 
     def _tensors(self, layout: PatternLayout, reconstruction, bias, key) -> PartialTensors:
-        # Under torch.compile / export the state is not read (no Python-side cache in a graph): W is built in it.
-        derived = None if torch.compiler.is_compiling() else self.derived[key]
-        if derived is not None:
+        # Under torch.compile the state is passed but not read in the graph (no Python-side cache there): the
+        # compiled fast path reads it at run time, outside the graph (`attention_dispatch.compiled_attention`); the other paths build W
+        # in the graph. Under torch.export, or without `compiled_fast_path`, no state: W is built in the graph.
+        compiling = torch.compiler.is_compiling()
+        fast = self.compiled_fast_path and not torch.compiler.is_exporting()
+        derived = self.derived[key] if not compiling or fast else None
+        if derived is not None and not compiling:
             layout = layout._replace(shared_rows=derived.shared_rows(layout.indices, reconstruction))
         if self.tie_shared_rows and needs_grad(reconstruction):
             reconstruction = tie_rows(reconstruction, layout.shared_rows)

@@ -67,8 +67,8 @@ class PartialAttentionTrainingArguments(TrainingArguments):
     distill_temperature: float = field(default=1.0, metadata={"help": "Temperature of the distill_kl term."})
     mlm_logits_at_masked_only: bool = field(
         default=False,
-        metadata={"help": "MLM models (with .bert and .cls): compute vocabulary logits only at the labelled "
-                          "positions (same loss and gradients; less work when the vocabulary is large)."},
+        metadata={"help": "MLM models (any architecture's MLM head): compute vocabulary logits only at the "
+                          "labelled positions (same loss and gradients; less work when the vocabulary is large)."},
     )
 
     def __post_init__(self):

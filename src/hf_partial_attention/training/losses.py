@@ -11,15 +11,24 @@ __all__ = ["masked_only_mlm_loss", "example_loss_sums", "training_details"]
 def masked_only_mlm_loss(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``{"loss", "logits"}``: an MLM model's mean cross-entropy over its M labelled positions, and the vocabulary
     logits (M, vocab) at those positions, the only ones computed (the model's own loss computes them at every
-    position)."""
-    if not (hasattr(model, "bert") and hasattr(model, "cls")):
-        raise TypeError(f"mlm_logits_at_masked_only needs a BERT MLM model with .bert and .cls, got "
+    position). Any architecture's MLM head: its body runs as usual, and a hook hands the head the M labelled
+    positions' hidden states only (an MLM head maps each position on its own)."""
+    base = getattr(model, "base_model", model)
+    if base is model or not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
+        raise TypeError(f"mlm_logits_at_masked_only needs a masked-LM model (a body and a vocabulary head), got "
                         f"{type(model).__name__}; unset --mlm_logits_at_masked_only.")
     labels = inputs["labels"]  # (B, T)
-    body = {k: v for k, v in inputs.items() if k != "labels"}
-    hidden = model.bert(**body).last_hidden_state  # (B, T, hidden)
     chosen = labels != -100  # (B, T)
-    logits = model.cls(hidden[chosen])  # (M, vocab): the M labelled positions only
+
+    def labelled_only(module, args, output):
+        output["last_hidden_state"] = output["last_hidden_state"][chosen][None]  # (1, M, hidden)
+        return output
+
+    handle = base.register_forward_hook(labelled_only)
+    try:
+        logits = model(**{k: v for k, v in inputs.items() if k != "labels"}).logits[0]  # (M, vocab)
+    finally:
+        handle.remove()
     return {"loss": torch.nn.functional.cross_entropy(logits.float(), labels[chosen]), "logits": logits}
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from transformers import AutoConfig, PreTrainedModel
 
-from ..architectures import HEAD_SUFFIXES, Architecture, architecture_for
+from ..architectures import DEFAULT_MODEL_TYPE, HEAD_SUFFIXES, Architecture, architecture_for
 from ..modeling_partial_encoders import partial_class_for
 from ..pattern import AttentionPattern
 from ..pattern_buckets import PatternBuckets, is_single_pattern_file
@@ -40,7 +40,6 @@ __all__ = ["HEADS", "BuiltModel", "build_model", "load_pattern_file"]
 HEADS = {"masked_lm": "AutoModelForMaskedLM", "sequence_classification": "AutoModelForSequenceClassification"}
 DEFAULT_SEQ_LEN = 128
 DEFAULT_K = 32
-DEFAULT_MODEL_TYPE = "bert"
 _NOT_SOURCE_FIELDS = ("model_type", "architectures", "auto_map", "transformers_version", "_name_or_path")
 
 Pattern = AttentionPattern | PatternBuckets | LayerPatterns

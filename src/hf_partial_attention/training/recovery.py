@@ -25,7 +25,6 @@ Every term is a mean over the process's batch; `PartialAttentionTrainer` divides
 
 from __future__ import annotations
 
-import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -34,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..conversion import PARTIAL_FIELDS
+from ..partial_places import is_reconstruction_name
 
 __all__ = [
     "RECOVERY_TERMS",
@@ -52,7 +52,6 @@ __all__ = [
 RECOVERY_TERMS = ("mlm", "attention_transfer", "distill_kl", "distill_hidden", "embedding")
 _ALIASES = {"distill": ("distill_kl", "distill_hidden")}
 ATTENTION_TRANSFER_PARAMETERS = ("reconstruction", "query_key", "as_given")
-_R_NAME = re.compile(r"reconstruction(_bias)?(_len\d+)?")
 _NOT_BERT_FIELDS = ("model_type", "architectures", "auto_map", "transformers_version", "_name_or_path")
 
 
@@ -119,9 +118,8 @@ def parse_recovery_objective(objective: str, weights: str | None = None, has_mlm
 
 
 def is_reconstruction_parameter(name: str) -> bool:
-    """True for R and its bias, of n and of every shorter length bucket (``...partial_pattern.reconstruction``,
-    ``...self.reconstruction_bias``, ``...partial_pattern_len32.reconstruction``, ``...self.reconstruction_len32``)."""
-    return _R_NAME.fullmatch(name.rsplit(".", 1)[-1]) is not None
+    """True for R and its bias, of n and of every shorter length bucket (`partial_places.is_reconstruction_name`)."""
+    return is_reconstruction_name(name)
 
 
 def _base_partial_model(model: nn.Module):
