@@ -32,9 +32,15 @@ def _import(name):
         sys.path.remove(str(BENCH))
 
 
-def test_quick_benchmark_writes_tables_and_goals(tmp_path):
-    run = _import("run")
-    result = run.main(["--quick", "--repeats", "1", "--out", str(tmp_path)])
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """`benchmarks/run.py --quick` once (its tables and its result) for the tests that read it."""
+    out = tmp_path_factory.mktemp("quick")
+    return out, _import("run").main(["--quick", "--repeats", "1", "--out", str(out)])
+
+
+def test_quick_benchmark_writes_tables_and_goals(quick_run):
+    tmp_path, result = quick_run
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved == json.loads(json.dumps(result))  # the file holds what main returned
     assert saved["machine"]["torch"] and saved["machine"]["torch_threads"] and saved["model"] and saved["peers"]
@@ -194,7 +200,7 @@ def test_benchmark_families_have_the_structure_of_the_analysis_families():
         assert layout.structure is FAMILY_STRUCTURE[family], family
 
 
-def test_rule_misses_are_found_and_printed(tmp_path):
+def test_rule_misses_are_found_and_printed(quick_run):
     """A case where another kernel beats auto's choice by more than 10 % is a rule miss, in the results and their
     table; within 10 % it is not. The --quick run's own misses are the ones its rows show."""
     report = _import("report")
@@ -205,8 +211,7 @@ def test_rule_misses_are_found_and_printed(tmp_path):
            {**row, "pattern": "columns", "implementation": "tiled", "ms": 9.2, "auto": False}]  # 8.7 %: no miss
     assert report.rule_misses(att) == [{**row, "auto": "fused", "auto_ms": 10.0, "fastest": "tiled",
                                         "fastest_ms": 9.0}]
-    run = _import("run")
-    result = run.main(["--quick", "--repeats", "1", "--out", str(tmp_path)])
+    tmp_path, result = quick_run
     assert result["rule_misses"] == report.rule_misses(result["attention"])
     text = (tmp_path / "results.md").read_text()
     assert f"by more than 10 % (attention function below): {len(result['rule_misses']) or 'none'}." in text
