@@ -113,7 +113,7 @@ def test_every_key_exact_equals_the_source_in_float64(model_type):
     cls = partial_class_for(model_type)
     model = cls.from_source(source, AttentionPattern.exact(N), partial_layers=all_layers(model_type)).eval()
     assert model.config.model_type == architecture_for(model_type).partial_model_type
-    modules = [m for _, m in model._partial_arch.attention_modules(model._partial_base())]
+    modules = [m for _, m in model._partial_arch.attention_modules(model.base_model)]
     assert modules and all(is_partial(m) for m in modules)
     ids, mask = batch()
     with torch.no_grad():

@@ -252,11 +252,11 @@ def test_structure_needs_blocks_of_min_shared_rows():
 def test_auto_runs_its_choice_in_a_model_and_the_map_runs_the_reference(monkeypatch):
     """In a model: auto runs tiled for rows sharing P and R at n = 256 in inference, fused with autograd, and a call
     asking for the attention maps runs the reference kernel."""
-    from hf_partial_attention import AttentionPattern, PartialBertConfig, PartialBertModel, partial_layer
+    from hf_partial_attention import AttentionPattern, PartialBertConfig, PartialBertModel, attention_dispatch
 
     ran = []
-    real = partial_layer.kernel_function
-    monkeypatch.setattr(partial_layer, "kernel_function", lambda name: ran.append(name) or real(name))
+    real = attention_dispatch.kernel_function
+    monkeypatch.setattr(attention_dispatch, "kernel_function", lambda name: ran.append(name) or real(name))
     layout = _layout("shared", 256)
     g = torch.Generator().manual_seed(14)
     r = torch.randn(256 // 32, 252, 4, generator=g).repeat_interleave(32, 0) * 0.1

@@ -1,4 +1,6 @@
-"""Which kernel runs (its registration with transformers' ``AttentionInterface`` is `partial_layer`'s).
+"""The per-call path of a partial model: the attention functions transformers calls (registered with its
+``AttentionInterface`` as ``partial_<setting>`` and ``partial_exact``), each sequence's length bucket, P and R per
+head, and which kernel runs.
 
 Part of the remote-code bundle (imports: torch, transformers and siblings).
 
@@ -33,16 +35,31 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .attention_common import STATES, DerivedState, PartialTensors, PatternLayout, PatternStructure, needs_grad
 from .attention_fused import fused_attention
 from .attention_gather import gather_attention
+from .attention_heads import all_heads_attention
+from .attention_lengths import bucketed_attention, exact_attention
 from .attention_tiled import tiled_attention
 from .configuration_partial import KERNEL_NAMES, PARTIAL_IMPLEMENTATIONS, check_implementation
+from .partial_places import place
+
+try:  # transformers' recorder of `output_*` (private), read by `attention_weights_requested` at every forward
+    from transformers.utils.output_capturing import _active_collector
+except ImportError:
+    _active_collector = None
 
 __all__ = ["TILED_MIN_LENGTH", "COMPILED_PREFIX", "auto_kernel", "kernel_for", "kernel_function",
            "check_implementation", "applies_compiled", "compiled_attention", "partial_attention_forward",
-           "attention_function_name"]
+           "attention_function_name", "EXACT_FUNCTION", "is_partial", "layer_tensors", "attention_weights_requested",
+           "register_attention_functions"]
+
+# The function name of the exact layers: the model's own `_attn_implementation`, or eager when maps are asked for.
+EXACT_FUNCTION = "partial_exact"
 
 # The shortest n at which `auto` runs `tiled` for rows sharing P and R (below it `fused` is as fast or faster).
 TILED_MIN_LENGTH = 256
@@ -229,3 +246,107 @@ def compiled_attention(implementation: str, module: nn.Module, query: torch.Tens
     out = _frozen_attention(query, key, value, attention_mask, partial.layout.indices, partial.reconstruction,
                             partial.bias, float(scaling), partial.derived.key, implementation)
     return out, None  # (B, T, H, Dv)
+
+
+# ------------------------------------------------------------------ the attention functions transformers calls
+def is_partial(module: nn.Module) -> bool:
+    """Whether ``module`` is an attention module made partial by `make_partial`."""
+    return getattr(module, "_partial_owner", None) is not None
+
+
+def layer_tensors(module: nn.Module, length: int | None = None) -> PartialTensors:
+    """P's layout, R, its bias and their derived state in bucket ``length`` (default n), as the partial ``module``
+    reconstructs with them. The owner's pattern module of the bucket is called (not held), so that a wrapper installed
+    in its place (peft's modules_to_save) is the one that runs."""
+    where = place(module.config, module._partial_layer, length)
+    pattern_module = getattr(module._partial_owner, where.pattern)
+    if where.on_attention:  # per_layer with a pooled P: this layer's own R
+        return pattern_module(getattr(module, where.r_name), getattr(module, where.bias_name), where.layer)
+    return pattern_module()
+
+
+def attention_weights_requested(config, kwargs: dict) -> bool:
+    """Whether this forward returns attention maps (``output_attentions`` in the call or the config, or an active
+    transformers output recorder that collects them): only then must a kernel write the n×n probabilities."""
+    if kwargs.get("output_attentions") or getattr(config, "output_attentions", False):
+        return True
+    if _active_collector is None:  # the recorder moved: keep returning the maps
+        return True
+    collected = _active_collector.get()
+    return bool(collected) and "attentions" in collected
+
+
+def _partial_function(implementation: str) -> Callable:
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, need_weights=None,
+                  partial: PartialTensors | None = None, **kwargs):
+        """Partial attention of one layer: q, k, v ``(B, H, T, D)`` -> ``(output (B, T, H, D), maps or None)``; each
+        sequence in its length bucket, a bucket with k_b = b exactly."""
+        if partial is None and not is_partial(module):
+            raise TypeError(
+                f"attention {attention_function_name(implementation)!r} runs only in the partial layers of a "
+                f"partial model (got {type(module).__name__}); set attn_implementation to 'sdpa' or 'eager'.")
+        config = module.config
+        scaling = module.scaling if scaling is None else scaling
+        if need_weights is None:
+            need_weights = attention_weights_requested(config, kwargs)
+
+        def run_kernel(tensors, query, key, value, attention_mask):
+            name = kernel_for(implementation, tensors, query, key, value, need_weights=need_weights,
+                              dropout=dropout if module.training else 0.0)
+            return kernel_function(name)(module, query, key, value, attention_mask, scaling, dropout,
+                                         partial=tensors)
+
+        def run_bucket(length, query, key, value, attention_mask, tensors=partial):
+            if length in config.exact_lengths:  # b <= k: every score is exact
+                return exact_attention(module, query, key, value, attention_mask, scaling, dropout, need_weights)
+            tensors = layer_tensors(module, length) if tensors is None else tensors  # P, R: read once, passed down
+            if not isinstance(tensors, list):
+                return run_kernel(tensors, query, key, value, attention_mask)
+            # P and R per head. Where the fused kernel would run under autograd (not for the map, the reference or
+            # Triton settings, nor under export): every head in one autograd node with a hand-written backward,
+            # where one kernel call per head would pay for H small backward passes (`attention_heads`).
+            if needs_grad(query, key, value, *(t.reconstruction for t in tensors), *(t.bias for t in tensors)) and \
+                    kernel_for(implementation, tensors[0], query, key, value, need_weights=need_weights,
+                               dropout=dropout if module.training else 0.0) == "fused":
+                return all_heads_attention(module, query, key, value, attention_mask, scaling,
+                                           dropout if module.training else 0.0, tensors)
+            # Otherwise each head by the kernel of its own P and R, on its own slice of q, k, v
+            outs, maps = [], []
+            for h, head_tensors in enumerate(tensors):
+                mask = (attention_mask if attention_mask is None or attention_mask.shape[1] == 1
+                        else attention_mask[:, h:h + 1])  # (B|1, 1, T, T)
+                out, probs = run_kernel(head_tensors, query[:, h:h + 1], key[:, h:h + 1], value[:, h:h + 1], mask)
+                outs.append(out)  # (B, T, 1, D)
+                maps.append(probs)  # (B, 1, T, T) or None
+            return torch.cat(outs, dim=2), None if maps[0] is None else torch.cat(maps, dim=1)  # (B, T, H, D)
+
+        if partial is not None or len(config.partial_lengths) == 1:  # one bucket: n's P and R for every input
+            return run_bucket(config.partial_seq_len, query, key, value, attention_mask)
+        return bucketed_attention(module, query, key, value, attention_mask, config.partial_lengths, run_bucket,
+                                  need_weights)
+
+    attention.__name__ = f"{attention_function_name(implementation)}_attention_forward"
+    return attention
+
+
+def _exact_function(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """An exact layer of a partial model: the model's ``_attn_implementation``; eager when the map is asked for."""
+    chosen = module.config._partial_base._attn_implementation or "sdpa"
+    if chosen == "eager" or attention_weights_requested(module.config, kwargs):
+        return exact_attention(module, query, key, value, attention_mask, scaling, dropout, need_weights=True)
+    return ALL_ATTENTION_FUNCTIONS[chosen](module, query, key, value, attention_mask, scaling=scaling,
+                                          dropout=dropout, **kwargs)
+
+
+def register_attention_functions() -> None:
+    """Register every setting (``partial_<kernel>``, ``partial_auto``) and the exact layers' function with
+    transformers' `AttentionInterface`, each with a mask builder so that a mask is never silently dropped; safe to
+    call more than once."""
+    for name in PARTIAL_IMPLEMENTATIONS:  # every kernel, and "auto"
+        AttentionInterface.register(attention_function_name(name), _partial_function(name))
+        AttentionMaskInterface.register(attention_function_name(name), sdpa_mask)
+    AttentionInterface.register(EXACT_FUNCTION, _exact_function)
+    AttentionMaskInterface.register(EXACT_FUNCTION, sdpa_mask)
+
+
+register_attention_functions()

@@ -28,34 +28,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention_common import (PartialTensors, PatternLayout, PatternStructure, bias_in_key_order, broadcast_slice,
-                               check_length, full_length, masked_at_p, masked_exact_scores, masked_keys, needs_grad,
-                               normalised_in_place, rows_first, tile_groups)
+from .attention_common import (PartialTensors, PatternStructure, bias_in_key_order, broadcast_slice,
+                               check_length, dropped_probabilities, masked_at_p, masked_exact_scores,
+                               masked_keys, needs_grad, normalised_in_place, rows_first, scatter_to_complement,
+                               softmax_backward_in_place, tile_groups)
 
 __all__ = ["fused_attention"]
-
-
-def _scatter_to_complement(full: torch.Tensor, layout: PatternLayout, t: int, dim_k: bool) -> torch.Tensor:
-    """A gradient in key order, ``(T, k, T)`` (W) or ``(T, T)`` (bias), to R's ``(n, n−k, k)`` or the bias's
-    ``(n, n−k)``: the entries at P̄_i, zero for rows and keys beyond the input."""
-    n, k = layout.indices.shape
-    comp = layout.complement  # (n, n-k)
-    if not full_length(t, n):
-        padded = full.new_zeros((n, k, n) if dim_k else (n, n))
-        padded[(slice(t), slice(None), slice(t)) if dim_k else (slice(t), slice(t))] = full
-        full = padded
-    if dim_k:
-        return full.gather(-1, comp[:, None, :].expand(n, k, n - k)).transpose(1, 2)  # (n, n-k, k)
-    return full.gather(-1, comp)  # (n, n-k)
-
-
-# Under glibc's default malloc every fresh n×n tensor above the mmap threshold costs page faults, so the forward
-# and the backward each allocate one and work in it in place (`attention_common.normalised_in_place`; the softmax
-# backward likewise, on CPU only).
-def _softmax_backward_in_place(grad: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-    if grad.device.type != "cpu":
-        return torch._softmax_backward_data(grad, probs, -1, probs.dtype)
-    return torch.ops.aten._softmax_backward_data.out(grad, probs, -1, probs.dtype, grad_input=grad)
 
 
 def _dense_exact_rows(query, key, indices, scaling, zero_at):
@@ -90,15 +68,10 @@ def _rows_forward(rows, value, w, bias_full, additive, dropout, scores_out=None)
     mask = None if additive is None else additive.permute(2, 0, 1, 3)  # (T, B|1, 1|H, T)
     probs = normalised_in_place(scores.view(t, b, h, t), bias, mask).view(t, bh, t)  # (T, B·H, T)
     keep = None if dropout == 0.0 else torch.empty_like(probs).bernoulli_(1.0 - dropout).bool()  # (T, B·H, T)
-    kept = _dropped(probs, keep, dropout)
+    kept = dropped_probabilities(probs, keep, dropout)
     v3 = value.reshape(bh, t, dv)  # (B·H, T, Dv): a copy of a model's view, kept for the backward
     out = torch.bmm(kept.transpose(0, 1), v3)  # (B·H, T, Dv)
     return out, probs, keep, kept, v3
-
-
-def _dropped(probs: torch.Tensor, keep: torch.Tensor | None, dropout: float) -> torch.Tensor:
-    """The probabilities after dropout (kept ones scaled by 1 / (1 - p)): what multiplies V."""
-    return probs if keep is None else probs * keep / (1.0 - dropout)
 
 
 def _rows_backward(ctx, grad_out, rows, w, v3, probs, keep, need_rows, need_v, need_r, need_bias):
@@ -109,7 +82,7 @@ def _rows_backward(ctx, grad_out, rows, w, v3, probs, keep, need_rows, need_v, n
     g3 = grad_out.reshape(bh, t, dv)  # (B·H, T, Dv)
     grad_v = None
     if need_v:
-        kept = _dropped(probs, keep, ctx.dropout)
+        kept = dropped_probabilities(probs, keep, ctx.dropout)
         grad_v = torch.bmm(kept.permute(1, 2, 0), g3)  # (B·H, T, Dv)
         del kept
     if torch.compiler.is_compiling():  # a graph takes no `out=` into a non-contiguous view: one copy instead
@@ -119,13 +92,13 @@ def _rows_backward(ctx, grad_out, rows, w, v3, probs, keep, need_rows, need_v, n
         torch.bmm(g3, v3.transpose(1, 2), out=grad_p.transpose(0, 1))
     if keep is not None:
         grad_p.mul_(keep).div_(1.0 - ctx.dropout)
-    grad_s = _softmax_backward_in_place(grad_p, probs)  # (T, B·H, T)
+    grad_s = softmax_backward_in_place(grad_p, probs)  # (T, B·H, T)
     grad_r = grad_bias = grad_rows = None
     if need_r:
         grad_w = torch.bmm(rows.transpose(1, 2), grad_s)  # (T, k, T)
-        grad_r = _scatter_to_complement(grad_w, ctx.layout, t, True).to(ctx.dtypes[0])
+        grad_r = scatter_to_complement(grad_w, ctx.layout, t, True).to(ctx.dtypes[0])
     if need_bias:
-        grad_bias = _scatter_to_complement(grad_s.sum(1), ctx.layout, t, False).to(ctx.dtypes[1])
+        grad_bias = scatter_to_complement(grad_s.sum(1), ctx.layout, t, False).to(ctx.dtypes[1])
     if need_rows:
         grad_rows = torch.bmm(grad_s, w[:t, :, :t].transpose(1, 2))  # (T, B·H, k)
     return grad_s, grad_rows, grad_v, grad_r, grad_bias

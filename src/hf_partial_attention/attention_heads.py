@@ -22,21 +22,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention_common import (PartialTensors, bias_in_key_order, check_length, full_length, masked_keys,
+from .attention_common import (PartialTensors, bias_in_key_order, check_length, dropped_probabilities,
+                               masked_at_p, masked_keys, scatter_to_complement, softmax_backward_in_place,
                                softmax_in_place)
-from .attention_fused import _dropped, _scatter_to_complement, _softmax_backward_in_place
 
 __all__ = ["all_heads_attention"]
-
-
-def _zero_at(masked: torch.Tensor | None, indices: torch.Tensor, t: int) -> torch.Tensor | None:
-    """The exact scores that enter R as zero, bool ``(B|1, H, T, k)`` (``indices``: each head's P ``(H, n, k)``): keys
-    masked out and keys at positions >= T; None when there are none."""
-    h, n, k = indices.shape
-    if masked is None:
-        return None if full_length(t, n) else (indices[:, :t] >= t)[None]  # (1, H, T, k)
-    masked = nn.functional.pad(masked, (0, n - t), value=True).expand(-1, h, -1, -1)  # (B|1, H, T, n)
-    return masked.gather(-1, indices[:, :t].expand(masked.shape[0], h, t, k))
 
 
 def _head(x: torch.Tensor | None, head: int) -> torch.Tensor | None:
@@ -77,7 +67,7 @@ class _AllHeadsFused(torch.autograd.Function):
             normalised = softmax_in_place(scores)  # in place on CPU
             if normalised is not scores:
                 scores.copy_(normalised)
-            kept = probs[head] if keep is None else _dropped(probs[head], keep[head], dropout)
+            kept = probs[head] if keep is None else dropped_probabilities(probs[head], keep[head], dropout)
             torch.bmm(kept.transpose(0, 1), value[:, head], out=out[head])  # (B, T, T) @ (B, T, Dv)
         ctx.save_for_backward(query, key, value, rows, probs, keep, index, zero_at)
         ctx.heads, ctx.ws, ctx.scaling, ctx.dropout = heads, ws, scaling, dropout
@@ -100,18 +90,18 @@ class _AllHeadsFused(torch.autograd.Function):
             g = grad_out[head]  # (B, T, Dv)
             p = probs[head]  # (T, B, T)
             if need_v:
-                kept = p if keep is None else _dropped(p, keep[head], ctx.dropout)
+                kept = p if keep is None else dropped_probabilities(p, keep[head], ctx.dropout)
                 torch.bmm(kept.permute(1, 2, 0), g, out=grads["v"][head])  # (B, T, T) @ (B, T, Dv)
             torch.bmm(g, value[:, head].transpose(1, 2), out=grad_s.transpose(0, 1))  # written as (B, T, T)
             if keep is not None:
                 grad_s.mul_(keep[head]).div_(1.0 - ctx.dropout)
-            grad_s = _softmax_backward_in_place(grad_s, p)  # (T, B, T)
+            grad_s = softmax_backward_in_place(grad_s, p)  # (T, B, T)
             layout = ctx.heads[head].layout
             if need_trained[head]:
                 grad_w = torch.bmm(rows[head].transpose(1, 2), grad_s)  # (T, k, T)
-                grads_r[head] = _scatter_to_complement(grad_w, layout, t, True).to(ctx.dtypes[head][0])
+                grads_r[head] = scatter_to_complement(grad_w, layout, t, True).to(ctx.dtypes[head][0])
             if grads_bias and need_trained[h + head]:
-                grads_bias[head] = _scatter_to_complement(grad_s.sum(1), layout, t, False).to(ctx.dtypes[head][1])
+                grads_bias[head] = scatter_to_complement(grad_s.sum(1), layout, t, False).to(ctx.dtypes[head][1])
             if need_q or need_k:
                 grad_rows = torch.bmm(grad_s, ctx.ws[head][:t, :, :t].transpose(1, 2))  # (T, B, k)
                 grad_exact = grad_rows.transpose(0, 1).mul_(ctx.scaling)  # (B, T, k) view
@@ -138,7 +128,7 @@ def all_heads_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     check_length(t, heads[0].layout.indices.shape[0])
     additive, masked = masked_keys(attention_mask, t, query.dtype)
     indices = torch.stack([p.layout.indices for p in heads])  # (H, n, k)
-    zero_at = _zero_at(masked, indices, t)  # (B|1, H, T, k) or None
+    zero_at = masked_at_p(masked, indices, t)  # (B|1, H, T, k) or None
     trained = [p.reconstruction for p in heads] + ([] if heads[0].bias is None else [p.bias for p in heads])
     out = _AllHeadsFused.apply(query, key, value, heads, indices, additive, zero_at, scaling, dropout, *trained)
     return out.permute(1, 2, 0, 3).contiguous(), None  # (B, T, H, Dv)

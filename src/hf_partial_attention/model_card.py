@@ -123,7 +123,7 @@ def _tensor_paths(model) -> tuple[str, str] | None:
     (BERT's layout) for a model without them."""
     if not hasattr(model, "_partial_owner"):
         return None
-    base = model._partial_base()
+    base = model.base_model
     names = {id(module): name for name, module in base.named_modules()}
     owner = names[id(model._partial_owner())]
     layer_idx, attention = model._partial_arch.attention_modules(base)[0]

@@ -58,7 +58,7 @@ class PartialModelMixin:
     def _install_partial_attention(self, pattern) -> None:
         """Give the owner its pattern modules, one per length bucket with a pattern (starting from ``pattern``, else
         the default), and make every attention module partial (``config.partial_layers``) or exact (idempotent)."""
-        config, base = self.config, self._partial_base()
+        config, base = self.config, self.base_model
         owner = self._partial_arch.owner_module(base)
         layers = config.partial_layers if config.partial_granularity != "pooled" else [None]
         if not layers or pattern_module_name(config, None, layers[0]) in owner._modules:
@@ -83,16 +83,13 @@ class PartialModelMixin:
             else:
                 make_exact(module, config)
 
-    def _partial_base(self):
-        return getattr(self, self.base_model_prefix, self)
-
     def _partial_owner(self):
         """The module holding the pattern modules (``encoder`` in BERT's layout, the base model in ModernBERT's)."""
-        return self._partial_arch.owner_module(self._partial_base())
+        return self._partial_arch.owner_module(self.base_model)
 
     def _partial_attention(self, layer: int):
         """Layer ``layer``'s attention module."""
-        return dict(self._partial_arch.attention_modules(self._partial_base()))[layer]
+        return dict(self._partial_arch.attention_modules(self.base_model))[layer]
 
     def _place(self, layer: int | None = None, length: int | None = None, head: int | None = None
                ) -> tuple[PartialPattern, torch.nn.Module, Place]:
@@ -107,7 +104,7 @@ class PartialModelMixin:
         # generated head (``PartialRobertaForMaskedLM.roberta``) is the source's class, which knows no P and R: left
         # to it, a model built on the meta device (`to_empty` + `init_weights`) would run uninitialised indices. Route
         # its modules through this model's `_init_weights` while the initialisation runs.
-        base = self._partial_base()
+        base = self.base_model
         if base is self or isinstance(base, PartialModelMixin):
             return super().initialize_weights()
         base._init_weights = self._init_weights  # an instance attribute shadows the class's method
