@@ -134,8 +134,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
         "rotary positions; alternating global and local (sliding-window) layers: the global layers but the last are "
         "partial by default (a local layer already attends only to its window); a local layer made partial keeps "
         "its window mask on exact and reconstructed scores")),
-    Architecture("nomic_bert", "nomic_bert", "NomicBert", display_name="NomicBERT", layers="layers", attention="self_attn",
-                 owner="", heads=("AutoModel", "AutoModelForMaskedLM", "AutoModelForSequenceClassification",
+    Architecture("nomic_bert", "nomic_bert", "NomicBert", display_name="NomicBERT", layers="layers",
+                 attention="self_attn", owner="", heads=("AutoModel", "AutoModelForMaskedLM", "AutoModelForSequenceClassification",
                         "AutoModelForTokenClassification"), note="rotary positions; no layer_idx"),
     Architecture("gte", "gte", "Gte", display_name="GTE", layers="layers", attention="self_attn",
                  owner="", heads=("AutoModel", "AutoModelForMaskedLM", "AutoModelForSequenceClassification",

@@ -24,7 +24,7 @@ from torch import nn
 from .reconstruction import complement_indices, inverse_permutation
 
 __all__ = ["PatternStructure", "MIN_SHARED_ROWS", "TILE_ELEMENTS", "PatternLayout", "PartialTensors", "DerivedState",
-           "block_rows", "shared_rows", "reconstruction_matrix", "bias_in_key_order", "check_length", "full_length", "first_keys", "masked_keys",
+           "block_rows", "shared_rows", "reconstruction_matrix", "bias_in_key_order", "check_length", "full_length", "first_keys", "masked_keys", "masked_out",
            "masked_at_p", "gathered_scores", "structured_scores", "masked_exact_scores", "rows_first", "needs_grad",
            "softmax_in_place", "normalised_in_place", "softmax_backward_in_place", "dropped_probabilities",
            "scatter_to_complement", "tile_groups", "broadcast_slice", "tie_rows",
@@ -246,10 +246,17 @@ def masked_keys(attention_mask: torch.Tensor | None, t: int, dtype: torch.dtype)
         return None, None
     if attention_mask.dtype == torch.bool:
         additive = torch.zeros(attention_mask.shape, dtype=dtype, device=attention_mask.device)
-        additive = additive.masked_fill(~attention_mask, torch.finfo(dtype).min)
-        return additive, ~attention_mask
-    # Additive masks hold 0 for kept keys and a large negative value (finfo.min) for masked ones.
-    return attention_mask.to(dtype), attention_mask < torch.finfo(attention_mask.dtype).min / 2
+        return additive.masked_fill(~attention_mask, torch.finfo(dtype).min), ~attention_mask
+    return attention_mask.to(dtype), masked_out(attention_mask)
+
+
+def masked_out(attention_mask: torch.Tensor) -> torch.Tensor:
+    """The keys a bool (True = attend) or additive float mask masks out, bool of its shape: the one decoding of the
+    masks the attention functions get (additive masks hold 0 for kept keys and a large negative value, finfo.min, for
+    masked ones)."""
+    if attention_mask.dtype == torch.bool:
+        return ~attention_mask
+    return attention_mask < torch.finfo(attention_mask.dtype).min / 2
 
 
 def masked_at_p(masked: torch.Tensor | None, indices: torch.Tensor, t: int) -> torch.Tensor | None:

@@ -23,7 +23,7 @@ from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.bert.modeling_bert import eager_attention_forward
 
-from .attention_common import masked_keys
+from .attention_common import masked_keys, masked_out
 from .pattern_buckets import bucket_for
 
 __all__ = ["sequence_lengths", "bucket_groups", "exact_attention", "bucketed_attention"]
@@ -36,10 +36,7 @@ def sequence_lengths(attention_mask: torch.Tensor | None, batch: int, t: int) ->
     """
     if attention_mask is None:
         return torch.full((batch,), t, dtype=torch.long)
-    if attention_mask.dtype == torch.bool:
-        attends = attention_mask
-    else:  # additive: 0 for kept keys, a large negative value (finfo.min) for masked ones
-        attends = attention_mask > torch.finfo(attention_mask.dtype).min / 2
+    attends = ~masked_out(attention_mask)
     attended = attends.any(-2).any(1)  # (B|1, T): keys some query of some head attends
     positions = torch.arange(1, t + 1, device=attended.device)
     lengths = torch.where(attended, positions, 0).amax(-1)  # (B|1,)

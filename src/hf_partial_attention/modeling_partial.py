@@ -4,7 +4,8 @@ setting, conversion from a source checkpoint and the Hub hooks.
 
 `PartialModelMixin` goes first among the bases of every partial class, all generated from the architecture table
 (`modeling_partial_encoders`): ``PartialBertPreTrainedModel(PartialModelMixin, BertPreTrainedModel)``,
-``PartialBertModel(PartialBertPreTrainedModel, BertModel)``, ``PartialRobertaForMaskedLM(...)`` and so on. Its ``post_init`` finds the architecture's attention modules through its table entry
+``PartialBertModel(PartialBertPreTrainedModel, BertModel)``, ``PartialRobertaForMaskedLM(...)`` and so on. Its
+``post_init`` finds the architecture's attention modules through its table entry
 (``_partial_arch``, `architectures.Architecture`), gives their owner the pattern modules (one per length bucket) and
 makes each attention module partial or exact in place (`partial_layer`). Part of the remote-code bundle.
 """
@@ -17,7 +18,6 @@ import torch
 from transformers import initialization as init
 
 from .architectures import Architecture
-from .attention_common import PatternLayout
 from .configuration_partial import check_implementation
 from .conversion import from_source
 from .partial_layer import is_partial, make_exact, make_partial
@@ -119,12 +119,10 @@ class PartialModelMixin:
             indices, r, bias = initial_stack(self.config, self._initial_pattern, module.length, module.layer)
             init.copy_(module.indices, indices)
             # The layout buffers are non-persistent: a model built on the meta device (big-model loading) gets them
-            # only here, derived from the P just installed (each head's, for P per head).
-            layouts = [PatternLayout.from_indices(p) for p in ([indices] if module.heads is None else indices)]
-            stacked = (lambda ts: ts[0]) if module.heads is None else torch.stack
-            init.copy_(module.complement, stacked([l.complement for l in layouts]))
-            init.copy_(module.inverse_permutation, stacked([l.inverse_permutation for l in layouts]))
-            module.block_rows = layouts[0].block_rows if module.heads is None else [l.block_rows for l in layouts]
+            # only here, derived from the P just installed.
+            complement, inverse, module.block_rows = module.derive_layout(indices)
+            init.copy_(module.complement, complement)
+            init.copy_(module.inverse_permutation, inverse)
             if getattr(module, "reconstruction", None) is not None:
                 init.copy_(module.reconstruction, r)
             if getattr(module, "reconstruction_bias", None) is not None:

@@ -150,7 +150,8 @@ class PartialPattern(nn.Module):
     along a leading head dimension (P ``(H, n, k)``, R ``(H, n, n−k, k)``)."""
 
     # Under torch.compile without autograd, whether the kernels run as one custom op reading W and the blocks of
-    # rows sharing P and R from the derived state (`attention_dispatch.compiled_attention`); False: W built in the graph at every
+    # rows sharing P and R from the derived state (`attention_dispatch.compiled_attention`); False: W built in the
+    # graph at every
     # call (what compiled models did before; benchmarks/compiled.py compares both). Set before compiling.
     compiled_fast_path: bool = True
 
@@ -201,18 +202,24 @@ class PartialPattern(nn.Module):
     def refresh_layout(self) -> None:
         """Recompute the layout buffers from P (done by `set_pattern`, loading, and before an eager forward when P
         changed in place)."""
-        if self.heads is None:
-            layout = PatternLayout.from_indices(self.indices)
-            self.complement, self.inverse_permutation = layout.complement, layout.inverse_permutation
-            self.block_rows = layout.block_rows
-        else:
-            layouts = [PatternLayout.from_indices(p) for p in self.indices]  # one per head
-            self.complement = torch.stack([l.complement for l in layouts])  # (H, n, n-k)
-            self.inverse_permutation = torch.stack([l.inverse_permutation for l in layouts])  # (H, n, n)
-            self.block_rows = [l.block_rows for l in layouts]
+        self.complement, self.inverse_permutation, self.block_rows = self.derive_layout()
         self._layout_stamp = (self.indices.data_ptr(), self.indices._version)
         for state in self.derived.values():
             state.clear()
+
+    @torch.no_grad()
+    def derive_layout(self, indices: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, int | None | list]:
+        """The layout of ``indices`` (default: this module's P): the complement ``(n, n−k)``, the inverse permutation
+        ``(n, n)`` (each head's stacked, ``(H, ...)``, for P per head) and the rows per block sharing keys (a list per
+        head)."""
+        indices = self.indices if indices is None else indices
+        if self.heads is None:
+            layout = PatternLayout.from_indices(indices)
+            return layout.complement, layout.inverse_permutation, layout.block_rows
+        layouts = [PatternLayout.from_indices(p) for p in indices]  # one per head
+        return (torch.stack([l.complement for l in layouts]), torch.stack([l.inverse_permutation for l in layouts]),
+                [l.block_rows for l in layouts])  # (H, n, n-k), (H, n, n)
 
     def layout(self, head: int | None = None) -> PatternLayout:
         """P and its layout (of ``head`` for P per head). In eager mode a P changed in place is noticed and the
@@ -240,7 +247,8 @@ class PartialPattern(nn.Module):
 
     def _tensors(self, layout: PatternLayout, reconstruction, bias, key) -> PartialTensors:
         # Under torch.compile the state is passed but not read in the graph (no Python-side cache there): the
-        # compiled fast path reads it at run time, outside the graph (`attention_dispatch.compiled_attention`); the other paths build W
+        # compiled fast path reads it at run time, outside the graph (`attention_dispatch.compiled_attention`); the
+        # other paths build W
         # in the graph. Under torch.export, or without `compiled_fast_path`, no state: W is built in the graph.
         compiling = torch.compiler.is_compiling()
         fast = self.compiled_fast_path and not torch.compiler.is_exporting()
