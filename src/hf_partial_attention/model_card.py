@@ -144,6 +144,41 @@ def _title(model_name: str | None, config, bases: list[str], record: dict[str, A
     return "partial-bert"
 
 
+_CITATION = f"""## Citation
+
+```bibtex
+@article{{bhojanapalli2021eigen,
+  title   = {{{PAPER}}},
+  author  = {{Bhojanapalli, Srinadh and others}},
+  journal = {{arXiv preprint arXiv:2106.08823}},
+  year    = {{2021}}
+}}
+```
+"""
+
+
+def _card_tags(config, partial: bool, pipeline: str, sentence_transformers: bool, tags: list[str] | None
+               ) -> list[str]:
+    """The card's tags: this project's (the source model type third) or a baseline's, the client's, the pipeline,
+    the caller's; each once."""
+    source_type = str(getattr(config, "model_type", "")).removeprefix("partial_")
+    ours = [*CARD_TAGS[:2], source_type, *CARD_TAGS[2:]] if partial else [source_type, "partial-attention-baseline"]
+    return list(dict.fromkeys([*ours, *(SENTENCE_TRANSFORMERS_TAGS if sentence_transformers else []), pipeline,
+                               *(tags or [])]))
+
+
+def _method_and_source(model, partial: bool, record: dict[str, Any] | None, pattern_source: str | None,
+                       architecture: str) -> tuple[str, str]:
+    """The card's method section (P, R and where they live) and where the pattern came from."""
+    if not partial:
+        method = (f"## Exact attention\n\nThis is an exact-attention {architecture}, the baseline of a "
+                  "partial-attention comparison: every score is computed (k = n, no saving).\n")
+        return method, pattern_source or "none (exact attention)"
+    prefix = f"{model.base_model_prefix}." if model.base_model_prefix in model._modules else ""
+    method = partial_section(model.config, prefix, _tensor_paths(model))
+    return method, pattern_source or (provenance_section(record) if record else "not recorded")
+
+
 def build_model_card(
     model,
     *,
@@ -196,25 +231,15 @@ def build_model_card(
     pipeline = _pipeline(model, sentence_transformers)
     results = _eval_results(eval_results)
     partial = str(getattr(config, "model_type", "")).startswith("partial_")
-    source_type = str(getattr(config, "model_type", "")).removeprefix("partial_")
-    ours = ([*CARD_TAGS[:2], source_type, *CARD_TAGS[2:]] if partial
-            else [source_type, "partial-attention-baseline"])
-    card_tags = list(dict.fromkeys([*ours, *(SENTENCE_TRANSFORMERS_TAGS if sentence_transformers else []),
-                                    pipeline, *(tags or [])]))
+    card_tags = _card_tags(config, partial, pipeline, sentence_transformers, tags)
     data = ModelCardData(
         library_name="sentence-transformers" if sentence_transformers else "transformers", tags=card_tags,
         pipeline_tag=pipeline, base_model=(hub_bases[0] if len(hub_bases) == 1 else hub_bases) or None,
         datasets=datasets, metrics=sorted({r.metric_type for r in results}) or None, license=license,
         language=language, model_name=name, eval_results=results or None,
     )
-    if partial:
-        prefix = f"{model.base_model_prefix}." if model.base_model_prefix in model._modules else ""
-        method = partial_section(config, prefix, _tensor_paths(model))
-        source = pattern_source or (provenance_section(record) if record else "not recorded")
-    else:
-        method = ("## Exact attention\n\nThis is an exact-attention BERT, the baseline of a partial-attention "
-                  "comparison: every score is computed (k = n, no saving).\n")
-        source = pattern_source or "none (exact attention)"
+    architecture = _display_name(str(getattr(config, "model_type", "")))
+    method, source = _method_and_source(model, partial, record, pattern_source, architecture)
     base_name = f"`{hub_bases[0]}`" if hub_bases else (f"`{record['source_model']}`" if record and
                                                        record.get("source_model") else "the source model")
     status = ("\n**Converted, not retrained**: see Training below before using it.\n"
@@ -222,7 +247,6 @@ def build_model_card(
     loading = loading_section(_AUTO[pipeline], repo_id or PLACEHOLDER, hub=repo_id is not None,
                               sentence_transformers=sentence_transformers, tokenizer_saved=tokenizer_saved,
                               tokenizer_hint=hub_bases[0] if hub_bases else None)
-    architecture = _display_name(str(getattr(config, "model_type", "")))
     body = f"""
 # {name}
 
@@ -246,17 +270,7 @@ Transformers plugin implementing Bhojanapalli et al. (2021), *{PAPER}* ({ARXIV})
 ## How to load
 
 {loading}
-## Citation
-
-```bibtex
-@article{{bhojanapalli2021eigen,
-  title   = {{{PAPER}}},
-  author  = {{Bhojanapalli, Srinadh and others}},
-  journal = {{arXiv preprint arXiv:2106.08823}},
-  year    = {{2021}}
-}}
-```
-"""
+{_CITATION}"""
     card = ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
     validate_card_metadata(card)
     return card
