@@ -26,8 +26,7 @@ from .reconstruction import complement_indices, inverse_permutation
 __all__ = ["PatternStructure", "MIN_SHARED_ROWS", "TILE_ELEMENTS", "PatternLayout", "PartialTensors", "DerivedState",
            "block_rows", "shared_rows", "reconstruction_matrix", "bias_in_key_order", "check_length", "full_length", "first_keys", "masked_keys", "masked_out",
            "masked_at_p", "gathered_scores", "structured_scores", "masked_exact_scores", "rows_first", "needs_grad",
-           "softmax_in_place", "normalised_in_place", "softmax_backward_in_place", "dropped_probabilities",
-           "scatter_to_complement", "tile_groups", "broadcast_slice", "tie_rows",
+           "softmax_in_place", "normalised_in_place", "tile_groups", "broadcast_slice", "tie_rows",
            "STATES"]
 
 # Blocks of at least this many rows sharing P and R make a pattern ROWS_SHARING_P_AND_R (fewer: the tiles of the
@@ -352,36 +351,6 @@ def normalised_in_place(scores: torch.Tensor, bias: torch.Tensor | None, mask: t
     if mask is not None:
         scores += mask
     return softmax_in_place(scores)
-
-
-def scatter_to_complement(full: torch.Tensor, layout: PatternLayout, t: int, dim_k: bool) -> torch.Tensor:
-    """A gradient in key order, ``(T, k, T)`` (W) or ``(T, T)`` (bias), to R's ``(n, n−k, k)`` or the bias's
-    ``(n, n−k)``: the entries at P̄_i, zero for rows and keys beyond the input (the backward kernels' last step)."""
-    n, k = layout.indices.shape
-    comp = layout.complement  # (n, n-k)
-    if not full_length(t, n):
-        padded = full.new_zeros((n, k, n) if dim_k else (n, n))
-        padded[(slice(t), slice(None), slice(t)) if dim_k else (slice(t), slice(t))] = full
-        full = padded
-    if dim_k:
-        return full.gather(-1, comp[:, None, :].expand(n, k, n - k)).transpose(1, 2)  # (n, n-k, k)
-    return full.gather(-1, comp)  # (n, n-k)
-
-
-# Under glibc's default malloc every fresh n×n tensor above the mmap threshold costs page faults, so the forward
-# and the backward each allocate one and work in it in place (`attention_common.normalised_in_place`; the softmax
-# backward likewise, on CPU only).
-def softmax_backward_in_place(grad: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-    """The softmax's backward over the last dimension (``probs``: its output), written into ``grad`` on CPU (a new
-    tensor elsewhere); no autograd."""
-    if grad.device.type != "cpu":
-        return torch._softmax_backward_data(grad, probs, -1, probs.dtype)
-    return torch.ops.aten._softmax_backward_data.out(grad, probs, -1, probs.dtype, grad_input=grad)
-
-
-def dropped_probabilities(probs: torch.Tensor, keep: torch.Tensor | None, dropout: float) -> torch.Tensor:
-    """The probabilities after dropout (kept ones scaled by 1 / (1 - p)): what multiplies V."""
-    return probs if keep is None else probs * keep / (1.0 - dropout)
 
 
 def tile_groups(b: int, h: int, rows: int, t: int, min_pairs: int = 1) -> list[tuple[slice, slice]]:

@@ -28,10 +28,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention_common import (PartialTensors, PatternStructure, bias_in_key_order, broadcast_slice,
-                               check_length, dropped_probabilities, masked_at_p, masked_exact_scores,
-                               masked_keys, needs_grad, normalised_in_place, rows_first, scatter_to_complement,
-                               softmax_backward_in_place, tile_groups)
+from .attention_backward import dropped_probabilities, scatter_to_complement, softmax_backward_in_place
+from .attention_common import (PartialTensors, PatternStructure, bias_in_key_order, broadcast_slice, check_length,
+                               masked_at_p, masked_exact_scores, masked_keys, needs_grad, normalised_in_place,
+                               rows_first, tile_groups)
 
 __all__ = ["fused_attention"]
 

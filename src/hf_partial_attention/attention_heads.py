@@ -22,9 +22,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention_common import (PartialTensors, bias_in_key_order, check_length, dropped_probabilities,
-                               masked_at_p, masked_keys, scatter_to_complement, softmax_backward_in_place,
-                               softmax_in_place)
+from .attention_backward import dropped_probabilities, scatter_to_complement, softmax_backward_in_place
+from .attention_common import PartialTensors, bias_in_key_order, check_length, masked_at_p, masked_keys, softmax_in_place
 
 __all__ = ["all_heads_attention"]
 
