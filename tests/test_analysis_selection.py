@@ -18,9 +18,11 @@ from hf_partial_attention.analysis.selection import (
     error_curve,
     family_constraint,
     fit_pattern,
+    greedy_order,
     greedy_select,
     objective_metric,
     select_pattern,
+    select_patterns,
 )
 from hf_partial_attention.attention_common import block_rows
 from hf_partial_attention.reconstruction import solve_reconstruction
@@ -436,3 +438,24 @@ def test_shared_blocks_keep_each_rows_bias():
     torch.testing.assert_close(pattern.bias.to(torch.float64), want, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="objective='paper'"):
         select_pattern(cov, 2, family="shared_blocks", objective="shift")
+
+
+@pytest.mark.parametrize("family,objective", [("per_query", "paper"), ("blocks", "fisher"), ("bands", "shift")])
+def test_patterns_from_an_earlier_greedy_order_equal_a_fresh_selection(family, objective):
+    """`derive --saving` runs the greedy once per group and builds its files from that run (`greedy_order`, then
+    `select_patterns(order=...)`): each k of the run gives the pattern a fresh selection gives, bit for bit; a k
+    beyond the run falls back to running the greedy."""
+    g = torch.Generator().manual_seed(7)
+    scores = torch.randn(64, 1, 8, 8, generator=g) @ torch.randn(8, 8, generator=g)  # (B, H, n, n), correlated keys
+    cov = ScoreCovariance(8, ("per_query",), granularity="layer")
+    cov.update(0, scores)
+    kwargs = dict(family=family, objective=objective, layer=0)
+    order = greedy_order(cov, 5, **kwargs)
+    assert order[0].shape == order[1].shape == (8, 5)
+    for ks in ([2, 5], [3], [3, 6]):
+        fresh = select_patterns(cov, ks, **kwargs)
+        reused = select_patterns(cov, ks, order=order, **kwargs)
+        for k in ks:
+            assert torch.equal(reused[k].indices, fresh[k].indices) and reused[k].indices.shape == (8, k)
+            assert torch.equal(reused[k].reconstruction, fresh[k].reconstruction)
+            assert reused[k].metadata == fresh[k].metadata

@@ -26,6 +26,7 @@ not cost the same embedding error in every layer): which layer to leave exact is
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -39,7 +40,7 @@ from ..pattern_buckets import PatternBuckets
 from ..pattern_layers import LayerPatterns
 from .covariance import ScoreCovariance
 from .score_metrics import objective_metric
-from .selection import _greedy, covariance_for, select_pattern
+from .selection import covariance_for, greedy_order, select_patterns
 
 logger = logging.getLogger(__name__)
 
@@ -79,13 +80,15 @@ def objective_curve(cov: ScoreCovariance, k_max: int, *, layer: int, head: int |
                     objective: str = "paper", family: str = "per_query", centered: bool | None = None) -> torch.Tensor:
     """``(k_max,)``: the greedy's residual ``Tr(M S)`` (summed over the query rows) after k = 1 .. k_max picks, for
     layer ``layer`` (head ``head``) of ``cov``, in the objective's units (one nested run)."""
-    if family not in ("per_query", "columns", "blocks", "bands"):
-        raise ValueError(f"--saving needs the greedy's error curve; family={family!r} has none (use per_query, "
-                         "columns, blocks or bands).")
-    c, mean, _ = covariance_for(cov, "per_query", centered, None, layer, head)
-    metric = objective_metric(objective, c.shape[0], mean)
-    _, path = _greedy(c, k_max, "per_query", family, None, metric, order=True)  # (n, k_max)
-    return path.sum(0)  # (k_max,)
+    return _greedy_run(cov, k_max, layer, head, dict(objective=objective, family=family, centered=centered))[1].sum(0)
+
+
+def _greedy_run(cov: ScoreCovariance, k_max: int, layer: int, head: int | None, kwargs) -> tuple[torch.Tensor, ...]:
+    """`selection.greedy_order` of one group, refused in one line for a family without an error curve."""
+    if kwargs["family"] not in ("per_query", "columns", "blocks", "bands"):
+        raise ValueError(f"--saving needs the greedy's error curve; family={kwargs['family']!r} has none (use "
+                         "per_query, columns, blocks or bands).")
+    return greedy_order(cov, k_max, layer=layer, head=head, **kwargs)  # (n, k_max) each
 
 
 def allocate(curves: dict[int, torch.Tensor], b: int, d_head: int, budget: int) -> dict[int, int]:
@@ -143,11 +146,75 @@ def derive_budget(out: str, saving: str | float, *, granularity: str = "layer", 
 
     Raises ValueError for the pooled granularity (one P has one k), a covariance collected more coarsely than
     ``granularity`` and an unreachable saving."""
-    from .lengths import bucket_covariance_files
-    from .workflow import COVARIANCE_FILE, load_results, update_results
+    from .workflow import load_results, update_results
 
     start = time.perf_counter()
     saving = parse_saving(saving)
+    plan = _plan(out, saving, granularity, layers, layer_weights, exact_layers, name)
+    kwargs = dict(family=family, centered=centered, objective=objective)
+    runs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (b, layer, head) -> the greedy's order and path
+    chosen: dict[int, dict[int, int]] = {}  # bucket -> layer -> k
+    rows = [_allocate_bucket(plan, b, saving, kwargs, runs, chosen) for b in plan.lengths]
+    tag = "_".join(["per_query", *([family] if family != "per_query" else []),
+                    *([objective] if objective != "paper" else []), granularity])
+    sets = _budget_sets(plan, chosen, saving, kwargs, runs)
+    name, windows, lengths = plan.name, plan.windows, plan.lengths
+    os.makedirs(os.path.join(out, "patterns"), exist_ok=True)
+    result: dict[str, Any] = {"saving": saving, "granularity": granularity, "objective": objective, "lengths": lengths,
+                              "layers": plan.model_layers, "budget_layers": plan.budget_layers,
+                              "head_dim": plan.d_head, "buckets": rows, "exact_layers": plan.exact_layers,
+                              "layers_k": {str(layer): sets[name].layer_lengths_k(layer) if layer in sets[name].layers
+                                           else list(lengths) for layer in plan.model_layers},
+                              "layer_weights": None if layer_weights is None else
+                              {str(layer): float(layer_weights[layer]) for layer in plan.budget_layers}}
+    for choice, layer_set in sets.items():
+        path = os.path.join(out, "patterns", f"{'' if windows else 'buckets_'}{tag}_saving{_label(saving)}_{choice}"
+                                             ".safetensors")
+        layer_set.save(path)
+        result[f"{'budget' if choice == name else choice}_path"] = path
+    result["seconds"] = round(time.perf_counter() - start, 1)
+    section = f"budget_{tag}"
+    results = dict(load_results(out).get(section) or {})
+    results[_label(saving) + ("" if name == "budget" else f"_{name}")] = result
+    update_results(out, section, results)
+    return result
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What `derive_budget` spreads and over what, checked: the covariance of each bucket (the windows' one bucket
+    of n when ``windows``), the groups, and the layers the budget covers."""
+
+    bucket_cov: dict[int, ScoreCovariance]
+    granularity: str
+    windows: bool
+    longest: ScoreCovariance
+    heads: list
+    d_head: int
+    model_layers: list[int]
+    budget_layers: list[int]
+    exact_layers: list[int]
+    layer_weights: dict[int, float] | None
+    name: str
+
+    @property
+    def lengths(self) -> list[int]:
+        return list(self.bucket_cov)
+
+    @property
+    def spread(self) -> list[int]:
+        """The budget layers that get a k (the others are exact)."""
+        return [layer for layer in self.budget_layers if layer not in self.exact_layers]
+
+    def weight(self, layer: int) -> float:
+        return 1.0 if self.layer_weights is None else float(self.layer_weights[layer])
+
+
+def _plan(out, saving, granularity, layers, layer_weights, exact_layers, name) -> _Plan:
+    """The covariances of ``out`` and the budget's layers, each argument checked (a ValueError naming it)."""
+    from .lengths import bucket_covariance_files
+    from .workflow import COVARIANCE_FILE
+
     if granularity not in ("layer", "head"):
         raise ValueError(f"--saving gives each layer its own k, which needs P per layer: use --granularity layer or "
                          f"head, got {granularity!r}.")
@@ -164,9 +231,7 @@ def derive_budget(out: str, saving: str | float, *, granularity: str = "layer", 
                          f"{granularity}'s own; rerun `hf-partial-attention analyze --granularity {granularity}`.")
     longest = covs[max(covs, key=lambda b: -1 if b is None else b)]
     n, model_layers = longest.seq_len, list(longest.layers)
-    lengths = [n] if windows else sorted(covs)
-    bucket_cov = {b: covs[None if windows else b] for b in lengths}
-    heads = list(longest.heads) if granularity == "head" else [None]
+    bucket_cov = {n: longest} if windows else dict(sorted(covs.items()))
     d_head = longest.metadata.get("head_dim")
     if not d_head:
         raise ValueError(f"{out!r}'s covariance records no head_dim; rerun `hf-partial-attention analyze` into it.")
@@ -183,99 +248,97 @@ def derive_budget(out: str, saving: str | float, *, granularity: str = "layer", 
     if not set(exact_layers) <= set(budget_layers) or len(exact_layers) >= len(budget_layers):
         raise ValueError(f"exact_layers={exact_layers}: give some, not all, of the budget layers {budget_layers} (the "
                          "layers an exact one's cost is taken from).")
-    spread = [layer for layer in budget_layers if layer not in exact_layers]  # the layers that get a k
     if name is None:
         name = "exact" + "and".join(map(str, exact_layers)) if exact_layers else "budget"
     if name == "uniform" or not re.fullmatch(r"[A-Za-z0-9]+", name):
         raise ValueError(f"name must be letters and digits, not 'uniform' (the baseline's file), got {name!r}.")
-    kwargs = dict(family=family, centered=centered, objective=objective)
-    chosen: dict[int, dict[int, int]] = {}  # bucket -> layer -> k
-    uniform: dict[int, int] = {}
-    rows = []
     if uniform_k(n, d_head, saving) >= n:
         raise ValueError(f"saving={saving} leaves the longest bucket ({n}) exact: nothing to derive; ask for a k below n.")
-    for b in lengths:
-        k_u = uniform[b] = uniform_k(b, d_head, saving)
-        if k_u >= b:  # exact in every layer
-            chosen[b] = {layer: b for layer in model_layers}
-            rows.append({"length": b, "exact": True, "uniform_k": b, "saving": 0.0})
-            continue
-        # the curves' reach: a layer may take up to 3x the uniform k, but not k >= d_h, which costs more than exact
-        # attention (k·d_h + (b−k)·k >= b·d_h)
-        k_max = min(b - 1, 3 * k_u, max(d_head - 1, k_u))
-        curves = {layer: sum(objective_curve(bucket_cov[b], k_max, layer=layer, head=head, **kwargs)
-                             for head in heads) * (1.0 if layer_weights is None else float(layer_weights[layer]))
-                  for layer in budget_layers}  # the weighted error the allocation spends on
-        per_row = k_u * d_head + (b - k_u) * k_u
-        # an exact layer costs what dense attention costs (b scores of d_h multiply-adds a query row), adds no error
-        try:
-            ks = allocate({layer: curves[layer] for layer in spread}, b, d_head,
-                          per_row * len(budget_layers) - b * d_head * len(exact_layers))
-        except ValueError as refused:
-            if not exact_layers:
-                raise
-            raise ValueError(f"{refused} Layers {exact_layers} exact take {b * d_head * len(exact_layers)} of it: leave "
-                             "fewer layers exact.") from None
-        error = lambda k_of: sum(float(curves[l][k_of(l) - 1]) for l in spread)  # noqa: E731
-        uniform_error = sum(float(curves[l][k_u - 1]) for l in budget_layers)
-        if exact_layers and error(ks.get) > uniform_error:
-            logger.warning("bucket %d: with layers %s exact, the other layers' ks %s predict more error than k = %d in "
-                           "every layer.", b, exact_layers, ks, k_u)
-        elif error(ks.get) > uniform_error:
-            # marginal allocation is optimal for convex curves only; on others it can end above the one k: keep that
-            logger.info("bucket %d: the budgeted ks %s predict more error than k = %d in every layer; keeping it.", b,
-                        ks, k_u)
-            ks = {layer: k_u for layer in budget_layers}
-        chosen[b] = {layer: b if layer in exact_layers else ks.get(layer, k_u) for layer in model_layers}
-        spent = sum(score_cost(b, chosen[b][layer], d_head).total for layer in budget_layers)
-        total = sum(float(_total_objective(bucket_cov[b], layer, heads, kwargs))
-                    * (1.0 if layer_weights is None else float(layer_weights[layer])) for layer in budget_layers)
-        rows.append({"length": b, "exact": False, "uniform_k": k_u,
-                     "k_per_layer": {str(l): chosen[b][l] for l in budget_layers},
-                     "saving_uniform": score_cost(b, k_u, d_head).saving,
-                     "saving": 1.0 - spent / (len(budget_layers) * score_cost(b, b, d_head).dense),
-                     "predicted_objective_uniform": sum(float(curves[l][k_u - 1]) for l in budget_layers) / total,
-                     "predicted_objective": error(ks.get) / total})
-        logger.info("bucket %d: k per layer %s (uniform %d); predicted objective error %.4f (uniform %.4f)", b, ks,
-                    k_u, rows[-1]["predicted_objective"], rows[-1]["predicted_objective_uniform"])
-    tag = "_".join(["per_query", *([family] if family != "per_query" else []),
-                    *([objective] if objective != "paper" else []), granularity])
-    meta = {"source_model": longest.metadata.get("model"), "source_model_id": longest.metadata.get("model_id"),
-            "granularity": granularity, "objective": objective, "family": family, "saving": saving,
-            "budget_layers": budget_layers, "kind": longest.metadata.get("kind")}
-    if exact_layers:  # read by `conversion.partial_config`: these layers are left out of partial_layers
-        meta["exact_layers"] = exact_layers
+    return _Plan(bucket_cov, granularity, windows, longest, list(longest.heads) if granularity == "head" else [None], d_head,
+                 model_layers, budget_layers, exact_layers, layer_weights, name)
+
+
+def _allocate_bucket(plan: _Plan, b: int, saving, kwargs, runs: dict, chosen: dict) -> dict[str, Any]:
+    """Bucket ``b``'s k per layer into ``chosen[b]`` (the greedy runs it made into ``runs``), and its row of the
+    result: the ks, both savings and both predicted errors."""
+    d_head, budget_layers, exact_layers, spread = plan.d_head, plan.budget_layers, plan.exact_layers, plan.spread
+    k_u = uniform_k(b, d_head, saving)
+    if k_u >= b:  # exact in every layer
+        chosen[b] = {layer: b for layer in plan.model_layers}
+        return {"length": b, "exact": True, "uniform_k": b, "saving": 0.0}
+    # the curves' reach: a layer may take up to 3x the uniform k, but not k >= d_h, which costs more than exact
+    # attention (k·d_h + (b−k)·k >= b·d_h)
+    k_max = min(b - 1, 3 * k_u, max(d_head - 1, k_u))
+    for layer in budget_layers:
+        for head in plan.heads:
+            runs[(b, layer, head)] = _greedy_run(plan.bucket_cov[b], k_max, layer, head, kwargs)
+    # the weighted error the allocation spends on: the objective's residual summed over the layer's heads and rows
+    curves = {layer: sum(runs[(b, layer, head)][1].sum(0) for head in plan.heads) * plan.weight(layer)
+              for layer in budget_layers}  # (k_max,) each
+    per_row = k_u * d_head + (b - k_u) * k_u
+    # an exact layer costs what dense attention costs (b scores of d_h multiply-adds a query row), adds no error
+    try:
+        ks = allocate({layer: curves[layer] for layer in spread}, b, d_head,
+                      per_row * len(budget_layers) - b * d_head * len(exact_layers))
+    except ValueError as refused:
+        if not exact_layers:
+            raise
+        raise ValueError(f"{refused} Layers {exact_layers} exact take {b * d_head * len(exact_layers)} of it: leave "
+                         "fewer layers exact.") from None
+    error = lambda k_of: sum(float(curves[l][k_of(l) - 1]) for l in spread)  # noqa: E731
+    uniform_error = sum(float(curves[l][k_u - 1]) for l in budget_layers)
+    if exact_layers and error(ks.get) > uniform_error:
+        logger.warning("bucket %d: with layers %s exact, the other layers' ks %s predict more error than k = %d in "
+                       "every layer.", b, exact_layers, ks, k_u)
+    elif error(ks.get) > uniform_error:
+        # marginal allocation is optimal for convex curves only; on others it can end above the one k: keep that
+        logger.info("bucket %d: the budgeted ks %s predict more error than k = %d in every layer; keeping it.", b,
+                    ks, k_u)
+        ks = {layer: k_u for layer in budget_layers}
+    chosen[b] = {layer: b if layer in exact_layers else ks.get(layer, k_u) for layer in plan.model_layers}
+    spent = sum(score_cost(b, chosen[b][layer], d_head).total for layer in budget_layers)
+    total = sum(float(_total_objective(plan.bucket_cov[b], layer, plan.heads, kwargs)) * plan.weight(layer)
+                for layer in budget_layers)
+    row = {"length": b, "exact": False, "uniform_k": k_u,
+           "k_per_layer": {str(l): chosen[b][l] for l in budget_layers},
+           "saving_uniform": score_cost(b, k_u, d_head).saving,
+           "saving": 1.0 - spent / (len(budget_layers) * score_cost(b, b, d_head).dense),
+           "predicted_objective_uniform": uniform_error / total, "predicted_objective": error(ks.get) / total}
+    logger.info("bucket %d: k per layer %s (uniform %d); predicted objective error %.4f (uniform %.4f)", b, ks, k_u,
+                row["predicted_objective"], row["predicted_objective_uniform"])
+    return row
+
+
+def _budget_sets(plan: _Plan, chosen, saving, kwargs, runs: dict) -> dict[str, LayerPatterns]:
+    """``{name: the budgeted LayerPatterns, "uniform": the uniform k's}``, each (layer, head, bucket)'s P and R taken
+    from the greedy run the allocation made (`select_patterns(order=...)`), or one run to the k it needs."""
+    lengths, n = plan.lengths, plan.longest.seq_len
+    meta = {"source_model": plan.longest.metadata.get("model"), "source_model_id": plan.longest.metadata.get("model_id"),
+            "granularity": plan.granularity, "objective": kwargs["objective"], "family": kwargs["family"],
+            "saving": saving, "budget_layers": plan.budget_layers, "kind": plan.longest.metadata.get("kind")}
+    if plan.exact_layers:  # read by `conversion.partial_config`: these layers are left out of partial_layers
+        meta["exact_layers"] = plan.exact_layers
+    uniform = {b: uniform_k(b, plan.d_head, saving) for b in lengths}
+    fitted: dict[tuple, Any] = {}  # (b, layer, head, k) -> pattern: the budget and uniform sets share equal ks
+
+    def pattern(b: int, layer: int, head, k: int):
+        if (b, layer, head, k) not in fitted:
+            fitted[(b, layer, head, k)] = select_patterns(plan.bucket_cov[b], [k], layer=layer, head=head,
+                                                          order=runs.get((b, layer, head)), **kwargs)[k]
+        return fitted[(b, layer, head, k)]
+
     sets = {}
-    for choice, k_of in ((name, lambda b, layer: chosen[b][layer]), ("uniform", lambda b, layer: uniform[b])):
+    for choice, k_of in ((plan.name, lambda b, layer: chosen[b][layer]), ("uniform", lambda b, layer: uniform[b])):
         def group(layer: int, head: int | None) -> PatternBuckets:
-            fitted = {b: select_pattern(bucket_cov[b], k_of(b, layer), layer=layer, head=head, **kwargs)
-                      for b in lengths if k_of(b, layer) < b}
-            return PatternBuckets(fitted, [b for b in lengths if k_of(b, layer) >= b], k=fitted[n].k)
-        kept = [layer for layer in model_layers if choice == "uniform" or layer not in exact_layers]
-        sets[choice] = LayerPatterns({layer: group(layer, None) if granularity == "layer" else
-                                    [group(layer, head) for head in heads] for layer in kept},
-                                   metadata={**{key: v for key, v in meta.items()
-                                                if choice != "uniform" or key != "exact_layers"},
-                                             "k_choice": choice, "lengths": lengths})
-    os.makedirs(os.path.join(out, "patterns"), exist_ok=True)
-    prefix = "" if windows else "buckets_"
-    result: dict[str, Any] = {"saving": saving, "granularity": granularity, "objective": objective, "lengths": lengths,
-                              "layers": model_layers, "budget_layers": budget_layers, "head_dim": d_head,
-                              "buckets": rows, "exact_layers": exact_layers,
-                              "layers_k": {str(layer): sets[name].layer_lengths_k(layer) if layer in sets[name].layers
-                                           else list(lengths) for layer in model_layers},
-                              "layer_weights": None if layer_weights is None else
-                              {str(layer): float(layer_weights[layer]) for layer in budget_layers}}
-    for choice, layer_set in sets.items():
-        path = os.path.join(out, "patterns", f"{prefix}{tag}_saving{_label(saving)}_{choice}.safetensors")
-        layer_set.save(path)
-        result[f"{'budget' if choice == name else choice}_path"] = path
-    result["seconds"] = round(time.perf_counter() - start, 1)
-    section = f"budget_{tag}"
-    results = dict(load_results(out).get(section) or {})
-    results[_label(saving) + ("" if name == "budget" else f"_{name}")] = result
-    update_results(out, section, results)
-    return result
+            by_bucket = {b: pattern(b, layer, head, k_of(b, layer)) for b in lengths if k_of(b, layer) < b}
+            return PatternBuckets(by_bucket, [b for b in lengths if k_of(b, layer) >= b], k=by_bucket[n].k)
+        kept = [layer for layer in plan.model_layers if choice == "uniform" or layer not in plan.exact_layers]
+        sets[choice] = LayerPatterns({layer: group(layer, None) if plan.granularity == "layer" else
+                                      [group(layer, head) for head in plan.heads] for layer in kept},
+                                     metadata={**{key: v for key, v in meta.items()
+                                                  if choice != "uniform" or key != "exact_layers"},
+                                               "k_choice": choice, "lengths": lengths})
+    return sets
 
 
 def _total_objective(cov: ScoreCovariance, layer: int, heads, kwargs) -> torch.Tensor:

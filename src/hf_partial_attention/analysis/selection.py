@@ -41,7 +41,8 @@ from .spectra import eigh_desc, top_eigh
 logger = logging.getLogger(__name__)
 
 __all__ = ["FAMILIES", "FAMILY_STRUCTURE", "DEFAULT_BLOCK_ROWS", "OBJECTIVES", "covariance_for", "greedy_select", "family_constraint", "window_indices",
-           "objective_metric", "fit_pattern", "select_pattern", "select_patterns", "error_curve"]
+           "objective_metric", "fit_pattern", "select_pattern", "select_patterns", "greedy_order",
+           "error_curve"]
 
 FAMILIES = ("per_query", "columns", "blocks", "bands", "windows", "shared_blocks")
 # The structure each family's patterns have (what the kernels and `auto` read from a pattern's layout, where it is
@@ -264,11 +265,25 @@ def select_pattern(cov, k: int, scope: str = "per_query", **kwargs) -> Attention
     return select_patterns(cov, [k], scope, **kwargs)[k]
 
 
+def greedy_order(cov, k_max: int, *, family: str = "per_query", objective: str = "paper",
+                 centered: bool | None = None, layer: int | None = None, head: int | None = None,
+                 block_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(picks, path)``, each ``(n, k_max)``: one per-query greedy run of ``cov`` (layer, head) within ``family`` for
+    ``objective``, its picks in the order taken and the objective's residual after each (its sum over rows is the
+    error curve). `select_patterns(..., order=...)` turns any k <= k_max of it into a pattern without a second run."""
+    if family in ("windows", "shared_blocks"):
+        raise ValueError(f"family={family!r} has no per-row greedy order; use per_query, columns, blocks or bands.")
+    c, mean, _ = covariance_for(cov, "per_query", centered, None, layer, head)
+    return _greedy(c, k_max, "per_query", family, block_rows, objective_metric(objective, c.shape[0], mean),
+                   order=True)
+
+
 def select_patterns(cov, ks, scope: str = "per_query", *, family: str = "per_query",
                     block_rows: int | None = None, centered: bool | None = None, bias: bool | None = None,
                     mean: torch.Tensor | None = None, ridge: float = 1e-6, layer: int | None = None,
                     head: int | None = None, metadata: dict[str, Any] | None = None,
-                    objective: str = "paper") -> dict[int, AttentionPattern]:
+                    objective: str = "paper", order: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    ) -> dict[int, AttentionPattern]:
     """For each k of ``ks``: P (greedy within ``family``, for ``objective``) and its optimal R, as an
     `AttentionPattern`, from one greedy run to the largest k (the greedy is nested: its first k picks are its
     answer for k).
@@ -285,6 +300,9 @@ def select_patterns(cov, ks, scope: str = "per_query", *, family: str = "per_que
             ``"shift"`` (modulo a per-row constant) or ``"fisher"`` (weighted by the attention probabilities).
             ``metadata["objective_normalized_error"]`` is that error of the result over its value with no exact
             score; ``metadata["normalized_error"]`` stays the paper's, so patterns of any objective compare.
+        order: ``(picks, path)`` of an earlier `greedy_order` run on this covariance with the same family and
+            objective, to at least the largest k: its first k picks are used instead of running the greedy again
+            (the greedy is nested, so the patterns are the same).
 
     Returns:
         ``{k: pattern}``; ``metadata["normalized_error"]`` is the predicted error Σε / Tr(C_a) of its R, and
@@ -308,7 +326,10 @@ def select_patterns(cov, ks, scope: str = "per_query", *, family: str = "per_que
         return _select_shared(cov, prepared, ks, block_rows, bias, ridge, layer, head, metadata)
     metric = objective_metric(objective, c.shape[0], prepared[1]) if scope == "per_query" else None
     if family != "windows":
-        picks, path = _greedy(c, ks[-1], scope, family, block_rows, metric, order=True)  # (..., k_max) each
+        if order is not None and order[0].shape[-1] >= ks[-1]:
+            picks, path = order  # (..., k_max) each
+        else:
+            picks, path = _greedy(c, ks[-1], scope, family, block_rows, metric, order=True)  # (..., k_max) each
         norm = _trace(c) if metric is None else float((metric * c).sum())
     patterns = {}
     for k in ks:
