@@ -16,7 +16,7 @@ from hf_partial_attention.pattern_buckets import PatternBuckets
 from hf_partial_attention.architectures import ARCHITECTURES, architecture_for
 from hf_partial_attention.partial_layer import is_partial
 
-from test_hub import check_remote_loads
+from test_hub import assert_remote_load, remote_load_results
 
 N = 16  # the pattern's n; inputs are padded batches of at most N tokens
 TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37)
@@ -174,8 +174,13 @@ def _reference(model, folder, ids, mask):
     torch.save({"ids": ids, "mask": mask.long(), "out": out, "partial": partial}, os.path.join(folder, "reference.pt"))
 
 
-@pytest.mark.parametrize("model_type", installed(*(t for t in ARCHITECTURES if t != "bert")))  # bert: test_hub.py
-def test_save_load_with_the_plugin_and_by_remote_code_without_it(model_type, tmp_path):
+REMOTE_TYPES = installed(*(t for t in ARCHITECTURES if t != "bert"))  # bert: test_hub.py
+
+
+def _save_and_check(model_type: str, root) -> list[str]:
+    """Convert ``model_type``'s base model (R per layer; ALBERT, whose layers share weights, fixed) and MLM model (R
+    common), save each, reload with the plugin (identical outputs) and write the reference the remote-code check
+    compares with; returns the two job lines for `check_remote_loads`."""
     ids, mask = batch()
     jobs = []
     for auto, mode in (("AutoModel", "per_layer" if model_type != "albert" else "fixed"),
@@ -183,7 +188,7 @@ def test_save_load_with_the_plugin_and_by_remote_code_without_it(model_type, tmp
         model = partial_class_for(model_type, auto).from_source(source_model(model_type, auto),
                                                                   fitted_pattern(model_type),
                                                                   reconstruction=mode).float().eval()
-        folder = str(tmp_path / auto)
+        folder = str(root / auto)
         model.save_pretrained(folder)
         factory = getattr(__import__("transformers"), auto)
         loaded = factory.from_pretrained(folder).eval()
@@ -193,7 +198,34 @@ def test_save_load_with_the_plugin_and_by_remote_code_without_it(model_type, tmp
         assert torch.equal(got, want)
         _reference(model, folder, ids, mask)
         jobs.append(f"{folder} {auto}")
-    check_remote_loads(jobs, tmp_path)
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def remote_loads(tmp_path_factory):
+    """Every architecture's two folders (`_save_and_check`), then all of them loaded by remote code in one process
+    without the plugin (a fresh Python with torch and transformers costs seconds: once here, not once per
+    architecture). ``{model_type: (the error its own checks raised or None, {folder: the remote load's result})}``."""
+    root = tmp_path_factory.mktemp("remote_code")
+    jobs, raised = {}, {}
+    for model_type in REMOTE_TYPES:
+        try:
+            jobs[model_type] = _save_and_check(model_type, root / model_type)
+        except Exception as err:  # noqa: BLE001  (re-raised by that architecture's test)
+            raised[model_type] = err
+    results = remote_load_results([job for lines in jobs.values() for job in lines], root)
+    return {t: (raised.get(t), {job.split()[0]: results.get(job.split()[0]) for job in jobs.get(t, [])})
+            for t in REMOTE_TYPES}
+
+
+@pytest.mark.parametrize("model_type", REMOTE_TYPES)
+def test_save_load_with_the_plugin_and_by_remote_code_without_it(model_type, remote_loads):
+    raised, results = remote_loads[model_type]
+    if raised is not None:
+        raise raised
+    assert len(results) == 2
+    for folder, result in results.items():
+        assert_remote_load(folder, result)
 
 
 @pytest.mark.parametrize("model_type", installed("roberta", "modernbert", "distilbert", "albert"))

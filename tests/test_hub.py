@@ -86,19 +86,27 @@ REMOTE = textwrap.dedent(
     from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification
     classes = {"AutoModel": AutoModel, "AutoModelForMaskedLM": AutoModelForMaskedLM,
                "AutoModelForSequenceClassification": AutoModelForSequenceClassification}
-    for folder, auto in [line.split() for line in sys.argv[1:]]:
+    def check(folder, auto):
         try:
             classes[auto].from_pretrained(folder)
-            raise SystemExit("loaded custom code without trust_remote_code")
+            return "ERROR loaded custom code without trust_remote_code"
         except ValueError as err:
-            assert "custom code" in str(err)
+            if "custom code" not in str(err):
+                return f"ERROR without trust_remote_code: {err!r}"
         model = classes[auto].from_pretrained(folder, trust_remote_code=True).eval()
         ref = torch.load(folder + "/reference.pt")
         with torch.no_grad():
             out = model(input_ids=ref["ids"], attention_mask=ref["mask"])[0]
         state = model.state_dict()
         same_r = all(torch.equal(state[k], v) for k, v in ref["partial"].items())
-        print("RESULT", folder, type(model).__module__.split(".")[0], float((out - ref["out"]).abs().max()), same_r)
+        return f"{type(model).__module__.split('.')[0]} {float((out - ref['out']).abs().max())} {same_r}"
+
+    for folder, auto in [line.split() for line in sys.argv[1:]]:
+        try:
+            result = check(folder, auto)
+        except Exception as err:
+            result = "ERROR " + repr(err).replace(chr(10), " ")[:500]
+        print("RESULT", folder, result)
     """
 )
 
@@ -124,18 +132,32 @@ def test_trust_remote_code_without_the_plugin(tmp_path):
     check_remote_loads(jobs, tmp_path)
 
 
-def check_remote_loads(jobs: list[str], tmp_path) -> None:
-    """Run `REMOTE` on ``jobs`` ("folder AutoClass") in a process where the plugin cannot be imported: each folder
-    loads only with trust_remote_code, by the code saved beside it, with its reference outputs and P, R exactly."""
+def remote_load_results(jobs: list[str], tmp_path) -> dict[str, str]:
+    """Run `REMOTE` on ``jobs`` ("folder AutoClass") in one process where the plugin cannot be imported:
+    ``{folder: "<module> <max |out - reference|> <P and R equal>"}`` or ``{folder: "ERROR <what was raised>"}``
+    (a folder that fails does not hide the others' results)."""
     env = dict(os.environ, HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1")
     proc = subprocess.run([sys.executable, "-c", REMOTE, *jobs], capture_output=True, text=True, env=env, timeout=300,
                           stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line.split("RESULT ", 1)[1] for line in proc.stdout.splitlines() if "RESULT " in line]
-    assert len(lines) == len(jobs)
-    for line in lines:
-        _, module, diff, same_r = line.split()
-        assert module == "transformers_modules" and float(diff) == 0.0 and same_r == "True", line
+    assert len(lines) == len(jobs), proc.stdout[-3000:]
+    return dict(line.split(" ", 1) for line in lines)
+
+
+def assert_remote_load(folder: str, result: str | None) -> None:
+    """The folder loaded only with trust_remote_code, by the code saved beside it (module ``transformers_modules``),
+    with its reference outputs and P and R exactly."""
+    assert result is not None and not result.startswith("ERROR"), f"{folder}: {result}"
+    module, diff, same_r = result.split()
+    assert module == "transformers_modules" and float(diff) == 0.0 and same_r == "True", f"{folder}: {result}"
+
+
+def check_remote_loads(jobs: list[str], tmp_path) -> None:
+    """Run `REMOTE` on ``jobs`` ("folder AutoClass") in a process where the plugin cannot be imported: each folder
+    loads only with trust_remote_code, by the code saved beside it, with its reference outputs and P, R exactly."""
+    for folder, result in remote_load_results(jobs, tmp_path).items():
+        assert_remote_load(folder, result)
 
 
 def test_config_records_and_checks_the_checkpoint_format(tmp_path):

@@ -252,3 +252,24 @@ def test_next_sentence_task():
                          ("Another document talks.", "About other things entirely.")]
     unrelated = [e for e in examples if e["label"] == 1 and e["premise"] == "First sentence here."][0]
     assert unrelated["hypothesis"] in ("Another document talks.", "About other things entirely.")
+
+
+def test_stdlib_docstrings_are_read_once_and_each_call_gets_its_own_lists(monkeypatch):
+    """The standard library's docstrings (the scratch study's text and the pair task's documents) are parsed once per
+    process; a caller that edits what it got does not change what the next one gets."""
+    import ast
+
+    from hf_partial_attention.training import pair_task
+
+    pair_task._stdlib_documents.cache_clear()
+    first = pair_task.stdlib_docstring_documents()
+    assert len(first) > 100 and all(isinstance(d, list) and d for d in first)
+    assert any("docstring" in p or "module" in p for d in first for p in d)  # real prose of the library
+    parsed = []
+    real_parse = ast.parse
+    monkeypatch.setattr(ast, "parse", lambda *a, **k: parsed.append(1) or real_parse(*a, **k))
+    snapshot = [list(d) for d in first]
+    first[0].append("edited")
+    first.pop()
+    again = pair_task.stdlib_docstring_documents()
+    assert again == snapshot and not parsed

@@ -16,6 +16,7 @@ held-out, so no evaluation sentence is seen in pretraining or fine-tuning.
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import random
 import re
@@ -35,9 +36,14 @@ def stdlib_docstring_documents(min_words: int = 8) -> list[list[str]]:
     """Prose paragraphs of the docstrings of Python's standard library, one list per source file (sorted).
 
     Paragraphs with indented lines or ``>>>`` sessions (code), and fragments under `min_words` words, are dropped.
-    The text depends on the Python version (the study records it).
+    The text depends on the Python version (the study records it). Parsing the library takes seconds: it is read
+    once per process (a study reads it for pretraining and again for its pair task); each call returns new lists.
     """
-    root = sysconfig.get_paths()["stdlib"]
+    return [list(document) for document in _stdlib_documents(sysconfig.get_paths()["stdlib"], min_words)]
+
+
+@functools.lru_cache(maxsize=4)
+def _stdlib_documents(root: str, min_words: int) -> tuple[tuple[str, ...], ...]:
     documents = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("test"))
@@ -61,8 +67,8 @@ def stdlib_docstring_documents(min_words: int = 8) -> list[list[str]]:
                     if len(text.split()) >= min_words and text[0].isupper():
                         paragraphs.append(text)
             if paragraphs:
-                documents.append(paragraphs)
-    return documents
+                documents.append(tuple(paragraphs))
+    return tuple(documents)
 
 
 def split_sentences(paragraph: str, min_words: int = 3) -> list[str]:
