@@ -231,49 +231,58 @@ def build_model_card(
     pipeline = _pipeline(model, sentence_transformers)
     results = _eval_results(eval_results)
     partial = str(getattr(config, "model_type", "")).startswith("partial_")
-    card_tags = _card_tags(config, partial, pipeline, sentence_transformers, tags)
     data = ModelCardData(
-        library_name="sentence-transformers" if sentence_transformers else "transformers", tags=card_tags,
-        pipeline_tag=pipeline, base_model=(hub_bases[0] if len(hub_bases) == 1 else hub_bases) or None,
-        datasets=datasets, metrics=sorted({r.metric_type for r in results}) or None, license=license,
-        language=language, model_name=name, eval_results=results or None,
+        library_name="sentence-transformers" if sentence_transformers else "transformers",
+        tags=_card_tags(config, partial, pipeline, sentence_transformers, tags), pipeline_tag=pipeline,
+        base_model=(hub_bases[0] if len(hub_bases) == 1 else hub_bases) or None, datasets=datasets,
+        metrics=sorted({r.metric_type for r in results}) or None, license=license, language=language,
+        model_name=name, eval_results=results or None,
     )
     architecture = _display_name(str(getattr(config, "model_type", "")))
     method, source = _method_and_source(model, partial, record, pattern_source, architecture)
     base_name = f"`{hub_bases[0]}`" if hub_bases else (f"`{record['source_model']}`" if record and
                                                        record.get("source_model") else "the source model")
-    status = ("\n**Converted, not retrained**: see Training below before using it.\n"
-              if untrained_conversion and not training_details else "")
-    loading = loading_section(_AUTO[pipeline], repo_id or PLACEHOLDER, hub=repo_id is not None,
-                              sentence_transformers=sentence_transformers, tokenizer_saved=tokenizer_saved,
-                              tokenizer_hint=hub_bases[0] if hub_bases else None)
-    body = f"""
+    sections = {
+        "status": ("\n**Converted, not retrained**: see Training below before using it.\n"
+                   if untrained_conversion and not training_details else ""),
+        "base": _base_line(hub_bases, local_bases, record), "method": method, "source": source,
+        "results": _results_table(results),
+        "training": training_section(training_details, record if partial else None, untrained_conversion, base_name),
+        "loading": loading_section(_AUTO[pipeline], repo_id or PLACEHOLDER, hub=repo_id is not None,
+                                   sentence_transformers=sentence_transformers, tokenizer_saved=tokenizer_saved,
+                                   tokenizer_hint=hub_bases[0] if hub_bases else None)}
+    body = _body(name, architecture, partial, sections)
+    card = ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
+    validate_card_metadata(card)
+    return card
+
+
+def _body(name: str, architecture: str, partial: bool, sections: dict[str, str]) -> str:
+    """The card's Markdown below its metadata, from the sections `build_model_card` wrote."""
+    return f"""
 # {name}
 
 A {architecture}{' with **partial attention**' if partial else ''} made with `hf-partial-attention`, a HuggingFace
 Transformers plugin implementing Bhojanapalli et al. (2021), *{PAPER}* ({ARXIV}).
-{status}
-{_base_line(hub_bases, local_bases, record)}
-{method}
+{sections["status"]}
+{sections["base"]}
+{sections["method"]}
 ## Where the pattern came from
 
-{source}
+{sections["source"]}
 
 ## Evaluation results
 
-{_results_table(results)}
+{sections["results"]}
 
 ## Training
 
-{training_section(training_details, record if partial else None, untrained_conversion, base_name)}
+{sections["training"]}
 
 ## How to load
 
-{loading}
+{sections["loading"]}
 {_CITATION}"""
-    card = ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
-    validate_card_metadata(card)
-    return card
 
 
 def validate_card_metadata(card: ModelCard) -> None:

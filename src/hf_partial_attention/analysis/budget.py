@@ -39,6 +39,7 @@ from ..cost import score_cost
 from ..pattern_buckets import PatternBuckets
 from ..pattern_layers import LayerPatterns
 from .covariance import ScoreCovariance
+from .derive_files import check_granularity, file_tag
 from .score_metrics import objective_metric
 from .selection import covariance_for, greedy_order, select_patterns
 
@@ -155,8 +156,7 @@ def derive_budget(out: str, saving: str | float, *, granularity: str = "layer", 
     runs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (b, layer, head) -> the greedy's order and path
     chosen: dict[int, dict[int, int]] = {}  # bucket -> layer -> k
     rows = [_allocate_bucket(plan, b, saving, kwargs, runs, chosen) for b in plan.lengths]
-    tag = "_".join(["per_query", *([family] if family != "per_query" else []),
-                    *([objective] if objective != "paper" else []), granularity])
+    tag = file_tag("per_query", family, objective, granularity)
     sets = _budget_sets(plan, chosen, saving, kwargs, runs)
     name, windows, lengths = plan.name, plan.windows, plan.lengths
     os.makedirs(os.path.join(out, "patterns"), exist_ok=True)
@@ -225,10 +225,7 @@ def _plan(out, saving, granularity, layers, layer_weights, exact_layers, name) -
         if not os.path.isfile(paths[None]):
             raise ValueError(f"{out!r} holds no covariance; run `hf-partial-attention analyze` into it first.")
     covs = {b: ScoreCovariance.load(p) for b, p in paths.items()}
-    coarse = sorted({c.granularity for c in covs.values()} - ({"head"} if granularity == "head" else {"layer", "head"}))
-    if coarse:
-        raise ValueError(f"{out!r} holds covariances collected with granularity {coarse}: a k per layer needs each "
-                         f"{granularity}'s own; rerun `hf-partial-attention analyze --granularity {granularity}`.")
+    check_granularity(covs.values(), granularity, out, "a k per layer")
     longest = covs[max(covs, key=lambda b: -1 if b is None else b)]
     n, model_layers = longest.seq_len, list(longest.layers)
     bucket_cov = {n: longest} if windows else dict(sorted(covs.items()))

@@ -155,6 +155,23 @@ def run_windows(model, windows: torch.Tensor, sink: ScoreSink, batch_size: int =
                 on_batch(done)
 
 
+def _resumed(path, windows: torch.Tensor, seq_len: int, scopes, granularity: str, max_memory_bytes):
+    """The covariance an interrupted run saved at ``path``, checked to be of this call's settings and of the first
+    windows of this corpus (a ValueError naming what differs)."""
+    cov = ScoreCovariance.load(path, max_memory_bytes=max_memory_bytes)
+    wanted = (seq_len, tuple(s for s in ("per_query", "whole") if s in scopes), granularity)
+    if (cov.seq_len, cov.scopes, cov.granularity) != wanted:
+        raise ValueError(f"resume_from={os.fspath(path)!r} holds seq_len={cov.seq_len}, scopes={cov.scopes}, "
+                         f"granularity={cov.granularity!r}, which differ from this call's {wanted}; pass matching "
+                         "arguments.")
+    seen = cov.num_sequences
+    if cov.metadata.get("windows_fingerprint") != windows_fingerprint(windows[:seen]):
+        raise ValueError(f"resume_from={os.fspath(path)!r} was built from other windows than the first {seen} of this "
+                         "corpus; use the same texts, tokenizer and seq_len, or start afresh.")
+    logger.info("Resuming after %d windows", seen)
+    return cov
+
+
 def collect_covariance(
     model: Any,
     texts: Any = None,
@@ -202,17 +219,8 @@ def collect_covariance(
     if resume_from is not None and os.path.isfile(resume_from):
         if world > 1:
             raise ValueError("resume_from is supported in a single process only; resume without accelerate launch.")
-        cov = ScoreCovariance.load(resume_from, max_memory_bytes=max_memory_bytes)
-        wanted = (seq_len, tuple(s for s in ("per_query", "whole") if s in scopes), granularity)
-        if (cov.seq_len, cov.scopes, cov.granularity) != wanted:
-            raise ValueError(f"resume_from={os.fspath(resume_from)!r} holds seq_len={cov.seq_len}, "
-                             f"scopes={cov.scopes}, granularity={cov.granularity!r}, which differ from this call's "
-                             f"{wanted}; pass matching arguments.")
+        cov = _resumed(resume_from, windows, seq_len, scopes, granularity, max_memory_bytes)
         seen = cov.num_sequences
-        if cov.metadata.get("windows_fingerprint") != windows_fingerprint(windows[:seen]):
-            raise ValueError(f"resume_from={os.fspath(resume_from)!r} was built from other windows than the first "
-                             f"{seen} of this corpus; use the same texts, tokenizer and seq_len, or start afresh.")
-        logger.info("Resuming after %d windows", seen)
     else:
         cov = ScoreCovariance(seq_len, scopes, granularity, centered, max_memory_bytes=max_memory_bytes)
         seen = 0

@@ -46,30 +46,12 @@ def convert(pattern_path: str, out_dir: str, model: Any = None, *, reconstructio
     Raises ValueError for a whole-matrix pattern, a file that is not a pattern, or a pattern for more positions
     than the model has, and FileNotFoundError for a missing file. Logs a warning (also in ``result["warnings"]``)
     when k saves no work at the model's d_h and when the pattern was derived on another model."""
-    from transformers import AutoModel, AutoTokenizer
-
-    from ..model_card import conversion_record, write_model_card
     from ..architectures import check_supported
+    from ..model_card import write_model_card
     from ..modeling_partial_encoders import partial_class_for
-    from ..sentence_folder import sentence_transformers_folder, write_sentence_transformers_files
-    from .convert_checks import (base_model_id, check_convertible, head_dim, pattern_source_name, source_config,
-                                 source_warnings)
+    from .convert_checks import base_model_id, check_convertible, head_dim, source_config, source_warnings
 
-    layers = LayerPatterns.load(pattern_path) if is_layer_patterns_file(pattern_path) else None
-    if layers is not None:
-        buckets = layers.first()
-    elif is_single_pattern_file(os.fspath(pattern_path)):
-        single = AttentionPattern.load(pattern_path)
-        if single.scope != "per_query":
-            check_convertible(single, pattern_path, None, "")  # raises: whole-matrix patterns are for analysis
-        buckets = PatternBuckets.single(single)
-    else:
-        buckets = PatternBuckets.load(pattern_path)
-    if not buckets.patterns:
-        raise ValueError(f"{pattern_path!r} holds only exact buckets {buckets.lengths} (each b <= k = {buckets.k}): "
-                         "nothing to convert; derive with a smaller --k.")
-    # the longest bucket's pattern stands for the set in the checks and the card (it names the source and n)
-    pattern = buckets.patterns[buckets.partial_lengths[-1]]
+    layers, buckets, pattern = _read_patterns(pattern_path)
     installed = layers if layers is not None else pattern if len(buckets.lengths) == 1 else buckets
     if reconstruction is None:
         reconstruction = "common" if layers is None else "per_layer"
@@ -87,29 +69,12 @@ def convert(pattern_path: str, out_dir: str, model: Any = None, *, reconstructio
                          "install the new P and R with model.set_pattern (the training scripts' --pattern).")
     warnings = check_convertible(pattern, pattern_path, config, name)
     warnings += source_warnings(pattern, pattern_path, model, config, name)
-    if layers is not None:  # R per layer or head: its size before it is built
-        from ..cost import memory_warning
-
-        kinds = getattr(config, "num_attention_heads", None) if layers.heads else None
-        partial_layers = max(len(layers.layers) - 1, 1)  # the default partial layers: all but the last
-        if warning := memory_warning(buckets.seq_len, buckets.k, partial_layers, kinds,
-                                     dict(zip(buckets.lengths, buckets.lengths_k))):
-            logger.warning(warning)
-            warnings.append(warning)
+    if layers is not None and (warning := _memory_warning(layers, buckets, config)):
+        logger.warning(warning)
+        warnings.append(warning)
     partial = partial_class_for(config.model_type).from_source(source, installed, reconstruction=reconstruction)
     partial.config.partial_base_model = base_id  # a Hub id or nothing: a local path names no Hub repo
-    record = conversion_record(pattern, pattern_path, pattern_source_name(pattern) or name, command)
-    record["converted_model"] = name
-    if layers is not None:
-        record.update(granularity=layers.granularity, group_heldout_error={
-            name: b.patterns[b.partial_lengths[-1]].metadata.get("heldout_normalized_error")
-            for name, b in layers.groups()})
-    if len(buckets.lengths) > 1:
-        record.update(seq_len=buckets.seq_len, lengths=buckets.lengths, lengths_k=buckets.lengths_k,
-                      exact_lengths=buckets.exact_lengths,
-                      bucket_heldout_error={str(b): p.metadata.get("heldout_normalized_error")
-                                            for b, p in buckets.patterns.items()})
-    partial.config.partial_conversion = record
+    partial.config.partial_conversion = _record(pattern, pattern_path, layers, buckets, name, command)
     partial.save_pretrained(out_dir, write_model_card=False)  # the card comes last, when the folder is complete
     result = {"checkpoint": out_dir, "pattern": pattern_path, "source_model": str(source),
               "source_model_id": name, "base_model": base_id, "k": partial.config.partial_k,
@@ -119,20 +84,88 @@ def convert(pattern_path: str, out_dir: str, model: Any = None, *, reconstructio
               "exact_layers": list(layers.metadata.get("exact_layers") or []) if layers is not None else [],
               "model_type": config.model_type, "partial_class": type(partial).__name__, "warnings": warnings}
     if isinstance(source, (str, os.PathLike)):
-        tokenizer = AutoTokenizer.from_pretrained(os.fspath(source))
-        tokenizer.model_max_length = min(tokenizer.model_max_length, buckets.seq_len)
-        tokenizer.save_pretrained(out_dir)
-        st_dir = sentence_transformers_folder(source)
-        if st_dir is not None:
-            result["sentence_transformers"] = write_sentence_transformers_files(st_dir, out_dir, buckets.seq_len)
+        _save_tokenizer(source, out_dir, buckets.seq_len, result)
     short = os.path.basename(os.path.normpath(name))
     result["card"] = write_model_card(partial, out_dir, overwrite=True, untrained_conversion=True,
                                       model_name=f"{short} with partial attention (k = {pattern.k})")
     if verify:
-        reloaded = AutoModel.from_pretrained(out_dir).eval()
-        ids = torch.randint(0, partial.config.vocab_size, (1, buckets.seq_len))
-        with torch.no_grad():
-            diff = (reloaded(input_ids=ids).last_hidden_state
-                    - partial.eval()(input_ids=ids).last_hidden_state).abs().max()
-        result.update(reloaded_class=type(reloaded).__name__, reload_max_abs_diff=float(diff))
+        result.update(_reload_check(partial, out_dir, buckets.seq_len))
     return result
+
+
+def _memory_warning(layers: LayerPatterns, buckets: PatternBuckets, config) -> str | None:
+    """R per layer or head: its size, stated before it is built (`cost.memory_warning`)."""
+    from ..cost import memory_warning
+
+    kinds = getattr(config, "num_attention_heads", None) if layers.heads else None
+    partial_layers = max(len(layers.layers) - 1, 1)  # the default partial layers: all but the last
+    return memory_warning(buckets.seq_len, buckets.k, partial_layers, kinds,
+                          dict(zip(buckets.lengths, buckets.lengths_k)))
+
+
+def _reload_check(partial, out_dir: str, seq_len: int) -> dict[str, Any]:
+    """The written folder reloaded by ``AutoModel``: its class and its largest difference from ``partial`` on random
+    ids of n tokens."""
+    from transformers import AutoModel
+
+    reloaded = AutoModel.from_pretrained(out_dir).eval()
+    ids = torch.randint(0, partial.config.vocab_size, (1, seq_len))
+    with torch.no_grad():
+        diff = (reloaded(input_ids=ids).last_hidden_state - partial.eval()(input_ids=ids).last_hidden_state).abs().max()
+    return {"reloaded_class": type(reloaded).__name__, "reload_max_abs_diff": float(diff)}
+
+
+def _read_patterns(pattern_path: str) -> tuple[LayerPatterns | None, PatternBuckets, AttentionPattern]:
+    """``(the per-layer set or None, the buckets (of the first group for a set), the longest bucket's pattern)``: the
+    last stands for the file in the checks and the card (it names the source and n)."""
+    layers = LayerPatterns.load(pattern_path) if is_layer_patterns_file(pattern_path) else None
+    if layers is not None:
+        buckets = layers.first()
+    elif is_single_pattern_file(os.fspath(pattern_path)):
+        single = AttentionPattern.load(pattern_path)
+        if single.scope != "per_query":
+            from .convert_checks import check_convertible
+
+            check_convertible(single, pattern_path, None, "")  # raises: whole-matrix patterns are for analysis
+        buckets = PatternBuckets.single(single)
+    else:
+        buckets = PatternBuckets.load(pattern_path)
+    if not buckets.patterns:
+        raise ValueError(f"{pattern_path!r} holds only exact buckets {buckets.lengths} (each b <= k = {buckets.k}): "
+                         "nothing to convert; derive with a smaller --k.")
+    return layers, buckets, buckets.patterns[buckets.partial_lengths[-1]]
+
+
+def _record(pattern, pattern_path, layers, buckets, name, command) -> dict[str, Any]:
+    """``config.partial_conversion``: where P and R came from (`model_card.conversion_record`), with each group's and
+    each bucket's held-out error."""
+    from ..model_card import conversion_record
+    from .convert_checks import pattern_source_name
+
+    record = conversion_record(pattern, pattern_path, pattern_source_name(pattern) or name, command)
+    record["converted_model"] = name
+    if layers is not None:
+        record.update(granularity=layers.granularity, group_heldout_error={
+            group: b.patterns[b.partial_lengths[-1]].metadata.get("heldout_normalized_error")
+            for group, b in layers.groups()})
+    if len(buckets.lengths) > 1:
+        record.update(seq_len=buckets.seq_len, lengths=buckets.lengths, lengths_k=buckets.lengths_k,
+                      exact_lengths=buckets.exact_lengths,
+                      bucket_heldout_error={str(b): p.metadata.get("heldout_normalized_error")
+                                            for b, p in buckets.patterns.items()})
+    return record
+
+
+def _save_tokenizer(source, out_dir: str, seq_len: int, result: dict) -> None:
+    """The source's tokenizer with ``model_max_length <= n`` and, for a sentence-transformers source, its modules
+    (``result["sentence_transformers"]``)."""
+    from transformers import AutoTokenizer
+
+    from ..sentence_folder import sentence_transformers_folder, write_sentence_transformers_files
+
+    tokenizer = AutoTokenizer.from_pretrained(os.fspath(source))
+    tokenizer.model_max_length = min(tokenizer.model_max_length, seq_len)
+    tokenizer.save_pretrained(out_dir)
+    st_dir = sentence_transformers_folder(source)
+    if st_dir is not None:
+        result["sentence_transformers"] = write_sentence_transformers_files(st_dir, out_dir, seq_len)

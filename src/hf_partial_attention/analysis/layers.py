@@ -21,6 +21,7 @@ from ..cost import memory_warning
 from ..pattern_layers import LayerPatterns
 from .collect import load_model_and_tokenizer, run_windows
 from .covariance import ScoreCovariance
+from .derive_files import check_granularity, check_ks, file_tag, keep_previous_rows
 from .evaluation import ErrorMeter, LinearReconstructor
 from .fit_checks import fit_size_warning
 from .selection import select_patterns
@@ -87,23 +88,16 @@ def derive_layers(out: str, ks, *, granularity: str = "layer", family: str = "pe
     if granularity not in ("layer", "head"):
         raise ValueError(f"granularity must be 'layer' or 'head', got {granularity!r}.")
     cov = ScoreCovariance.load(os.path.join(out, COVARIANCE_FILE))
-    if cov.granularity == "pooled" or (granularity == "head" and cov.granularity != "head"):
-        raise ValueError(f"{out!r} holds a covariance collected with granularity {cov.granularity!r}: P and R per "
-                         f"{granularity} need each {granularity}'s own; rerun `hf-partial-attention analyze "
-                         f"--granularity {granularity}` into it.")
+    check_granularity([cov], granularity, out, f"P and R per {granularity}")
     n = cov.seq_len
-    ks = sorted({int(k) for k in ks})
-    if not ks or not 1 <= ks[0] <= ks[-1] <= n:
-        raise ValueError(f"k must be in [1, {n}] at n={n} (the seq_len of {out!r}), got {ks}; pass --k values in "
-                         "that range.")
+    ks = check_ks(ks, n, out, f"n = {n}, the seq_len")
     if warning := fit_size_warning(cov.num_sequences, n):
         logger.warning(warning)
     heads_per_layer = len(cov.heads) if granularity == "head" else None
     for k in ks:  # stated before anything is fitted: the file holds every layer's R
         if warning := memory_warning(n, k, len(cov.layers), heads_per_layer):
             logger.warning("k=%d: %s", k, warning)
-    tag = "_".join(["per_query", *([family] if family != "per_query" else []),
-                    *([objective] if objective != "paper" else []), granularity])
+    tag = file_tag("per_query", family, objective, granularity)
     kwargs = dict(family=family, centered=centered, objective=objective)
     heads = cov.heads if granularity == "head" else [None]
     fitted = {(layer, head): select_patterns(cov, ks, "per_query", layer=layer, head=head, **kwargs)
@@ -151,10 +145,7 @@ def derive_layers(out: str, ks, *, granularity: str = "layer", family: str = "pe
     for row in rows:
         sets[row["k"]].save(row["path"])
     result["seconds"] = round(time.perf_counter() - start, 1)
-    previous = load_results(out).get(f"derive_{tag}")
-    if previous:  # keep the rows of earlier ks whose files remain
-        kept = [r for r in previous.get("patterns", []) if r["k"] not in ks and os.path.isfile(r["path"])]
-        result["patterns"] = sorted([*kept, *rows], key=lambda r: r["k"])
+    result["patterns"] = keep_previous_rows(load_results(out).get(f"derive_{tag}"), rows, ks)
     update_results(out, f"derive_{tag}", result)
     return result
 
@@ -177,21 +168,14 @@ def derive_layer_buckets(out: str, ks, *, granularity: str = "layer", family: st
     covs = {b: ScoreCovariance.load(p) for b, p in bucket_covariance_files(out).items()}
     if not covs:
         raise ValueError(f"{out!r} holds no covariance_len*.safetensors; run `analyze --inputs ...` into it first.")
-    coarse = sorted({c.granularity for c in covs.values()} - ({"head"} if granularity == "head" else {"layer", "head"}))
-    if coarse:
-        raise ValueError(f"{out!r} holds bucket covariances collected with granularity {coarse}: P and R per "
-                         f"{granularity} need each {granularity}'s own; rerun `hf-partial-attention analyze --inputs "
-                         f"... --granularity {granularity}` into it.")
+    check_granularity(covs.values(), granularity, out, f"P and R per {granularity}", inputs=True)
     lengths, n = list(covs), max(covs)
     bucket_k = {int(b): int(k) for b, k in (bucket_k or {}).items()}
-    ks = sorted({int(k) for k in ks})
-    if not ks or not 1 <= ks[0] <= ks[-1] < n:
-        raise ValueError(f"k must be in [1, {n - 1}] (below the longest bucket), got {ks}.")
+    ks = check_ks(ks, n - 1, out, f"below the longest bucket, {n},")
     longest = covs[n]
     heads = longest.heads if granularity == "head" else [None]
     groups = [(layer, head) for layer in longest.layers for head in heads]
-    tag = "_".join(["per_query", *([family] if family != "per_query" else []),
-                    *([objective] if objective != "paper" else []), granularity])
+    tag = file_tag("per_query", family, objective, granularity)
     meta = longest.metadata
     rows = []
     os.makedirs(os.path.join(out, "patterns"), exist_ok=True)
@@ -228,10 +212,7 @@ def derive_layer_buckets(out: str, ks, *, granularity: str = "layer", family: st
         row.pop("_sets").save(row["path"])  # after the held-out errors went into each group's metadata
     result = {"granularity": granularity, "lengths": lengths, "patterns": rows,
               "seconds": round(time.perf_counter() - start, 1)}
-    previous = load_results(out).get(f"lengths_{tag}")
-    if previous:
-        kept = [r for r in previous.get("patterns", []) if r["k"] not in ks and os.path.isfile(r["path"])]
-        result["patterns"] = sorted([*kept, *rows], key=lambda r: r["k"])
+    result["patterns"] = keep_previous_rows(load_results(out).get(f"lengths_{tag}"), rows, ks)
     update_results(out, f"lengths_{tag}", result)
     return result
 

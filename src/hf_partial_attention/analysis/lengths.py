@@ -37,6 +37,7 @@ from .collect import display_name, hub_id, load_model_and_tokenizer, model_shape
 from .conditional import ConditionalReconstructor
 from .corpus import split_heldout
 from .covariance import ScoreCovariance
+from .derive_files import file_tag
 from .fit_checks import check_seq_len, fit_size_warning
 from .inputs import DEFAULT_PAIR_COLUMNS, TokenizedInputs, flatten, load_inputs, tokenize_inputs
 from .length_eval import PaddedPattern, RealPositionMeter, run_inputs
@@ -120,17 +121,13 @@ def analyze_lengths(model: Any, inputs: Any = None, out: str = "runs/lengths", *
     check_seq_len(model_obj, lengths[-1])
     documents = inputs if _is_documents(inputs) else load_inputs(inputs, kind, columns=columns,
                                                                   text_column=text_column, split=split)
-    if heldout_every:
-        fit_docs, held_docs = split_heldout(documents, heldout_every)
-    else:
-        fit_docs, held_docs = documents, []
+    fit_docs, held_docs = split_heldout(documents, heldout_every) if heldout_every else (documents, [])
     fit_inputs = flatten(fit_docs)[0][:max_inputs]
-    held_inputs = flatten(held_docs)[0][:max_heldout]
     if not fit_inputs:
         raise ValueError(f"No inputs to fit on: {len(documents)} document(s) of kind {kind!r}; pass more text or "
                          "another --inputs kind.")
     fit = tokenize_inputs(tok, fit_inputs, lengths[-1])
-    held = tokenize_inputs(tok, held_inputs, lengths[-1])
+    held = tokenize_inputs(tok, flatten(held_docs)[0][:max_heldout], lengths[-1])
     fit_bucket, held_bucket = _buckets_of(fit.lengths, lengths), _buckets_of(held.lengths, lengths)
     os.makedirs(out, exist_ok=True)
     layers, heads, head_dim = model_shape(model_obj)
@@ -147,21 +144,11 @@ def analyze_lengths(model: Any, inputs: Any = None, out: str = "runs/lengths", *
             logger.warning("Bucket %d has no fit input: skipped; inputs of its lengths run %s.", b,
                            f"bucket {above[0]}" if above else "no bucket (there is none longer)")
             continue
-        if warning := fit_size_warning(len(index), b):
-            logger.warning("Bucket %d: %s", b, warning)
-        cov = ScoreCovariance(b, ("per_query",), granularity, centered)
-        run_inputs(model_obj, fit, index, b, lambda layer, s, t: cov.update(layer, s, lengths=t), batch_size,
-                   pad, progress, desc=f"scores b={b}")
-        t = fit.lengths[index].float()
-        row = {"length": b, "fit_inputs": len(index), "heldout_inputs": int((held_bucket == b).sum()),
-               "median_length": float(t.median()), "min_length": int(t.min()), "max_length": int(t.max()),
-               "fit_warning": warning, "path": os.path.join(out, f"covariance_len{b}.safetensors")}
-        cov.num_sequences = len(index)
-        cov.metadata.update(model=source, model_id=identity, kind=kind, seq_len=b, lengths=lengths,
-                            num_layers=layers, num_heads=heads, head_dim=head_dim, num_inputs=len(index),
-                            median_length=row["median_length"], model_type=getattr(model_obj.config, "model_type", ""))
-        cov.save(row["path"])
-        rows.append(row)
+        meta = dict(model=source, model_id=identity, kind=kind, seq_len=b, lengths=lengths, num_layers=layers,
+                    num_heads=heads, head_dim=head_dim, model_type=getattr(model_obj.config, "model_type", ""))
+        row = _collect_bucket(model_obj, fit, index, b, granularity, centered, batch_size, pad, progress, meta,
+                              os.path.join(out, f"covariance_len{b}.safetensors"))
+        rows.append({**row, "heldout_inputs": int((held_bucket == b).sum())})
     for s in skipped:  # held-out inputs of a skipped bucket are measured in the bucket they run
         for r in rows:
             if r["length"] == s["used_instead"]:
@@ -169,22 +156,45 @@ def analyze_lengths(model: Any, inputs: Any = None, out: str = "runs/lengths", *
     if len(held):
         save_file({name: v.contiguous() for name, v in held.tensors().items()}, os.path.join(out, HELDOUT_INPUTS_FILE),
                   metadata={"model": source, "kind": kind, "lengths": json.dumps(lengths)})
-    values, counts = torch.unique(torch.cat([fit.lengths, held.lengths]), return_counts=True)
-    histogram = {str(int(t)): int(c) for t, c in zip(values.tolist(), counts.tolist())}  # tokens -> inputs
-    figure = plots.plot_length_histogram(fit.lengths.tolist(), held.lengths.tolist(), lengths,
-                                         os.path.join(out, "figures", "input_lengths.png"),
-                                         f"Input lengths ({kind}), buckets {lengths}")
-    truncated = int((fit.lengths == lengths[-1]).sum() + (held.lengths == lengths[-1]).sum())
     summary = {"model": identity or display_name(source), "kind": kind, "lengths": lengths, "buckets": rows,
                "skipped": skipped, "fit_inputs": len(fit), "heldout_inputs": len(held),
                "fit_documents": len(fit_docs), "heldout_documents": len(held_docs), "granularity": granularity,
-               "centered": centered, "head_dim": head_dim, "length_histogram": histogram,
-               "at_longest_bucket": truncated, "figures": {"input_lengths": figure},
+               "centered": centered, "head_dim": head_dim, **_length_summary(fit, held, lengths, kind, out),
                "seconds": round(time.perf_counter() - start, 1)}
     from .workflow import update_results
 
     update_results(out, section, summary)
     return summary
+
+
+def _length_summary(fit: TokenizedInputs, held: TokenizedInputs, lengths: list[int], kind: str,
+                    out: str) -> dict[str, Any]:
+    """The inputs' lengths: a histogram (tokens -> inputs), how many reach the longest bucket, and the figure."""
+    values, counts = torch.unique(torch.cat([fit.lengths, held.lengths]), return_counts=True)
+    figure = plots.plot_length_histogram(fit.lengths.tolist(), held.lengths.tolist(), lengths,
+                                         os.path.join(out, "figures", "input_lengths.png"),
+                                         f"Input lengths ({kind}), buckets {lengths}")
+    return {"length_histogram": {str(int(t)): int(c) for t, c in zip(values.tolist(), counts.tolist())},
+            "at_longest_bucket": int((fit.lengths == lengths[-1]).sum() + (held.lengths == lengths[-1]).sum()),
+            "figures": {"input_lengths": figure}}
+
+
+def _collect_bucket(model, fit: TokenizedInputs, index: torch.Tensor, b: int, granularity: str, centered: bool,
+                    batch_size: int, pad: int, progress: bool, meta: dict, path: str) -> dict[str, Any]:
+    """Bucket ``b``'s covariance from the fit inputs ``index`` (padded to b, rows and keys past each input's length
+    left out), saved at ``path`` with ``meta``; its row of the summary."""
+    if warning := fit_size_warning(len(index), b):
+        logger.warning("Bucket %d: %s", b, warning)
+    cov = ScoreCovariance(b, ("per_query",), granularity, centered)
+    run_inputs(model, fit, index, b, lambda layer, s, t: cov.update(layer, s, lengths=t), batch_size, pad, progress,
+               desc=f"scores b={b}")
+    t = fit.lengths[index].float()
+    row = {"length": b, "fit_inputs": len(index), "median_length": float(t.median()), "min_length": int(t.min()),
+           "max_length": int(t.max()), "fit_warning": warning, "path": path}
+    cov.num_sequences = len(index)
+    cov.metadata.update(**meta, num_inputs=len(index), median_length=row["median_length"])
+    cov.save(path)
+    return row
 
 
 def _is_documents(inputs: Any) -> bool:
@@ -257,23 +267,12 @@ def derive_lengths(out: str, ks, *, family: str = "per_query", objective: str = 
             fitted[b] = select_patterns(cov, wanted, family=family, centered=centered, objective=objective,
                                         metadata={"bucket": b, "num_inputs": cov.num_sequences})
     held = _load_heldout(out) if evaluate else None
-    tag = "_".join(["per_query", *([family] if family != "per_query" else []),
-                    *([objective] if objective != "paper" else [])])
-    measured: dict[tuple[int, int], dict] = {}
+    held_bucket, measured = None, {}
     if held is not None and len(held):
-        model, _ = load_model_and_tokenizer(meta["model"], load_tokenizer=False)
-        runs = held.lengths <= lengths[-1]  # longer ones have no bucket here (the longest had no fit input)
-        if not bool(runs.all()):
-            logger.warning("%d held-out inputs are longer than the longest bucket %d: not measured.",
-                           int((~runs).sum()), lengths[-1])
-        held_bucket = torch.tensor([bucket_for(lengths, int(t)) if ok else -1
-                                    for t, ok in zip(held.lengths.tolist(), runs.tolist())], dtype=torch.long)
-        references = {k: _windows_reference(out, tag, k, centered) for k in {*ks, *bucket_k.values()}}
-        for b, patterns in fitted.items():
-            index = torch.nonzero(held_bucket == b).flatten()
-            if len(index):
-                measured.update(_measure(model, held, index, b, patterns, covs[b], references, centered,
-                                         batch_size, progress))
+        references = {k: _windows_reference(out, file_tag("per_query", family, objective), k, centered)
+                      for k in {*ks, *bucket_k.values()}}
+        held_bucket, measured = _measure_buckets(meta, held, lengths, fitted, covs, references, centered, batch_size,
+                                                 progress)
     os.makedirs(os.path.join(out, "patterns"), exist_ok=True)
     result: dict[str, Any] = {"lengths": lengths, "head_dim": d_head, "family": family, "objective": objective,
                               "kind": meta.get("kind"), "ks": {}}
@@ -307,6 +306,26 @@ def derive_lengths(out: str, ks, *, family: str = "per_query", objective: str = 
 
     update_results(out, section, result)
     return result
+
+
+def _measure_buckets(meta, held: TokenizedInputs, lengths, fitted, covs, references, centered, batch_size,
+                     progress) -> tuple[torch.Tensor, dict[tuple[int, int], dict]]:
+    """``(each held-out input's bucket (-1: longer than the longest), {(b, k): that bucket's held-out row}``, every
+    fitted bucket measured on its held-out inputs (`_measure`)."""
+    model, _ = load_model_and_tokenizer(meta["model"], load_tokenizer=False)
+    runs = held.lengths <= lengths[-1]  # longer ones have no bucket here (the longest had no fit input)
+    if not bool(runs.all()):
+        logger.warning("%d held-out inputs are longer than the longest bucket %d: not measured.",
+                       int((~runs).sum()), lengths[-1])
+    held_bucket = torch.tensor([bucket_for(lengths, int(t)) if ok else -1
+                                for t, ok in zip(held.lengths.tolist(), runs.tolist())], dtype=torch.long)
+    measured: dict[tuple[int, int], dict] = {}
+    for b, patterns in fitted.items():
+        index = torch.nonzero(held_bucket == b).flatten()
+        if len(index):
+            measured.update(_measure(model, held, index, b, patterns, covs[b], references, centered, batch_size,
+                                     progress))
+    return held_bucket, measured
 
 
 def _measure(model, held, index, b, patterns, cov, references, centered, batch_size, progress) -> dict:

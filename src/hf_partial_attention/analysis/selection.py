@@ -26,7 +26,6 @@ import math
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from ..attention_common import PatternStructure
 from ..cost import SCOPES, dense_cost, score_cost
@@ -34,6 +33,7 @@ from ..pattern import AttentionPattern
 from ..reconstruction import solve_reconstruction
 from ._threads import single_thread
 from .covariance import ScoreCovariance
+from .greedy import greedy_select
 from .score_metrics import OBJECTIVES, objective_metric
 from .shared_blocks import fit_shared_blocks, pooled_blocks
 from .spectra import eigh_desc, top_eigh
@@ -75,99 +75,6 @@ def covariance_for(cov: ScoreCovariance | torch.Tensor, scope: str, centered: bo
     if scope == "per_query":
         return cov.per_query(layer, head, centered), cov.mean_per_query(layer, head), centered
     return cov.whole(layer, head, centered), cov.mean_whole(layer, head), centered
-
-
-def greedy_select(cov: torch.Tensor, k: int, groups: torch.Tensor | None = None,
-                  candidates: torch.Tensor | None = None, rel_tol: float = 1e-10,
-                  metric: torch.Tensor | None = None, order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy P minimising the reconstruction error, optionally under a sharing constraint.
-
-    Starting from ``S = C``, each step adds ``j* = argmax_j ‖S[:, j]‖² / S[j, j]`` (the entry whose exact value
-    removes the most residual variance) and updates ``S ← S − S[:, j*] S[j*, :] / S[j*, j*]``. Ties go to the
-    lowest index. Entries whose residual variance is below ``rel_tol`` times the problem's largest initial
-    variance are taken only once nothing else is left (their error contribution is already zero).
-
-    Args:
-        cov: ``(..., l, l)`` covariances, one problem per leading index (float64).
-        k: entries to select per problem (``1 <= k <= l``).
-        groups: optional ``(R,)`` int64 group of each of the R problems (cov then ``(R, l, l)``): the rows of a
-            group take the same candidate at each step, the one whose gains summed over the group are largest.
-            Default: every problem its own group.
-        candidates: optional ``(R, c)`` int64, the entry problem r gets when its group takes candidate c.
-            Default: candidate c is entry c. A candidate mapping to an entry a row already holds is skipped.
-        metric: optional ``(..., l, l)`` positive semi-definite M: the error measured is ``E[eᵀ M e]`` instead of
-            ``E[‖e‖²]`` (`objective_metric`); a step then adds ``argmax_j S[:, j]ᵀ M S[:, j] / S[j, j]``.
-
-        order: return the picks in the order the greedy took them and the residual after every step instead
-            (``(..., k)`` each): the greedy is nested, so the first k' picks are its answer for k' (one run gives
-            Fig. 9's whole curve and the patterns of every k' ≤ k).
-
-    Returns:
-        ``(indices, residual)``: sorted ``(..., k)`` int64 and ``Tr(M S)`` ``(...)`` (``Tr(S)`` without a metric),
-        the error of the optimal R.
-    """
-    lead, l = cov.shape[:-2], cov.shape[-1]
-    if not 1 <= k <= l:
-        raise ValueError(f"k must be in [1, {l}] for covariances of size {l}, got k={k}.")
-    c = cov.reshape(-1, l, l)  # (R, l, l), read only: S = C − L Lᵀ is never formed
-    r = c.shape[0]
-    rows = torch.arange(r)
-    groups = rows if groups is None else groups.to(torch.int64)
-    candidates = torch.arange(l).expand(r, l) if candidates is None else candidates.to(torch.int64)
-    if groups.shape != (r,) or candidates.shape[0] != r:
-        raise ValueError(f"groups must be ({r},) and candidates ({r}, c) for {r} problems; got "
-                         f"{tuple(groups.shape)} and {tuple(candidates.shape)}.")
-    m = None if metric is None else metric.reshape(-1, l, l).to(cov.dtype)  # (R, l, l)
-    num_groups = int(groups.max()) + 1
-    chosen = torch.zeros(r, l, dtype=torch.bool)
-    picks = torch.empty(r, k, dtype=torch.long)
-    tiny = torch.finfo(cov.dtype).tiny
-    # The residual S = C − L Lᵀ (L: the steps' normalised columns) is tracked through its diagonal and the
-    # energies ‖S[:, j]‖²_M; each step then costs one product of C with a vector, not an update of all of S.
-    diag = torch.diagonal(c, dim1=-2, dim2=-1).clone()  # (R, l)
-    tol = rel_tol * diag.amax(-1, keepdim=True).clamp_min(tiny)  # (R, 1)
-    if m is not None:
-        energy = (c * torch.bmm(m, c)).sum(-2)  # (R, l): S_jᵀ M S_j
-    elif c.numel() <= 1 << 26:
-        energy = (c * c).sum(-2)  # (R, l)
-    else:  # a whole-matrix covariance (2 GiB at n = 128): no temporary of its size
-        energy = torch.cat([(c[:, :, a:a + 1024] ** 2).sum(-2) for a in range(0, l, 1024)], dim=-1)
-    basis = torch.zeros(r, l, k, dtype=cov.dtype)  # (R, l, k): L
-    path = torch.empty(r, k, dtype=cov.dtype) if order else None  # residual after each step
-    # a progress bar where a run takes minutes (whole-matrix covariances, l = n² >= 4096)
-    for step in tqdm(range(k), desc=f"greedy (l={l})", disable=l < 4096, leave=False, unit="step"):
-        gain = torch.where(diag > tol, energy / diag.clamp_min(tiny), torch.zeros_like(diag))
-        pooled = torch.zeros(num_groups, candidates.shape[1], dtype=cov.dtype).index_add_(
-            0, groups, gain.gather(-1, candidates))  # (G, c): gains summed over each group's rows
-        # A candidate is unavailable to a group once it maps to an already chosen entry of any of its rows.
-        used = torch.zeros_like(pooled).index_add_(0, groups, chosen.gather(-1, candidates).to(cov.dtype)) > 0
-        best = torch.where(used, torch.full_like(pooled, -1.0), pooled).argmax(-1)  # (G,): lowest on ties
-        j = candidates[rows, best[groups]]  # (R,)
-        picks[:, step] = j
-        chosen[rows, j] = True
-        low = basis[:, :, :step]  # (R, l, t)
-        col = c[rows, :, j] - (low @ low[rows, j].unsqueeze(-1)).squeeze(-1)  # (R, l): S[:, j]
-        pivot = col[rows, j].unsqueeze(-1)  # (R, 1)
-        ok = pivot > tol
-        u = torch.where(ok, col / torch.where(ok, pivot, torch.ones_like(pivot)).sqrt(), torch.zeros_like(col))
-        w = u if m is None else torch.bmm(m, u.unsqueeze(-1)).squeeze(-1)  # (R, l): M u
-        s_w = torch.bmm(c, w.unsqueeze(-1)).squeeze(-1) - (low @ (low.transpose(-1, -2) @ w.unsqueeze(-1))).squeeze(-1)
-        # S' = S − u uᵀ:  ‖S'_j‖²_M = ‖S_j‖²_M − 2 u_j (S M u)_j + u_j² uᵀ M u
-        energy = energy - 2 * u * s_w + u * u * (u * w).sum(-1, keepdim=True)
-        diag = diag - u * u
-        basis[:, :, step] = u
-        if path is not None and m is None:
-            path[:, step] = diag.clamp_min(0).sum(-1)
-    if m is None:
-        residual = diag.clamp_min(0).sum(-1)  # (R,): Tr(S)
-    else:  # Tr(M S) = Tr(M C) − Σ_t u_tᵀ M u_t
-        spent = (basis * torch.bmm(m, basis)).sum(-2)  # (R, k): u_tᵀ M u_t
-        residual = ((m * c).sum((-1, -2)) - spent.sum(-1)).clamp_min(0)
-        if path is not None:
-            path = ((m * c).sum((-1, -2)).unsqueeze(-1) - spent.cumsum(-1)).clamp_min(0)
-    if order:
-        return picks.reshape(*lead, k), path.reshape(*lead, k)
-    return torch.sort(picks, dim=-1).values.reshape(*lead, k), residual.reshape(lead)
 
 
 def window_indices(n: int, k: int) -> torch.Tensor:

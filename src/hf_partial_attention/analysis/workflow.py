@@ -22,6 +22,7 @@ from .baselines import build_methods
 from .collect import collect_covariance, display_name, hub_id, load_model_and_tokenizer, run_windows
 from .corpus import load_texts, make_windows, split_heldout
 from .covariance import ScoreCovariance
+from .derive_files import file_tag
 from .distributed import process_info
 from .evaluation import ErrorMeter, LinearReconstructor
 from .fit_checks import MIN_WINDOWS_PER_POSITION, check_seq_len, fit_size_warning
@@ -207,23 +208,8 @@ def derive(out: str, ks, scope: str = "per_query", *, evaluate: bool = True, bas
         raise ValueError(f"family={family!r} constrains per-query patterns; use scope='per_query'.")
     start = time.perf_counter()
     cov = ScoreCovariance.load(os.path.join(out, COVARIANCE_FILE))
-    if scope not in cov.scopes:
-        raise ValueError(f"scope={scope!r} was not collected in {out!r} (scopes {cov.scopes}); "
-                         f"rerun analyze with --scopes {scope}.")
+    ks = _checked_ks(cov, out, ks, scope)
     n, d_head = cov.seq_len, cov.metadata.get("head_dim")
-    ks = sorted({int(k) for k in ks})
-    limit = n if scope == "per_query" else n * n
-    bad = [k for k in ks if not 1 <= k <= limit]
-    if not ks or bad:  # the user's values only: the curve's own ks are added below, within range
-        raise ValueError(f"k must be in [1, {limit}] for scope={scope!r} at n={n} (the seq_len of {out!r}), got "
-                         f"k={', '.join(map(str, bad)) or 'none'}; pass --k values in that range or rerun analyze "
-                         "with a larger --seq-len.")
-    if scope == "per_query":
-        if warning := fit_size_warning(cov.num_sequences, n):
-            logger.warning(warning)
-        for k in ks if d_head else []:
-            if warning := saving_warning(n, k, d_head):
-                logger.warning(warning)
     os.makedirs(os.path.join(out, "patterns"), exist_ok=True)
     curve_ks = {s: _curve_ks(s, n, ks if s == scope else []) for s in (curve_scopes or cov.scopes)}
     # The unconstrained greedy is nested: one run gives this scope's patterns and its curve (the paper's objective).
@@ -233,8 +219,7 @@ def derive(out: str, ks, scope: str = "per_query", *, evaluate: bool = True, bas
     curves = [error_curve(cov, ks_s, s, d_head=d_head, centered=centered,
                           patterns=fitted if same_run and s == scope else None) for s, ks_s in curve_ks.items()]
     patterns, rows = {}, {}
-    tag = "_".join([scope, *([family] if family != "per_query" else []),
-                    *([objective] if objective != "paper" else [])])
+    tag = file_tag(scope, family, objective)
     for k, pattern in ((k, fitted[k]) for k in ks):
         path = os.path.join(out, "patterns", f"{tag}_k{k}.safetensors")
         pattern.save(path)
@@ -271,6 +256,29 @@ def derive(out: str, ks, scope: str = "per_query", *, evaluate: bool = True, bas
     _keep_previous(load_results(out).get(section), result, out)
     update_results(out, section, result)
     return result
+
+
+def _checked_ks(cov: ScoreCovariance, out: str, ks, scope: str) -> list[int]:
+    """The user's ks, sorted, each checked against n (a ValueError naming the range and the fix); warnings logged for
+    a per-query covariance fitted on too few windows and for a k that saves no work."""
+    if scope not in cov.scopes:
+        raise ValueError(f"scope={scope!r} was not collected in {out!r} (scopes {cov.scopes}); "
+                         f"rerun analyze with --scopes {scope}.")
+    n, d_head = cov.seq_len, cov.metadata.get("head_dim")
+    ks = sorted({int(k) for k in ks})
+    limit = n if scope == "per_query" else n * n
+    bad = [k for k in ks if not 1 <= k <= limit]
+    if not ks or bad:  # the user's values only: the curve's own ks are added by derive, within range
+        raise ValueError(f"k must be in [1, {limit}] for scope={scope!r} at n={n} (the seq_len of {out!r}), got "
+                         f"k={', '.join(map(str, bad)) or 'none'}; pass --k values in that range or rerun analyze "
+                         "with a larger --seq-len.")
+    if scope == "per_query":
+        if warning := fit_size_warning(cov.num_sequences, n):
+            logger.warning(warning)
+        for k in ks if d_head else []:
+            if warning := saving_warning(n, k, d_head):
+                logger.warning(warning)
+    return ks
 
 
 def _keep_previous(previous: dict | None, result: dict, out: str) -> None:

@@ -1,0 +1,61 @@
+"""What every `derive` writes alike (`analysis.derive_files`): file tags, the granularity and k checks each derive
+runs before fitting, and the report rows kept from an earlier derive."""
+
+import os
+
+import pytest
+import torch
+
+from hf_partial_attention.analysis.budget import derive_budget
+from hf_partial_attention.analysis.covariance import ScoreCovariance
+from hf_partial_attention.analysis.derive_files import file_tag, keep_previous_rows
+from hf_partial_attention.analysis.layers import derive_layers
+
+
+def _folder(tmp_path, granularity):
+    """A folder holding only a covariance of random scores (n = 8, 2 layers of 2 heads) collected at ``granularity``."""
+    cov = ScoreCovariance(8, ("per_query",), granularity)
+    g = torch.Generator().manual_seed(0)
+    for layer in (0, 1):
+        cov.update(layer, torch.randn(16, 2, 8, 8, generator=g))
+    cov.num_sequences = 16
+    cov.metadata.update(head_dim=16)
+    cov.save(tmp_path / "covariance.safetensors")
+    return str(tmp_path)
+
+
+def test_file_tags_leave_the_defaults_out():
+    assert file_tag() == "per_query" and file_tag(granularity="pooled") == "per_query"
+    assert file_tag("whole") == "whole"
+    assert file_tag("per_query", "blocks", "fisher", "head") == "per_query_blocks_fisher_head"
+    assert file_tag(objective="shift", granularity="layer") == "per_query_shift_layer"
+
+
+@pytest.mark.parametrize("collected,asked", [("pooled", "layer"), ("pooled", "head"), ("layer", "head")])
+def test_every_derive_refuses_a_coarser_analysis_naming_the_analyze_flag(tmp_path, collected, asked):
+    out = _folder(tmp_path, collected)
+    flag = f"rerun `hf-partial-attention analyze --granularity {asked}` into it"
+    with pytest.raises(ValueError, match=rf"granularity \['{collected}'\]: P and R per {asked} needs .*{flag}"):
+        derive_layers(out, [4], granularity=asked, evaluate=False)
+    with pytest.raises(ValueError, match=rf"granularity \['{collected}'\]: a k per layer needs .*{flag}"):
+        derive_budget(out, "k4", granularity=asked)
+    assert not os.path.isdir(os.path.join(out, "patterns"))  # refused before anything is written
+
+
+def test_per_layer_ks_are_checked_against_the_analysis_n(tmp_path):
+    out = _folder(tmp_path, "layer")
+    for bad in ([9], [0, 4], []):
+        with pytest.raises(ValueError, match=r"k must be in \[1, 8\] \(n = 8, the seq_len of"):
+            derive_layers(out, bad, evaluate=False)
+    result = derive_layers(out, [4, 2, 4], evaluate=False)
+    assert [row["k"] for row in result["patterns"]] == [2, 4]
+
+
+def test_rows_of_an_earlier_derive_stay_while_their_files_remain(tmp_path):
+    kept, gone = tmp_path / "a_k2.safetensors", tmp_path / "a_k3.safetensors"
+    kept.write_bytes(b"")
+    previous = {"patterns": [{"k": 2, "path": str(kept)}, {"k": 3, "path": str(gone)}, {"k": 4, "path": str(kept)}]}
+    rows = [{"k": 4, "path": "new"}, {"k": 1, "path": "new"}]
+    assert keep_previous_rows(previous, rows, [1, 4]) == [{"k": 1, "path": "new"}, {"k": 2, "path": str(kept)},
+                                                         {"k": 4, "path": "new"}]
+    assert keep_previous_rows(None, rows, [1, 4]) is rows
