@@ -297,6 +297,24 @@ def test_get_layer_patterns_gives_back_what_was_installed(roberta_heads):
     assert torch.equal(model.get_pattern(1, head=2).indices, roberta_heads.group(1, 2)[N].indices)
 
 
+def test_set_pattern_per_head_derives_each_modules_layout_once(roberta_heads, monkeypatch):
+    """A module holds every head's P: `set_pattern` derives its layout once, after the last head's P is in (not once
+    per head, which made a per-head conversion H times slower), and that layout is every head's."""
+    from hf_partial_attention import attention_common
+
+    model = partial_class_for("roberta").from_source(source_model("roberta"), roberta_heads)
+    derived = []
+    original = attention_common.PatternLayout.from_indices.__func__
+    monkeypatch.setattr(attention_common.PatternLayout, "from_indices",
+                        classmethod(lambda cls, p, r=None: derived.append(p.clone()) or original(cls, p, r)))
+    model.set_pattern(roberta_heads)
+    layers, heads = model.config.partial_layers, roberta_heads.heads
+    assert len(derived) == len(layers) * heads  # one layout per (layer, head), not per (layer, head, head)
+    for i, layer in enumerate(layers):
+        for head in range(heads):
+            assert torch.equal(derived[i * heads + head], roberta_heads.group(layer, head)[N].indices)
+
+
 def test_per_head_refusals(roberta_heads, roberta_layers, tmp_path):
     cls = partial_class_for("roberta")
     three = LayerPatterns({l: [roberta_heads.group(l, h) for h in range(3)] for l in roberta_heads.layers})

@@ -267,14 +267,16 @@ class PartialModelMixin:
         except ValueError as err:
             raise ValueError(f"{err} Build the model with from_source(..., pattern).") from err
         if isinstance(pattern, LayerPatterns):
+            each = heads(self.config)
             for layer in self.config.partial_layers:
-                for head in heads(self.config):
-                    self._set_buckets(pattern.group(layer, head), layer, head)
+                for head in each:
+                    # one module holds every head's P: its layout is derived once, after the last head's P is in
+                    self._set_buckets(pattern.group(layer, head), layer, head, refresh=head == each[-1])
         else:
             self._set_buckets(pattern, None)
 
-    def _set_buckets(self, pattern: AttentionPattern | PatternBuckets, layer: int | None, head: int | None = None
-                     ) -> None:
+    def _set_buckets(self, pattern: AttentionPattern | PatternBuckets, layer: int | None, head: int | None = None,
+                     refresh: bool = True) -> None:
         try:
             buckets = check_buckets(self.config, pattern, layer)
         except ValueError as err:
@@ -288,7 +290,8 @@ class PartialModelMixin:
             bucket = buckets[length]
             pick = (lambda t: t) if head is None else (lambda t: t[head])  # head h's slice of stacked tensors
             pick(module.indices).copy_(bucket.indices)
-            module.refresh_layout()
+            if refresh:
+                module.refresh_layout()
             for r_layer in r_layers:
                 _, holder, where = self._place(r_layer, length, head)
                 pick(getattr(holder, where.r_name)).copy_(bucket.reconstruction)
