@@ -8,7 +8,7 @@ import torch
 
 from hf_partial_attention.analysis.budget import derive_budget
 from hf_partial_attention.analysis.covariance import ScoreCovariance
-from hf_partial_attention.analysis.derive_files import file_tag, keep_previous_rows
+from hf_partial_attention.analysis.derive_files import bucket_k_suffix, file_tag, keep_previous_rows
 from hf_partial_attention.analysis.layers import derive_layers
 
 
@@ -29,6 +29,11 @@ def test_file_tags_leave_the_defaults_out():
     assert file_tag("whole") == "whole"
     assert file_tag("per_query", "blocks", "fisher", "head") == "per_query_blocks_fisher_head"
     assert file_tag(objective="shift", granularity="layer") == "per_query_shift_layer"
+
+
+def test_bucket_k_suffix_names_the_buckets_in_length_order():
+    """One spelling for a per-bucket k in every derive's file name (buckets, per layer or head x buckets)."""
+    assert bucket_k_suffix({64: 24, 32: 20}) == "_b32k20_b64k24" and bucket_k_suffix(None) == bucket_k_suffix({}) == ""
 
 
 @pytest.mark.parametrize("collected,asked", [("pooled", "layer"), ("pooled", "head"), ("layer", "head")])

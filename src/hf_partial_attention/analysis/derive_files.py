@@ -6,9 +6,14 @@ derive into the same folder. Used by `workflow.derive` (pooled), `lengths.derive
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
-__all__ = ["file_tag", "check_granularity", "check_ks", "keep_previous_rows"]
+__all__ = ["file_tag", "bucket_k_suffix", "check_granularity", "check_ks", "keep_previous_rows"]
+
+
+def bucket_k_suffix(bucket_k: Mapping[int, int] | None) -> str:
+    """The file-name part of a per-bucket k: ``"_b64k24"`` for ``{64: 24}``, ``""`` for none."""
+    return "".join(f"_b{b}k{k}" for b, k in sorted((bucket_k or {}).items()))
 
 
 def file_tag(scope: str = "per_query", family: str = "per_query", objective: str = "paper",

@@ -21,7 +21,7 @@ from ..cost import memory_warning
 from ..pattern_layers import LayerPatterns
 from .collect import load_model_and_tokenizer, run_windows
 from .covariance import ScoreCovariance
-from .derive_files import check_granularity, check_ks, file_tag, keep_previous_rows
+from .derive_files import bucket_k_suffix, check_granularity, check_ks, file_tag, keep_previous_rows
 from .evaluation import ErrorMeter, LinearReconstructor
 from .fit_checks import fit_size_warning
 from .selection import select_patterns
@@ -194,8 +194,7 @@ def derive_layer_buckets(out: str, ks, *, granularity: str = "layer", family: st
                              metadata={"source_model": meta.get("model"), "source_model_id": meta.get("model_id"),
                                        "granularity": granularity, "objective": objective, "family": family,
                                        "lengths": lengths, "kind": meta.get("kind")})
-        suffix = "".join(f"_b{b}k{kb}" for b, kb in sorted(bucket_k.items()))
-        path = os.path.join(out, "patterns", f"buckets_{tag}_k{k}{suffix}.safetensors")
+        path = os.path.join(out, "patterns", f"buckets_{tag}_k{k}{bucket_k_suffix(bucket_k)}.safetensors")
         predicted = {}
         for b in lengths:
             if k_of[b] >= b:

@@ -37,7 +37,7 @@ from .collect import display_name, hub_id, load_model_and_tokenizer, model_shape
 from .conditional import ConditionalReconstructor
 from .corpus import split_heldout
 from .covariance import ScoreCovariance
-from .derive_files import file_tag
+from .derive_files import bucket_k_suffix, file_tag
 from .fit_checks import check_seq_len, fit_size_warning
 from .inputs import DEFAULT_PAIR_COLUMNS, TokenizedInputs, flatten, load_inputs, tokenize_inputs
 from .length_eval import PaddedPattern, RealPositionMeter, run_inputs
@@ -223,11 +223,6 @@ def _windows_reference(out: str, tag: str, k: int, centered: bool | None):
         if "per_query" in cov.scopes and cov.seq_len == pattern.seq_len:
             conditional = ConditionalReconstructor.for_pattern(cov, pattern, centered)
     return pattern, conditional
-
-
-def bucket_k_suffix(bucket_k: Mapping[int, int] | None) -> str:
-    """The file-name part of a per-bucket k: ``"_b64k24"`` for ``{64: 24}``, ``""`` for none."""
-    return "".join(f"_b{b}k{k}" for b, k in sorted((bucket_k or {}).items()))
 
 
 def derive_lengths(out: str, ks, *, family: str = "per_query", objective: str = "paper",
