@@ -65,3 +65,26 @@ def test_output_attentions_has_one_map_per_layer_under_sdpa():
     for layer, (a, b) in enumerate(zip(sdpa.attentions, eager)):
         torch.testing.assert_close(a, b, msg=f"layer {layer}")
     assert float(sdpa.attentions[1][1, :, :, 8:].abs().max()) == 0.0  # padded keys get no probability
+
+
+def test_weights_the_source_provides_are_not_initialised_first_and_a_new_head_is(monkeypatch):
+    """A conversion builds the model without the random initialisation the source's copy overwrites (a third of its
+    time); a head the source lacks (a BertModel instance into a classifier) is initialised as a plain construction
+    with the same seed initialises it, not left as uninitialised memory."""
+    pattern = AttentionPattern.local(16, 4)
+    bert = BertModel(BertConfig(**BERT)).eval()
+    inits = []
+    real_init = PartialBertModel._init_weights
+    monkeypatch.setattr(PartialBertModel, "_init_weights", lambda self, m: inits.append(m) or real_init(self, m))
+    model = PartialBertModel.from_bert(bert, pattern)
+    assert inits == []  # nothing initialised: every weight came from the source
+    for name, value in bert.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+    torch.manual_seed(3)
+    converted, info = PartialBertForSequenceClassification.from_bert(bert, pattern, output_loading_info=True)
+    assert info["missing_keys"] == ["classifier.bias", "classifier.weight"]
+    torch.manual_seed(3)
+    built = PartialBertForSequenceClassification(converted.config, pattern=pattern)
+    assert torch.equal(converted.classifier.weight, built.classifier.weight)
+    assert torch.equal(converted.classifier.bias, built.classifier.bias) and converted.classifier.weight.abs().sum() > 0

@@ -69,13 +69,44 @@ def from_source(model_class, source_model_or_path, pattern: AttentionPattern | P
     config = partial_config(source, pattern, config_overrides, model_class.config_class)
     if attn_impl is not None:
         config._attn_implementation = attn_impl
-    model = model_class(config, pattern=pattern)  # P and R go in at construction: the default is never built
+    model = _build(model_class, config, pattern, source)
     model.to(next(source.parameters()).dtype)  # floating tensors only; P stays int64
     report = copy_weights(source, model, set(model._partial_tensor_names()))
     # Weights the source load itself initialised afresh (a new head) were copied, but are new all the same.
     report["missing_keys"] = sorted(set(report["missing_keys"]) | set(source_info.get("missing_keys", [])))
     model.set_pattern(pattern)  # also checks the pattern against the config
     return (model, {**report, "source": source_info}) if output_loading_info else model
+
+
+def _build(model_class, config, pattern, source):
+    """``model_class(config, pattern=pattern)`` (P and R go in at construction: the default is never built). Its
+    weights are built without their random initialisation when the source provides every one of them (they are
+    overwritten by the copy; the initialisation was a third of a conversion's time), and initialised as usual
+    when some are new (a head the source lacks keeps its fresh initialisation)."""
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():  # also skips the tying `init_weights` does: tie here, as from_pretrained does
+        model = model_class(config, pattern=pattern)
+    model.tie_weights()
+    if not _new_weights(source, model):
+        return model
+    return model_class(config, pattern=pattern)
+
+
+def _new_weights(source, target) -> list[str]:
+    """The target's weights (P and R excluded) the source has no tensor for, by `copy_weights`'s name mapping."""
+    return sorted(set(target.state_dict()) - set(_source_state(source, target)) - set(target._partial_tensor_names()))
+
+
+def _source_state(source, target) -> dict:
+    """The source's state dict under the target's names (``bert.`` added to a bare base model's, or dropped)."""
+    src_state = source.state_dict()
+    prefix = target.base_model_prefix + "."
+    if source.base_model_prefix not in source._modules:  # a bare base model (BertModel, RobertaModel, ...)
+        src_state = {prefix + key: value for key, value in src_state.items()}
+    if target.base_model_prefix not in target._modules:  # target is the bare partial base model
+        src_state = {key.removeprefix(prefix): v for key, v in src_state.items() if key.startswith(prefix)}
+    return src_state
 
 
 def load_source(source_class, source_model_or_path, settings: dict[str, Any], load_kwargs: dict[str, Any]):
@@ -168,12 +199,7 @@ def copy_weights(source: PreTrainedModel, target, partial_names: set[str]) -> di
     "unexpected_keys": source tensors with no place in the target}``. Source weights of the matching source class
     that have no place are an error.
     """
-    src_state = source.state_dict()
-    prefix = target.base_model_prefix + "."
-    if source.base_model_prefix not in source._modules:  # a bare base model (BertModel, RobertaModel, ...)
-        src_state = {prefix + key: value for key, value in src_state.items()}
-    if target.base_model_prefix not in target._modules:  # target is the bare partial base model
-        src_state = {key.removeprefix(prefix): v for key, v in src_state.items() if key.startswith(prefix)}
+    src_state = _source_state(source, target)
     tgt_keys = set(target.state_dict())
     unexpected = sorted(set(src_state) - tgt_keys)
     if unexpected and isinstance(source, type(target)._source_class):
