@@ -81,7 +81,7 @@ def from_source(model_class, source_model_or_path, pattern: AttentionPattern | P
 def _build(model_class, config, pattern, source):
     """``model_class(config, pattern=pattern)`` (P and R go in at construction: the default is never built). Its
     weights are built without their random initialisation when the source provides every one of them (they are
-    overwritten by the copy; the initialisation was a third of a conversion's time), and initialised as usual
+    overwritten by the copy; initialising them was most of a conversion's time), and initialised as usual
     when some are new (a head the source lacks keeps its fresh initialisation)."""
     from transformers.initialization import no_init_weights
 
