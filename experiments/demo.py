@@ -93,7 +93,7 @@ def _whole_analysis(model, texts, out: str, n: int, sequences: int, heldout: int
 
 
 def _embeddings(model_path: str, out: str, ks, convert_k: int, seq_len: int, batch_size: int, progress: bool,
-                bucket_k: dict[int, int], checkpoint_form: str = "pooled"):
+                bucket_k: dict[int, int], checkpoint_form: str = "pooled", paragraphs: int = 64):
     from transformers import AutoModel
 
     from hf_partial_attention.modeling_partial_bert import PartialBertModel
@@ -101,8 +101,8 @@ def _embeddings(model_path: str, out: str, ks, convert_k: int, seq_len: int, bat
     original, tok = load_model_and_tokenizer(model_path)
     windows = window_batches(load_file(os.path.join(out, HELDOUT_FILE))["input_ids"], batch_size)
     _, held_topics = split_heldout(pydoc_paragraphs())
-    paragraphs = [p for topic in held_topics for p in topic][:64]
-    sentences = text_batches(tok, paragraphs, seq_len, batch_size)
+    held = [p for topic in held_topics for p in topic][:paragraphs]
+    sentences = text_batches(tok, held, seq_len, batch_size)
     inputs = {"held-out windows (n=128)": windows, "held-out paragraphs (≤128 tokens, padded)": sentences}
     ref = {name: mean_pooled_embeddings(original, b, progress, f"original {name[:8]}") for name, b in inputs.items()}
     para = torch.nn.functional.normalize(ref["held-out paragraphs (≤128 tokens, padded)"].double(), dim=-1)
@@ -139,13 +139,17 @@ def run_demo(out: str = "runs/demo", model: str | None = None, *, seq_len: int =
              heldout_sequences: int = 64, ks=(8, 16, 24), convert_k: int = 16, whole_seq_len: int = 32,
              whole_sequences: int = 640, batch_size: int = 8, bucket_inputs: int | None = None,
              progress: bool = True, bucket_k: dict[int, int] | None = None,
-             checkpoint_form: str = "head_exact") -> dict:
+             checkpoint_form: str = "head_exact", embedding_paragraphs: int = 64) -> dict:
     """Run the demo end to end into ``out`` (report.md, figures/, patterns/, checkpoint/, whole_n*/).
     ``bucket_k``: buckets at their own k (default `DEMO_BUCKET_K`; ``{}`` for convert_k in all), of the length
-    buckets' report and of the pooled checkpoint. ``checkpoint_form``: one of `CHECKPOINT_FORMS`."""
+    buckets' report and of the pooled checkpoint. ``checkpoint_form``: one of `CHECKPOINT_FORMS`.
+    ``embedding_paragraphs``: held-out paragraphs whose sentence embeddings compare each model with the original."""
     bucket_k = dict(DEMO_BUCKET_K if bucket_k is None else bucket_k)
     if checkpoint_form not in CHECKPOINT_FORMS:
         raise ValueError(f"checkpoint_form must be one of {CHECKPOINT_FORMS}, got {checkpoint_form!r}.")
+    if embedding_paragraphs < 2:
+        raise ValueError(f"embedding_paragraphs={embedding_paragraphs}: the reference cosine between paragraphs needs "
+                         "at least 2; pass --embedding-paragraphs 2 or more.")
     if convert_k not in ks:
         raise ValueError(f"convert_k={convert_k} must be one of ks={list(ks)} (the pattern is derived there).")
     start = time.perf_counter()
@@ -175,7 +179,8 @@ def run_demo(out: str = "runs/demo", model: str | None = None, *, seq_len: int =
                             whole_sequences, heldout_sequences * 2, batch_size, progress, model_id)
     steps[f"whole-matrix analysis at n={whole_seq_len}"] = time.perf_counter() - t
     t = time.perf_counter()
-    demo = _embeddings(model, out, ks, convert_k, seq_len, batch_size * 2, progress, bucket_k, checkpoint_form)
+    demo = _embeddings(model, out, ks, convert_k, seq_len, batch_size * 2, progress, bucket_k, checkpoint_form,
+                       embedding_paragraphs)
     steps["conversion and embeddings"] = time.perf_counter() - t
     demo["seconds"] = {name: round(s, 1) for name, s in steps.items()}
     demo["total_seconds"] = round(time.perf_counter() - start, 1)

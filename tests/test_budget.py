@@ -230,3 +230,37 @@ def test_exact_layers_pay_dense_cost_out_of_the_budget(minilm3, tmp_path, capsys
             budget_module.derive_budget(run, "k12", granularity="head", exact_layers=bad)
     assert cli.main(["derive", run, "--k", "4", "--exact-layers", "1", "--no-progress"]) == 2
     assert "--exact-layers leaves layers exact out of a --saving budget" in capsys.readouterr().err
+
+
+def test_each_groups_patterns_are_fitted_by_one_call_and_equal_a_fit_of_their_own(minilm3, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """`derive --saving k4 --granularity head` on MiniLM's first 3 layers (b = 16): the budgeted and the uniform sets
+    need two ks of a budget layer's head whose budgeted k is not 4; both come from one `select_patterns` call per
+    (bucket, layer, head), which reads its covariance once, and each pattern equals a fit of that k alone."""
+    import hf_partial_attention.analysis.budget as budget_module
+    from hf_partial_attention.analysis.covariance import ScoreCovariance
+    from hf_partial_attention.analysis.selection import select_pattern
+
+    run = str(tmp_path / "run")
+    analyze_windows(minilm3, run, "head", capsys)
+    calls = []
+    fit = budget_module.select_patterns
+
+    def counted(cov, ks, **kwargs):
+        calls.append((kwargs["layer"], kwargs["head"], tuple(ks)))
+        return fit(cov, ks, **kwargs)
+
+    monkeypatch.setattr(budget_module, "select_patterns", counted)
+    result = budget_module.derive_budget(run, "k4", granularity="head", objective="fisher")
+    ks = {int(layer): k for layer, k in result["buckets"][0]["k_per_layer"].items()}
+    assert sorted(ks) == [0, 1] and ks[0] != ks[1]
+    # layers 0 and 1 at their budgeted k and at 4, layer 2 (outside the budget) at 4 in both sets: one call each
+    assert sorted(calls) == sorted((layer, head, tuple(sorted({ks.get(layer, 4), 4})))
+                                   for layer in (0, 1, 2) for head in range(12))
+    budgeted, uniform = LayerPatterns.load(result["budget_path"]), LayerPatterns.load(result["uniform_path"])
+    cov = ScoreCovariance.load(os.path.join(run, "covariance.safetensors"))
+    for layer, head in ((0, 3), (1, 11)):
+        for saved, k in ((budgeted.group(layer, head)[16], ks[layer]), (uniform.group(layer, head)[16], 4)):
+            alone = select_pattern(cov, k, layer=layer, head=head, objective="fisher")
+            assert torch.equal(saved.indices, alone.indices)
+            torch.testing.assert_close(saved.reconstruction, alone.reconstruction, rtol=0, atol=0)

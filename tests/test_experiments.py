@@ -216,7 +216,7 @@ def test_demo_small(tmp_path, minilm_path, capsys):
     out = str(tmp_path / "demo")
     assert studies_cli.main(["demo", "--out", out, "--fit-sequences", "16", "--heldout-sequences", "8", "--k", "16",
                              "24", "--whole-seq-len", "16", "--whole-sequences", "32", "--bucket-inputs", "96",
-                             "--no-progress"]) == 0
+                             "--embedding-paragraphs", "16", "--no-progress"]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith(f"Wrote {os.path.join(out, 'report.md')} in ")
     assert printed.rstrip().endswith(f"checkpoint {os.path.join(out, 'checkpoint')} (a k per layer at k = 16's saving, "
@@ -560,3 +560,15 @@ def test_demo_derives_only_patterns_that_save_work():
     args = studies_cli.build_parser().parse_args(["demo"])
     assert args.k and all(saving_warning(128, k, 32) is None for k in args.k), args.k
     assert args.convert_k in args.k
+
+
+def test_demo_compares_embeddings_of_64_paragraphs_by_default_and_refuses_fewer_than_two(tmp_path):
+    """The smoke test above compares 16 paragraphs' embeddings; `make demo` keeps 64; fewer than two have no pair for
+    the reference cosine and are refused in one line before any work (nothing written)."""
+    from experiments.demo import run_demo
+
+    assert studies_cli.build_parser().parse_args(["demo"]).embedding_paragraphs == 64
+    out = tmp_path / "demo"
+    with pytest.raises(ValueError, match="embedding_paragraphs=1.*--embedding-paragraphs 2 or more"):
+        run_demo(str(out), embedding_paragraphs=1)
+    assert not out.exists()

@@ -316,16 +316,23 @@ def _budget_sets(plan: _Plan, chosen, saving, kwargs, runs: dict) -> dict[str, L
     if plan.exact_layers:  # read by `conversion.partial_config`: these layers are left out of partial_layers
         meta["exact_layers"] = plan.exact_layers
     uniform = {b: uniform_k(b, plan.d_head, saving) for b in lengths}
-    fitted: dict[tuple, Any] = {}  # (b, layer, head, k) -> pattern: the budget and uniform sets share equal ks
+    choices = ((plan.name, lambda b, layer: chosen[b][layer]), ("uniform", lambda b, layer: uniform[b]))
+    # every k each (bucket, layer, head) needs in either set, fitted by one call (one read of its covariance)
+    wanted: dict[tuple, set[int]] = {}
+    for choice, k_of in choices:
+        for layer in plan.model_layers:
+            for b in lengths:
+                if k_of(b, layer) < b:
+                    for head in plan.heads:
+                        wanted.setdefault((b, layer, head), set()).add(k_of(b, layer))
+    fitted = {key: select_patterns(plan.bucket_cov[key[0]], sorted(ks), layer=key[1], head=key[2],
+                                   order=runs.get(key), **kwargs) for key, ks in wanted.items()}
 
     def pattern(b: int, layer: int, head, k: int):
-        if (b, layer, head, k) not in fitted:
-            fitted[(b, layer, head, k)] = select_patterns(plan.bucket_cov[b], [k], layer=layer, head=head,
-                                                          order=runs.get((b, layer, head)), **kwargs)[k]
-        return fitted[(b, layer, head, k)]
+        return fitted[(b, layer, head)][k]
 
     sets = {}
-    for choice, k_of in ((plan.name, lambda b, layer: chosen[b][layer]), ("uniform", lambda b, layer: uniform[b])):
+    for choice, k_of in choices:
         def group(layer: int, head: int | None) -> PatternBuckets:
             by_bucket = {b: pattern(b, layer, head, k_of(b, layer)) for b in lengths if k_of(b, layer) < b}
             return PatternBuckets(by_bucket, [b for b in lengths if k_of(b, layer) >= b], k=by_bucket[n].k)

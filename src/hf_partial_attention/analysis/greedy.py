@@ -21,7 +21,7 @@ def greedy_select(cov: torch.Tensor, k: int, groups: torch.Tensor | None = None,
     variance are taken only once nothing else is left (their error contribution is already zero).
 
     Args:
-        cov: ``(..., l, l)`` covariances, one problem per leading index (float64).
+        cov: ``(..., l, l)`` covariances (symmetric), one problem per leading index (float64).
         k: entries to select per problem (``1 <= k <= l``).
         groups: optional ``(R,)`` int64 group of each of the R problems (cov then ``(R, l, l)``): the rows of a
             group take the same candidate at each step, the one whose gains summed over the group are largest.
@@ -55,8 +55,13 @@ def greedy_select(cov: torch.Tensor, k: int, groups: torch.Tensor | None = None,
     # energies ‖S[:, j]‖²_M; each step then costs one product of C with a vector, not an update of all of S.
     diag = torch.diagonal(c, dim1=-2, dim2=-1).clone()  # (R, l)
     tol = rel_tol * diag.amax(-1, keepdim=True).clamp_min(tiny)  # (R, 1)
-    energy = _column_energy(c, m)  # (R, l)
-    basis = torch.zeros(r, l, k, dtype=cov.dtype)  # (R, l, k): L
+    # M C, once: M's column j of S is then read from it and M L (each step's M u kept), not computed by a product
+    mc = None if m is None else torch.bmm(m, c)  # (R, l, l)
+    energy = _column_energy(c, mc)  # (R, l)
+    # Lᵀ and (M L)ᵀ, a step per row: the products below are then row vectors times row-major matrices, the form
+    # MKL's batched product runs fastest (2-3x the column form at l = 128, float64, one thread)
+    basis = torch.zeros(r, k, l, dtype=cov.dtype)  # (R, k, l): Lᵀ
+    m_basis = None if m is None else torch.zeros_like(basis)  # (R, k, l): (M L)ᵀ
     path = torch.empty(r, k, dtype=cov.dtype) if order else None  # residual after each step
     # a progress bar where a run takes minutes (whole-matrix covariances, l = n² >= 4096)
     for step in tqdm(range(k), desc=f"greedy (l={l})", disable=l < 4096, leave=False, unit="step"):
@@ -69,23 +74,30 @@ def greedy_select(cov: torch.Tensor, k: int, groups: torch.Tensor | None = None,
         j = candidates[rows, best[groups]]  # (R,)
         picks[:, step] = j
         chosen[rows, j] = True
-        low = basis[:, :, :step]  # (R, l, t)
-        col = c[rows, :, j] - (low @ low[rows, j].unsqueeze(-1)).squeeze(-1)  # (R, l): S[:, j]
+        low = basis[:, :step]  # (R, t, l): Lᵀ so far
+        at_j = low[rows, :, j].unsqueeze(1)  # (R, 1, t): L[j]
+        col = c[rows, :, j] - (at_j @ low).squeeze(1)  # (R, l): S[:, j]
         pivot = col[rows, j].unsqueeze(-1)  # (R, 1)
         ok = pivot > tol
-        u = torch.where(ok, col / torch.where(ok, pivot, torch.ones_like(pivot)).sqrt(), torch.zeros_like(col))
-        w = u if m is None else torch.bmm(m, u.unsqueeze(-1)).squeeze(-1)  # (R, l): M u
-        s_w = torch.bmm(c, w.unsqueeze(-1)).squeeze(-1) - (low @ (low.transpose(-1, -2) @ w.unsqueeze(-1))).squeeze(-1)
+        root = torch.where(ok, pivot, torch.ones_like(pivot)).sqrt()  # (R, 1)
+        u = torch.where(ok, col / root, torch.zeros_like(col))  # (R, l): S[:, j] / √S[j, j]
+        # (R, l): M u = (M C[:, j] − M L L[j]ᵀ) / √S[j, j]
+        w = u if m is None else torch.where(ok, (mc[rows, :, j] - (at_j @ m_basis[:, :step]).squeeze(1)) / root,
+                                            torch.zeros_like(col))
+        # (R, l): S M u = C w − L Lᵀ w, with C w as wᵀ C (C is symmetric)
+        s_w = (torch.bmm(w.unsqueeze(1), c) - ((low * w.unsqueeze(1)).sum(-1).unsqueeze(1) @ low)).squeeze(1)
         # S' = S − u uᵀ:  ‖S'_j‖²_M = ‖S_j‖²_M − 2 u_j (S M u)_j + u_j² uᵀ M u
         energy = energy - 2 * u * s_w + u * u * (u * w).sum(-1, keepdim=True)
         diag = diag - u * u
-        basis[:, :, step] = u
+        basis[:, step] = u
+        if m_basis is not None:
+            m_basis[:, step] = w
         if path is not None and m is None:
             path[:, step] = diag.clamp_min(0).sum(-1)
     if m is None:
         residual = diag.clamp_min(0).sum(-1)  # (R,): Tr(S)
     else:
-        residual, metric_path = _metric_residual(c, m, basis)
+        residual, metric_path = _metric_residual(c, m, basis, m_basis)
         path = metric_path if path is not None else None
     if order:
         return picks.reshape(*lead, k), path.reshape(*lead, k)
@@ -102,19 +114,21 @@ def _constraint(r: int, l: int, groups, candidates) -> tuple[torch.Tensor, torch
     return groups, candidates
 
 
-def _column_energy(c: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
-    """``(R, l)``: ‖C[:, j]‖²_M of every column of the ``(R, l, l)`` covariances (M = I without a metric)."""
-    if m is not None:
-        return (c * torch.bmm(m, c)).sum(-2)  # S_jᵀ M S_j
+def _column_energy(c: torch.Tensor, mc: torch.Tensor | None) -> torch.Tensor:
+    """``(R, l)``: ‖C[:, j]‖²_M of every column of the ``(R, l, l)`` covariances, given ``mc = M C`` (M = I
+    without a metric)."""
+    if mc is not None:
+        return (c * mc).sum(-2)  # C_jᵀ M C_j
     if c.numel() <= 1 << 26:
         return (c * c).sum(-2)
     # a whole-matrix covariance (2 GiB at n = 128): no temporary of its size
     return torch.cat([(c[:, :, a:a + 1024] ** 2).sum(-2) for a in range(0, c.shape[-1], 1024)], dim=-1)
 
 
-def _metric_residual(c: torch.Tensor, m: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(Tr(M S) (R,), its value after each step (R, k))`` from the steps' columns ``basis`` ``(R, l, k)``:
-    Tr(M S) = Tr(M C) − Σ_t u_tᵀ M u_t."""
-    spent = (basis * torch.bmm(m, basis)).sum(-2)  # (R, k): u_tᵀ M u_t
+def _metric_residual(c: torch.Tensor, m: torch.Tensor, basis: torch.Tensor,
+                     m_basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Tr(M S) (R,), its value after each step (R, k))`` from the steps' columns as rows, ``basis``
+    ``(R, k, l)``, and ``m_basis``, M times each: Tr(M S) = Tr(M C) − Σ_t u_tᵀ M u_t."""
+    spent = (basis * m_basis).sum(-1)  # (R, k): u_tᵀ M u_t
     start = (m * c).sum((-1, -2))  # (R,): Tr(M C)
     return (start - spent.sum(-1)).clamp_min(0), (start.unsqueeze(-1) - spent.cumsum(-1)).clamp_min(0)
