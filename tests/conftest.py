@@ -1,6 +1,7 @@
 """Shared fixtures: kept small (the real MiniLM's path, a tiny BERT config, a tiny BERT saved with a tokenizer)."""
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -10,6 +11,9 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # The triton kernel's tests run it on CPU tensors with Triton's interpreter, which Triton reads when the kernels
 # are defined (at the first import of hf_partial_attention.attention_triton): set it before any test imports it.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# The standard library's parsed docstrings (`training.pair_task`), shared by the workers and the processes tests
+# start, in the temp folder rather than the user's ~/.cache.
+os.environ.setdefault("HF_PARTIAL_ATTENTION_CACHE", os.path.join(tempfile.gettempdir(), f"hpa_tests_{os.getuid()}"))
 
 # `make test` runs the suite in two passes: every test but the `serial` ones across both cores (pytest-xdist, one
 # torch thread per worker so two workers do not oversubscribe two cores), then the `serial` ones alone with every

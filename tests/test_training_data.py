@@ -273,3 +273,37 @@ def test_stdlib_docstrings_are_read_once_and_each_call_gets_its_own_lists(monkey
     first.pop()
     again = pair_task.stdlib_docstring_documents()
     assert again == snapshot and not parsed
+
+
+def test_stdlib_docstrings_are_cached_for_other_processes_and_reparsed_when_a_file_changes(tmp_path, monkeypatch):
+    """A second process (the per-process cache cleared) reads the documents from the cache file instead of parsing
+    the library; a source file that changes (or a new one) makes a new fingerprint, so its text is parsed again,
+    never a stale cache read. Tested on a small library of its own."""
+    import ast
+
+    from hf_partial_attention.training import pair_task
+
+    root = tmp_path / "lib"
+    (root / "pkg").mkdir(parents=True)
+    (root / "alpha.py").write_text('"""The first module has a docstring of eight words or more."""\n')
+    (root / "pkg" / "beta.py").write_text('def f():\n    """A function whose docstring is long enough to keep."""\n')
+    (root / "test_gamma.py").write_text('"""Tests are left out of the documents, whatever they say."""\n')
+    monkeypatch.setenv(pair_task.CACHE_ENV, str(tmp_path / "cache"))
+    parsed = []
+    real_parse = ast.parse
+    monkeypatch.setattr(ast, "parse", lambda *a, **k: parsed.append(1) or real_parse(*a, **k))
+    pair_task._stdlib_documents.cache_clear()
+    first = pair_task._stdlib_documents(str(root), 8)
+    assert first == (("The first module has a docstring of eight words or more.",),
+                     ("A function whose docstring is long enough to keep.",))
+    assert len(parsed) == 2 and len(os.listdir(tmp_path / "cache")) == 1
+    pair_task._stdlib_documents.cache_clear()  # as in a new process
+    parsed.clear()
+    assert pair_task._stdlib_documents(str(root), 8) == first and not parsed
+    (root / "alpha.py").write_text('"""The first module now says something else, in eight words."""\n')
+    pair_task._stdlib_documents.cache_clear()
+    changed = pair_task._stdlib_documents(str(root), 8)
+    assert changed[0] == ("The first module now says something else, in eight words.",) and len(parsed) == 2
+    pair_task._stdlib_documents.cache_clear()
+    assert pair_task._stdlib_documents(str(root), 20) == ()  # min_words is part of the fingerprint
+    pair_task._stdlib_documents.cache_clear()

@@ -17,10 +17,15 @@ from __future__ import annotations
 
 import ast
 import functools
+import hashlib
+import json
+import logging
 import os
 import random
 import re
+import sys
 import sysconfig
+import tempfile
 
 __all__ = ["PAIR_LABELS", "NEXT_SENTENCE_LABELS", "stdlib_docstring_documents", "split_sentences",
            "sentence_order_examples", "next_sentence_examples"]
@@ -32,42 +37,82 @@ _SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-pack
               "__pycache__", "tkinter"}
 
 
+logger = logging.getLogger(__name__)
+
+# Where the parsed docstrings are kept between processes (a study's jobs, the test workers): parsing the library takes
+# about 8 s a process. Default: $XDG_CACHE_HOME (or ~/.cache)/hf_partial_attention.
+CACHE_ENV = "HF_PARTIAL_ATTENTION_CACHE"
+_CACHE_FORMAT = 1  # bump when what `_parse_documents` keeps changes
+
+
 def stdlib_docstring_documents(min_words: int = 8) -> list[list[str]]:
     """Prose paragraphs of the docstrings of Python's standard library, one list per source file (sorted).
 
     Paragraphs with indented lines or ``>>>`` sessions (code), and fragments under `min_words` words, are dropped.
     The text depends on the Python version (the study records it). Parsing the library takes seconds: it is read
-    once per process (a study reads it for pretraining and again for its pair task); each call returns new lists.
+    once per process (a study reads it for pretraining and again for its pair task) and kept in a cache file
+    (``$HF_PARTIAL_ATTENTION_CACHE``, default ``~/.cache/hf_partial_attention``) named by a fingerprint of the
+    Python version and of every source file's path, size and modification time, so that another process reads it
+    instead; each call returns new lists.
     """
     return [list(document) for document in _stdlib_documents(sysconfig.get_paths()["stdlib"], min_words)]
 
 
-@functools.lru_cache(maxsize=4)
-def _stdlib_documents(root: str, min_words: int) -> tuple[tuple[str, ...], ...]:
-    documents = []
+def _source_files(root: str) -> list[str]:
+    """The library's ``.py`` files the documents come from, in a fixed order (tests, demos and GUIs left out)."""
+    paths = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("test"))
-        for name in sorted(filenames):
-            if not name.endswith(".py") or name.startswith("test"):
+        paths += [os.path.join(dirpath, name) for name in sorted(filenames)
+                  if name.endswith(".py") and not name.startswith("test")]
+    return paths
+
+
+@functools.lru_cache(maxsize=4)
+def _stdlib_documents(root: str, min_words: int) -> tuple[tuple[str, ...], ...]:
+    paths = _source_files(root)
+    stats = [(os.path.relpath(path, root), os.stat(path).st_size, os.stat(path).st_mtime_ns) for path in paths]
+    key = json.dumps([_CACHE_FORMAT, sys.version, os.path.abspath(root), min_words, stats])
+    cache_dir = os.environ.get(CACHE_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "hf_partial_attention")
+    cache = os.path.join(cache_dir, f"stdlib_docstrings_{hashlib.sha256(key.encode()).hexdigest()[:32]}.json")
+    try:
+        with open(cache, encoding="utf-8") as handle:
+            return tuple(tuple(document) for document in json.load(handle))
+    except (OSError, ValueError):
+        pass  # not there yet (or unreadable): parse
+    documents = _parse_documents(paths, min_words)
+    try:  # written whole, then renamed: a process reading at the same time sees the old file or the new one
+        os.makedirs(cache_dir, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=cache_dir, suffix=".tmp", delete=False) as handle:
+            json.dump(documents, handle)
+        os.replace(handle.name, cache)
+    except OSError as error:
+        logger.debug("not caching the standard library's docstrings in %s: %s", cache_dir, error)
+    return documents
+
+
+def _parse_documents(paths: list[str], min_words: int) -> tuple[tuple[str, ...], ...]:
+    documents = []
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8") as handle:
+                tree = ast.parse(handle.read())
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        paragraphs = []
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
-            try:
-                with open(os.path.join(dirpath, name), encoding="utf-8") as handle:
-                    tree = ast.parse(handle.read())
-            except (SyntaxError, UnicodeDecodeError, ValueError):
-                continue
-            paragraphs = []
-            for node in ast.walk(tree):
-                if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            for block in re.split(r"\n\s*\n", ast.get_docstring(node) or ""):
+                lines = [line for line in block.splitlines() if line.strip()]
+                if not lines or any(line.startswith((" ", "\t", ">>>")) for line in lines):
                     continue
-                for block in re.split(r"\n\s*\n", ast.get_docstring(node) or ""):
-                    lines = [line for line in block.splitlines() if line.strip()]
-                    if not lines or any(line.startswith((" ", "\t", ">>>")) for line in lines):
-                        continue
-                    text = " ".join(line.strip() for line in lines)
-                    if len(text.split()) >= min_words and text[0].isupper():
-                        paragraphs.append(text)
-            if paragraphs:
-                documents.append(tuple(paragraphs))
+                text = " ".join(line.strip() for line in lines)
+                if len(text.split()) >= min_words and text[0].isupper():
+                    paragraphs.append(text)
+        if paragraphs:
+            documents.append(tuple(paragraphs))
     return tuple(documents)
 
 
