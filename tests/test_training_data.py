@@ -307,3 +307,29 @@ def test_stdlib_docstrings_are_cached_for_other_processes_and_reparsed_when_a_fi
     pair_task._stdlib_documents.cache_clear()
     assert pair_task._stdlib_documents(str(root), 20) == ()  # min_words is part of the fingerprint
     pair_task._stdlib_documents.cache_clear()
+
+
+def test_splits_in_memory_are_not_hashed_and_splits_from_files_keep_their_cache(tokenizer, tmp_path, monkeypatch):
+    """Tokenizing a split held in memory hashes nothing (hashing pickles the tokenizer the function holds, and such a
+    split has no cache file a fingerprint would name); a split read from files gets the hashed fingerprint, so a second
+    tokenization finds the first one's cache file. Both give the same windows."""
+    import datasets.arrow_dataset
+    from datasets import load_from_disk
+
+    hashed = []  # the hashes `Dataset.map` makes of its function and arguments
+    real = datasets.arrow_dataset.update_fingerprint
+    monkeypatch.setattr(datasets.arrow_dataset, "update_fingerprint", lambda *a: hashed.append(1) or real(*a))
+    texts = ["Partial attention computes k scores of each query exactly.",
+             "The other scores are reconstructed by a linear map R from the covariance of the scores."] * 8
+    raw = DatasetDict(train=Dataset.from_dict({"text": texts}), test=Dataset.from_dict({"text": texts[:6]}))
+    in_memory = group_into_windows(raw, tokenizer, 16)
+    assert not hashed and in_memory["train"]["input_ids"]
+    raw.save_to_disk(str(tmp_path / "raw"))
+    from_files = load_from_disk(str(tmp_path / "raw"))
+    first = group_into_windows(from_files, tokenizer, 16)
+    assert len(hashed) == 2  # one per split
+    second = group_into_windows(from_files, tokenizer, 16)
+    for split in ("train", "test"):
+        assert first[split]._fingerprint == second[split]._fingerprint
+        assert first[split].cache_files and second[split].cache_files == first[split].cache_files  # read, not redone
+        assert first[split]["input_ids"] == in_memory[split]["input_ids"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,6 +98,18 @@ def _text_setup(raw, tokenizer, length: int, text_column: str | None, field: str
     return first, column, cls, sep, wrap, body
 
 
+def _map_splits(raw, function, **kwargs):
+    """``raw.map(function, **kwargs)`` split by split, where a split held in memory (no cache files) gets a random
+    fingerprint rather than one hashed from ``function``: hashing pickles everything the function holds (a tokenizer:
+    about 0.5 s a call), and a fingerprint only names cache files, which such a split neither reads nor writes (a
+    random one is what `datasets` uses when caching is off). Splits read from files keep the hashed fingerprint, so
+    their cached results are found again."""
+    from datasets import DatasetDict
+
+    return DatasetDict({name: split.map(function, new_fingerprint=None if split.cache_files else secrets.token_hex(16),
+                                        **kwargs) for name, split in raw.items()})
+
+
 def group_into_windows(raw, tokenizer, window: int, text_column: str | None = None, num_proc: int | None = None,
                        load_from_cache_file: bool = True):
     """Tokenize every split and cut the token stream into windows of exactly `window` tokens.
@@ -117,7 +130,7 @@ def group_into_windows(raw, tokenizer, window: int, text_column: str | None = No
         return {"input_ids": input_ids, "special_tokens_mask": special,
                 "attention_mask": [[1] * window for _ in chunks]}
 
-    return raw.map(tokenize_and_cut, batched=True, batch_size=1000, num_proc=num_proc,
+    return _map_splits(raw, tokenize_and_cut, batched=True, batch_size=1000, num_proc=num_proc,
                    remove_columns=first.column_names, load_from_cache_file=load_from_cache_file,
                    desc=f"Tokenizing into {window}-token windows")
 
@@ -154,7 +167,7 @@ def examples_at_own_length(raw, tokenizer, max_length: int, unit: str = "lines",
         return {"input_ids": input_ids, "special_tokens_mask": special,
                 "attention_mask": [[1] * len(seq) for seq in input_ids]}
 
-    return raw.map(tokenize, batched=True, batch_size=1000, num_proc=num_proc,
+    return _map_splits(raw, tokenize, batched=True, batch_size=1000, num_proc=num_proc,
                    remove_columns=first.column_names, load_from_cache_file=load_from_cache_file,
                    desc=f"Tokenizing {unit} at their own length (at most {max_length} tokens)")
 
@@ -283,5 +296,5 @@ def tokenize_pairs(raw, tokenizer, max_length: int, first: str = "premise", seco
                          padding="max_length" if pad else False)
 
     columns = next(iter(raw.values())).column_names
-    return raw.map(encode, batched=True, num_proc=num_proc, load_from_cache_file=load_from_cache_file,
+    return _map_splits(raw, encode, batched=True, num_proc=num_proc, load_from_cache_file=load_from_cache_file,
                    remove_columns=[c for c in columns if c != "label"], desc="Tokenizing pairs")
