@@ -271,6 +271,9 @@ def test_derive_and_convert_a_k_per_bucket(bucketed, tmp_path, sharp_bert_dir, c
     for bad in ({32: 6}, {16: 4}, {20: 21}):
         with pytest.raises(ValueError, match="bucket_k="):
             derive_lengths(out, [4], bucket_k=bad, evaluate=False, progress=False)
+    for bad in ([0, 4], [4, 33]):  # the k range of every derive (`derive_files.check_ks`): [1, the longest bucket]
+        with pytest.raises(ValueError, match=r"k must be in \[1, 32\] \(the longest bucket of .*pass --k values"):
+            derive_lengths(out, bad, evaluate=False, progress=False)
     with pytest.raises(SystemExit):
         main(["derive", out, "--k", "4", "--bucket-k", "20:6"])
     assert "is not B=K" in capsys.readouterr().err

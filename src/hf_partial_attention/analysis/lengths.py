@@ -37,7 +37,7 @@ from .collect import display_name, hub_id, load_model_and_tokenizer, model_shape
 from .conditional import ConditionalReconstructor
 from .corpus import split_heldout
 from .covariance import ScoreCovariance
-from .derive_files import bucket_k_suffix, file_tag
+from .derive_files import bucket_k_suffix, check_ks, file_tag
 from .fit_checks import check_seq_len, fit_size_warning
 from .inputs import DEFAULT_PAIR_COLUMNS, TokenizedInputs, flatten, load_inputs, tokenize_inputs
 from .length_eval import PaddedPattern, RealPositionMeter, run_inputs
@@ -240,9 +240,7 @@ def derive_lengths(out: str, ks, *, family: str = "per_query", objective: str = 
     files = bucket_covariance_files(out)
     if not files:
         raise ValueError(f"{out!r} holds no covariance_len*.safetensors; run `analyze --inputs ...` into it first.")
-    ks = sorted({int(k) for k in ks})
-    if not ks or ks[0] < 1:
-        raise ValueError(f"k must be positive ints, got {ks}.")
+    ks = check_ks(ks, max(files), out, "the longest bucket")
     covs = {b: ScoreCovariance.load(p) for b, p in files.items()}
     lengths = list(covs)
     bucket_k = {int(b): int(k) for b, k in (bucket_k or {}).items()}
