@@ -2,7 +2,7 @@
 `python benchmarks/granularity_speed.py`.
 
 P and R per head run each head by the kernel of its own P and R in inference (H kernel calls per layer instead of
-one) and every head in one autograd node under autograd (`attention_heads`), with H times the W; the question is
+one) and every head in one autograd node under autograd (`attention_fused.all_heads_attention`), with H times the W; the question is
 what that costs. The models: `BertModel` (eager and SDPA) of MiniLM's shape (6 layers, hidden 384,
 12 heads, d_h 32) with random weights, and PartialBert converted from it (layers 0–4 partial, R fixed, ``auto``):
 pooled, and per head, with the local pattern of k keys around each query shifted by h positions for head h (a

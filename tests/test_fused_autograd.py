@@ -42,7 +42,7 @@ def _run(impl, leaves, mask, p, r, bias, module=None, dropout=0.0):
 @pytest.mark.parametrize("mask_kind", [None, "bool", "additive", "per_head"])
 def test_matches_the_reference_in_values_and_gradients(family, t, mask_kind, monkeypatch, attention_mask):
     calls = []
-    function = fused_autograd._PerQueryFused if family == "per_query" else fused_autograd._RowsFused
+    function = fused_autograd._ScoresFused if family == "per_query" else fused_autograd._RowsFused
     monkeypatch.setattr(function, "apply", lambda *a, f=function.apply: calls.append(1) or f(*a))
     p, r, bias = _pattern(family=family)
     r.requires_grad_(True)
@@ -118,7 +118,7 @@ def test_dropout_scales_kept_probabilities_and_its_gradient_checks(family):
 
 def test_weights_asked_for_run_the_reference(monkeypatch):
     """Asked for the map, a fused call runs the reference kernel (the one that writes the map)."""
-    for function in (fused_autograd._PerQueryFused, fused_autograd._RowsFused):
+    for function in (fused_autograd._ScoresFused, fused_autograd._RowsFused):
         monkeypatch.setattr(function, "apply", lambda *a: pytest.fail("hand-written path taken"))
     for family in ("per_query", "blocks"):
         p, r, _ = _pattern(family=family)

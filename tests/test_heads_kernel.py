@@ -1,11 +1,11 @@
-"""The all-heads kernel of P and R per head under autograd (`attention_heads`, its hand-written backward) against
+"""The all-heads kernel of P and R per head under autograd (`attention_fused.all_heads_attention`, its hand-written backward) against
 the reference kernel run head by head on each head's own P, R and bias, in float64."""
 
 import pytest
 import torch
 from torch import nn
 
-import hf_partial_attention.attention_heads as heads_kernel
+import hf_partial_attention.attention_fused as heads_kernel
 from hf_partial_attention.attention_common import DerivedState, PartialTensors, PatternLayout
 from hf_partial_attention.attention_dispatch import partial_attention_forward
 
@@ -61,8 +61,8 @@ def _reference(leaves, mask, heads):
 @pytest.mark.parametrize("mask_kind", [None, "bool", "additive", "per_head"])
 def test_matches_the_reference_head_by_head(family, t, mask_kind, monkeypatch, attention_mask):
     calls = []
-    monkeypatch.setattr(heads_kernel._AllHeadsFused, "apply",
-                        lambda *a, f=heads_kernel._AllHeadsFused.apply: calls.append(1) or f(*a))
+    monkeypatch.setattr(heads_kernel._ScoresFused, "apply",
+                        lambda *a, f=heads_kernel._ScoresFused.apply: calls.append(1) or f(*a))
     heads, _ = _heads(family=family)
     for _, r, b in heads:
         r.requires_grad_(True)

@@ -36,7 +36,6 @@ def test_save_pretrained_writes_auto_map_and_code(tmp_path):
     assert bundle == {"modeling_partial_bert.py", "configuration_partial_bert.py", "pattern.py", "reconstruction.py",
                       "cost.py", "conversion.py", "partial_pattern.py", "attention_common.py",
                       "attention_gather.py", "attention_fused.py", "attention_tiled.py", "attention_triton.py", "attention_dispatch.py",
-                      "attention_heads.py",
                       "attention_lengths.py", "pattern_buckets.py", "pattern_layers.py", "configuration_partial.py", "modeling_partial.py",
                       "architectures.py", "partial_layer.py", "configuration_partial_encoders.py",
                       "modeling_partial_encoders.py", "partial_places.py", "attention_backward.py"}, bundle

@@ -40,9 +40,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .attention_common import STATES, DerivedState, PartialTensors, PatternLayout, PatternStructure, needs_grad
-from .attention_fused import fused_attention
+from .attention_fused import all_heads_attention, fused_attention
 from .attention_gather import gather_attention
-from .attention_heads import all_heads_attention
 from .attention_lengths import bucketed_attention, exact_attention
 from .attention_tiled import tiled_attention
 from .configuration_partial import KERNEL_NAMES, PARTIAL_IMPLEMENTATIONS, check_implementation
@@ -304,7 +303,7 @@ def _partial_function(implementation: str) -> Callable:
                 return run_kernel(tensors, query, key, value, attention_mask)
             # P and R per head. Where the fused kernel would run under autograd (not for the map, the reference or
             # Triton settings, nor under export): every head in one autograd node with a hand-written backward,
-            # where one kernel call per head would pay for H small backward passes (`attention_heads`).
+            # where one kernel call per head would pay for H small backward passes (`attention_fused`).
             if needs_grad(query, key, value, *(t.reconstruction for t in tensors), *(t.bias for t in tensors)) and \
                     kernel_for(implementation, tensors[0], query, key, value, need_weights=need_weights,
                                dropout=dropout if module.training else 0.0) == "fused":

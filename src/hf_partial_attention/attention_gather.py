@@ -59,7 +59,7 @@ def gather_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
 def attend(module: nn.Module, scores: torch.Tensor, additive: torch.Tensor | None, value: torch.Tensor,
            dropout: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Full scores ``(B, H, T, T)`` in key order to ``(output (B, T, H, D), probabilities)``: mask, softmax,
-    dropout (in training mode), ·V; autograd differentiates it (the reference's and `attention_heads`' last steps)."""
+    dropout (in training mode), ·V; autograd differentiates it (the reference kernel's last steps)."""
     if additive is not None:
         scores = scores + additive
     probs = nn.functional.softmax(scores, dim=-1)
