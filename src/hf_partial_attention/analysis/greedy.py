@@ -66,28 +66,10 @@ def greedy_select(cov: torch.Tensor, k: int, groups: torch.Tensor | None = None,
     # a progress bar where a run takes minutes (whole-matrix covariances, l = n² >= 4096)
     for step in tqdm(range(k), desc=f"greedy (l={l})", disable=l < 4096, leave=False, unit="step"):
         gain = torch.where(diag > tol, energy / diag.clamp_min(tiny), torch.zeros_like(diag))
-        pooled = torch.zeros(num_groups, candidates.shape[1], dtype=cov.dtype).index_add_(
-            0, groups, gain.gather(-1, candidates))  # (G, c): gains summed over each group's rows
-        # A candidate is unavailable to a group once it maps to an already chosen entry of any of its rows.
-        used = torch.zeros_like(pooled).index_add_(0, groups, chosen.gather(-1, candidates).to(cov.dtype)) > 0
-        best = torch.where(used, torch.full_like(pooled, -1.0), pooled).argmax(-1)  # (G,): lowest on ties
-        j = candidates[rows, best[groups]]  # (R,)
+        j = _best_candidate(gain, chosen, groups, candidates, num_groups)  # (R,)
         picks[:, step] = j
         chosen[rows, j] = True
-        low = basis[:, :step]  # (R, t, l): Lᵀ so far
-        at_j = low[rows, :, j].unsqueeze(1)  # (R, 1, t): L[j]
-        col = c[rows, :, j] - (at_j @ low).squeeze(1)  # (R, l): S[:, j]
-        pivot = col[rows, j].unsqueeze(-1)  # (R, 1)
-        ok = pivot > tol
-        root = torch.where(ok, pivot, torch.ones_like(pivot)).sqrt()  # (R, 1)
-        u = torch.where(ok, col / root, torch.zeros_like(col))  # (R, l): S[:, j] / √S[j, j]
-        # (R, l): M u = (M C[:, j] − M L L[j]ᵀ) / √S[j, j]
-        w = u if m is None else torch.where(ok, (mc[rows, :, j] - (at_j @ m_basis[:, :step]).squeeze(1)) / root,
-                                            torch.zeros_like(col))
-        # (R, l): S M u = C w − L Lᵀ w, with C w as wᵀ C (C is symmetric)
-        s_w = (torch.bmm(w.unsqueeze(1), c) - ((low * w.unsqueeze(1)).sum(-1).unsqueeze(1) @ low)).squeeze(1)
-        # S' = S − u uᵀ:  ‖S'_j‖²_M = ‖S_j‖²_M − 2 u_j (S M u)_j + u_j² uᵀ M u
-        energy = energy - 2 * u * s_w + u * u * (u * w).sum(-1, keepdim=True)
+        u, w, energy = _step(c, mc, basis[:, :step], None if m_basis is None else m_basis[:, :step], j, tol, energy)
         diag = diag - u * u
         basis[:, step] = u
         if m_basis is not None:
@@ -102,6 +84,37 @@ def greedy_select(cov: torch.Tensor, k: int, groups: torch.Tensor | None = None,
     if order:
         return picks.reshape(*lead, k), path.reshape(*lead, k)
     return torch.sort(picks, dim=-1).values.reshape(*lead, k), residual.reshape(lead)
+
+
+def _step(c, mc, low, m_low, j, tol, energy) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One greedy step at entries ``j`` ``(R,)``, given Lᵀ so far ``low`` ``(R, t, l)`` (and ``m_low``, (M L)ᵀ, with
+    a metric, ``mc`` = M C): ``u = S[:, j] / √S[j, j]`` (zero where the pivot is below ``tol``), ``w = M u`` and the
+    energies ‖S'[:, i]‖²_M of the residual S' = S − u uᵀ, each ``(R, l)``."""
+    rows = torch.arange(c.shape[0])
+    at_j = low[rows, :, j].unsqueeze(1)  # (R, 1, t): L[j]
+    col = c[rows, :, j] - (at_j @ low).squeeze(1)  # (R, l): S[:, j]
+    pivot = col[rows, j].unsqueeze(-1)  # (R, 1)
+    ok = pivot > tol
+    root = torch.where(ok, pivot, torch.ones_like(pivot)).sqrt()  # (R, 1)
+    u = torch.where(ok, col / root, torch.zeros_like(col))  # (R, l)
+    # (R, l): M u = (M C[:, j] − M L L[j]ᵀ) / √S[j, j]
+    w = u if mc is None else torch.where(ok, (mc[rows, :, j] - (at_j @ m_low).squeeze(1)) / root, torch.zeros_like(col))
+    # (R, l): S M u = C w − L Lᵀ w, with C w as wᵀ C (C is symmetric)
+    s_w = (torch.bmm(w.unsqueeze(1), c) - ((low * w.unsqueeze(1)).sum(-1).unsqueeze(1) @ low)).squeeze(1)
+    # S' = S − u uᵀ:  ‖S'_j‖²_M = ‖S_j‖²_M − 2 u_j (S M u)_j + u_j² uᵀ M u
+    return u, w, energy - 2 * u * s_w + u * u * (u * w).sum(-1, keepdim=True)
+
+
+def _best_candidate(gain: torch.Tensor, chosen: torch.Tensor, groups: torch.Tensor, candidates: torch.Tensor,
+                    num_groups: int) -> torch.Tensor:
+    """``(R,)``: the entry each row takes this step, its group's candidate whose gains ``(R, l)`` summed over the
+    group's rows are largest (lowest on ties), among those that map to no entry already ``chosen`` in any of them."""
+    rows = torch.arange(gain.shape[0])
+    pooled = torch.zeros(num_groups, candidates.shape[1], dtype=gain.dtype).index_add_(
+        0, groups, gain.gather(-1, candidates))  # (G, c): gains summed over each group's rows
+    used = torch.zeros_like(pooled).index_add_(0, groups, chosen.gather(-1, candidates).to(gain.dtype)) > 0
+    best = torch.where(used, torch.full_like(pooled, -1.0), pooled).argmax(-1)  # (G,)
+    return candidates[rows, best[groups]]
 
 
 def _constraint(r: int, l: int, groups, candidates) -> tuple[torch.Tensor, torch.Tensor]:
