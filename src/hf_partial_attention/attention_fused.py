@@ -270,9 +270,9 @@ def _with_autograd(query, key, value, attention_mask, partial: PartialTensors, s
     per-query patterns; patterns whose blocks of rows share keys get their exact scores from block GEMMs under
     autograd, then `_RowsFused`."""
     layout = partial.layout
-    check_length(query.shape[2], layout.indices.shape[0])
     if layout.structure is PatternStructure.PER_QUERY:
         return _scores_fused(query, key, value, attention_mask, [partial], scaling, dropout)
+    check_length(query.shape[2], layout.indices.shape[0])
     exact, additive = masked_exact_scores(query, key, attention_mask, layout, scaling, True)  # (B, H, T, k)
     out = _RowsFused.apply(exact, value, partial.reconstruction, partial.bias, partial, additive, dropout)
     return out.transpose(1, 2).contiguous()  # (B, T, H, D)

@@ -40,7 +40,7 @@ _SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-pack
 logger = logging.getLogger(__name__)
 
 # Where the parsed docstrings are kept between processes (a study's jobs, the test workers): parsing the library takes
-# about 8 s a process. Default: $XDG_CACHE_HOME (or ~/.cache)/hf_partial_attention.
+# about 5 s a process. Default: $XDG_CACHE_HOME (or ~/.cache)/hf_partial_attention.
 CACHE_ENV = "HF_PARTIAL_ATTENTION_CACHE"
 _CACHE_FORMAT = 1  # bump when what `_parse_documents` keeps changes
 
@@ -71,7 +71,7 @@ def _source_files(root: str) -> list[str]:
 @functools.lru_cache(maxsize=4)
 def _stdlib_documents(root: str, min_words: int) -> tuple[tuple[str, ...], ...]:
     paths = _source_files(root)
-    stats = [(os.path.relpath(path, root), os.stat(path).st_size, os.stat(path).st_mtime_ns) for path in paths]
+    stats = [(os.path.relpath(path, root), st.st_size, st.st_mtime_ns) for path in paths for st in [os.stat(path)]]
     key = json.dumps([_CACHE_FORMAT, sys.version, os.path.abspath(root), min_words, stats])
     cache_dir = os.environ.get(CACHE_ENV) or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "hf_partial_attention")
