@@ -29,8 +29,8 @@ from hf_partial_attention.analysis.collect import collect_covariance, load_model
 from hf_partial_attention.analysis.corpus import default_texts, package_readmes, pydoc_paragraphs, split_heldout
 from hf_partial_attention.analysis.covariance import ScoreCovariance
 from hf_partial_attention.analysis.defaults import resolve_model
-from hf_partial_attention.analysis.budget import derive_budget
-from hf_partial_attention.analysis.lengths import analyze_lengths, bucket_k_suffix, derive_lengths
+from hf_partial_attention.analysis.derive import derive_budget, derive_lengths
+from hf_partial_attention.analysis.lengths import analyze_lengths, bucket_k_suffix
 from hf_partial_attention.analysis.embeddings import (
     embedding_cosines, mean_pooled_embeddings, summarize_cosines, text_batches, window_batches,
 )

@@ -26,7 +26,8 @@ import time
 
 import torch
 
-from hf_partial_attention.analysis.budget import derive_budget, objective_curve
+from hf_partial_attention.analysis.budget import objective_curve
+from hf_partial_attention.analysis.derive import derive_budget
 from hf_partial_attention.analysis.collect import load_model_and_tokenizer
 from hf_partial_attention.analysis.corpus import default_texts, make_windows
 from hf_partial_attention.analysis.covariance import ScoreCovariance

@@ -10,7 +10,7 @@ last), greedy with the Fisher objective, at k = 16's saving in every bucket:
 
 - ``pooled`` / ``layer`` / ``head`` × ``uniform``: k = min(16, b) in every layer (pooled: one P and R for every layer,
   the buckets of `make recover`);
-- ``layer`` / ``head`` × ``budget``: a k per layer (`analysis.budget.derive_budget`, ``derive --saving k16``), costing
+- ``layer`` / ``head`` × ``budget``: a k per layer (`analysis.derive.derive_budget`, ``derive --saving k16``), costing
   no more than the uniform k in every bucket.
 
 Measured as the lengths study measures (`recover.measure`): per kind of input (sentences, paragraphs, adjacent-sentence
@@ -26,7 +26,7 @@ import os
 import re
 import time
 
-from hf_partial_attention.analysis.budget import derive_budget
+from hf_partial_attention.analysis.derive import derive_budget
 from hf_partial_attention.analysis.collect import load_model_and_tokenizer
 from hf_partial_attention.analysis.corpus import default_texts
 from hf_partial_attention.analysis.covariance import ScoreCovariance

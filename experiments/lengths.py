@@ -36,7 +36,8 @@ from hf_partial_attention.analysis.corpus import default_texts, make_windows, py
 from hf_partial_attention.analysis.covariance import ScoreCovariance
 from hf_partial_attention.analysis.defaults import resolve_model
 from hf_partial_attention.analysis.inputs import TokenizedInputs, split_sentences, tokenize_inputs
-from hf_partial_attention.analysis.lengths import analyze_lengths, bucket_covariance_files, bucket_k_suffix, derive_lengths
+from hf_partial_attention.analysis.derive import derive_lengths
+from hf_partial_attention.analysis.lengths import analyze_lengths, bucket_covariance_files, bucket_k_suffix
 from hf_partial_attention.analysis.workflow import COVARIANCE_FILE, analyze, derive
 from hf_partial_attention.cost import bucket_savings, distribution_saving
 from hf_partial_attention.modeling_partial_bert import PartialBertModel

@@ -42,8 +42,8 @@ def _buckets(out: str, model_path: str, model_id: str, k: int, buckets: str | No
              progress: bool, bucket_k: dict[int, int] | None = None) -> str:
     """The buckets file: ``buckets`` if given; else ``buckets_k{k}[_b{b}k{k_b}]`` of the lengths study's Fisher
     buckets or of ``out/buckets`` if there, derived (``bucket_k``) where their covariances are, else fitted."""
-    from hf_partial_attention.analysis.lengths import (analyze_lengths, bucket_covariance_files, bucket_k_suffix,
-                                                       derive_lengths)
+    from hf_partial_attention.analysis.derive import derive_lengths
+    from hf_partial_attention.analysis.lengths import analyze_lengths, bucket_covariance_files, bucket_k_suffix
 
     if buckets:
         if not os.path.isfile(buckets):

@@ -87,7 +87,7 @@ class _Study:
         return os.path.join(self.a.run_dir, "buckets", "patterns", f"buckets_k{k}.safetensors")
 
     def layers_path(self, arm: Arm) -> str:
-        """P and R per layer or head of ``arm`` (`analysis.budget.derive_budget` on the per-head bucket analysis):
+        """P and R per layer or head of ``arm`` (`analysis.derive.derive_budget` on the per-head bucket analysis):
         the uniform k or a k per layer at k's saving."""
         tag = f"per_query_{BUCKET_OBJECTIVE}_{arm.granularity}" if BUCKET_OBJECTIVE != "paper" else \
             f"per_query_{arm.granularity}"
@@ -195,7 +195,8 @@ def _patterns(study: _Study) -> dict:
     from transformers import BertForMaskedLM
 
     from hf_partial_attention.analysis import collect_covariance
-    from hf_partial_attention.analysis.lengths import analyze_lengths, derive_lengths
+    from hf_partial_attention.analysis.derive import derive_lengths
+    from hf_partial_attention.analysis.lengths import analyze_lengths
     from hf_partial_attention.analysis.selection import select_patterns
     from hf_partial_attention.pattern_buckets import PatternBuckets
 
@@ -237,7 +238,7 @@ def _patterns(study: _Study) -> dict:
 def _layer_patterns(study: _Study, centered: bool) -> dict:
     """For arms with P and R per layer or head: one covariance per (layer, head) per bucket on the same inputs as the
     pooled buckets, and each arm's uniform and budgeted sets (`derive_budget`, the buckets' objective)."""
-    from hf_partial_attention.analysis.budget import derive_budget
+    from hf_partial_attention.analysis.derive import derive_budget
     from hf_partial_attention.analysis.lengths import analyze_lengths
 
     a, data = study.a, study.data

@@ -140,7 +140,7 @@ class _Study:
 
     def patterns(self) -> dict:
         """Pooled P and R per k (`analyze` + `derive`), and per head at each head arm's saving (`derive_budget`)."""
-        from hf_partial_attention.analysis.budget import derive_budget
+        from hf_partial_attention.analysis.derive import derive_budget
         from hf_partial_attention.analysis.workflow import analyze, derive
 
         a, data = self.a, self.data

@@ -28,7 +28,7 @@ RECOVERIES = ("none", "mlm", "distill")
 LENGTH_MODES = ("buckets", "zero_fill")
 # P and R of a partial arm: one for every layer and head (the paper's), per layer or per head (issue 34).
 GRANULARITY_FORMS = ("pooled", "layer", "head")
-# The greedy objective of the length buckets (`analysis.lengths.derive_lengths`); the zero-fill pattern keeps the
+# The greedy objective of the length buckets (`analysis.derive.derive_lengths`); the zero-fill pattern keeps the
 # paper's.
 BUCKET_OBJECTIVE = "fisher"
 

@@ -14,7 +14,8 @@ from hf_partial_attention.analysis.conditional import conditional_reconstruction
 from hf_partial_attention.analysis.covariance import ScoreCovariance
 from hf_partial_attention.analysis.evaluation import LinearReconstructor
 from hf_partial_attention.analysis.length_eval import PaddedPattern, RealPositionMeter
-from hf_partial_attention.analysis.lengths import analyze_lengths, derive_lengths
+from hf_partial_attention.analysis.derive import derive_lengths
+from hf_partial_attention.analysis.lengths import analyze_lengths
 from hf_partial_attention.pattern_buckets import PatternBuckets
 from hf_partial_attention.reconstruction import complement_indices, solve_reconstruction
 

@@ -9,6 +9,7 @@ import torch
 
 from hf_partial_attention import cli, partial_class_for
 from hf_partial_attention.analysis.budget import allocate, parse_saving, uniform_k
+from hf_partial_attention.analysis.derive import derive_budget
 from hf_partial_attention.cost import score_cost
 from hf_partial_attention.pattern_layers import LayerPatterns
 
@@ -158,7 +159,7 @@ def test_a_budget_never_predicts_more_error_than_the_one_k(monkeypatch, minilm2,
     run = str(tmp_path / "run")
     analyze_windows(minilm2, run, "layer", capsys)
     monkeypatch.setattr(budget, "allocate", lambda curves, b, d, cost: {0: 1, 1: 1})
-    result = budget.derive_budget(run, "k4", granularity="layer", layers=[0, 1])
+    result = derive_budget(run, "k4", granularity="layer", layers=[0, 1])
     row = result["buckets"][0]
     assert row["k_per_layer"] == {"0": 4, "1": 4}
     assert row["predicted_objective"] == pytest.approx(row["predicted_objective_uniform"])
@@ -168,15 +169,14 @@ def test_layer_weights_move_the_budget_and_write_beside_the_plain_one(minilm2, t
     """A layer whose error is weighted far above the other's gets more exact scores than without weights (the
     allocation spends on weighted error); the weighted file and its results entry sit beside the plain budget's, and
     weights that miss a layer or are not positive are refused."""
-    import hf_partial_attention.analysis.budget as budget
 
     run = str(tmp_path / "run")
     analyze_windows(minilm2, run, "layer", capsys)
-    plain = budget.derive_budget(run, "k4", granularity="layer", layers=[0, 1])
+    plain = derive_budget(run, "k4", granularity="layer", layers=[0, 1])
     ks = plain["buckets"][0]["k_per_layer"]
     heavy = "0" if ks["0"] <= ks["1"] else "1"  # the layer the plain budget gives less
     weights = {int(heavy): 1e6, 1 - int(heavy): 1.0}
-    weighted = budget.derive_budget(run, "k4", granularity="layer", layers=[0, 1], layer_weights=weights,
+    weighted = derive_budget(run, "k4", granularity="layer", layers=[0, 1], layer_weights=weights,
                                     name="weighted")
     assert weighted["buckets"][0]["k_per_layer"][heavy] > ks[heavy]
     assert weighted["layer_weights"] == {str(k): v for k, v in sorted(weights.items())}
@@ -185,9 +185,9 @@ def test_layer_weights_move_the_budget_and_write_beside_the_plain_one(minilm2, t
     assert set(stored) == {"k4", "k4_weighted"}
     for bad in ({0: 1.0}, {0: 1.0, 1: 0.0}):
         with pytest.raises(ValueError, match="layer_weights must give every budget layer"):
-            budget.derive_budget(run, "k4", granularity="layer", layers=[0, 1], layer_weights=bad, name="weighted")
+            derive_budget(run, "k4", granularity="layer", layers=[0, 1], layer_weights=bad, name="weighted")
     with pytest.raises(ValueError, match="name must be letters and digits"):
-        budget.derive_budget(run, "k4", granularity="layer", layers=[0, 1], name="uniform")
+        derive_budget(run, "k4", granularity="layer", layers=[0, 1], name="uniform")
 
 
 def test_exact_layers_pay_dense_cost_out_of_the_budget(minilm3, tmp_path, capsys):
@@ -224,10 +224,10 @@ def test_exact_layers_pay_dense_cost_out_of_the_budget(minilm3, tmp_path, capsys
     import hf_partial_attention.analysis.budget as budget_module
 
     with pytest.raises(ValueError, match=r"Layers \[1\] exact take 512 of it: leave fewer layers exact"):
-        budget_module.derive_budget(run, "k4", granularity="head", exact_layers=[1])
+        derive_budget(run, "k4", granularity="head", exact_layers=[1])
     for bad in ([0, 1], [2]):
         with pytest.raises(ValueError, match="give some, not all, of the budget layers"):
-            budget_module.derive_budget(run, "k12", granularity="head", exact_layers=bad)
+            derive_budget(run, "k12", granularity="head", exact_layers=bad)
     assert cli.main(["derive", run, "--k", "4", "--exact-layers", "1", "--no-progress"]) == 2
     assert "--exact-layers leaves layers exact out of a --saving budget" in capsys.readouterr().err
 
@@ -238,20 +238,21 @@ def test_each_groups_patterns_are_fitted_by_one_call_and_equal_a_fit_of_their_ow
     need two ks of a budget layer's head whose budgeted k is not 4; both come from one `select_patterns` call per
     (bucket, layer, head), which reads its covariance once, and each pattern equals a fit of that k alone."""
     import hf_partial_attention.analysis.budget as budget_module
+    import hf_partial_attention.analysis.derive as derive_module
     from hf_partial_attention.analysis.covariance import ScoreCovariance
     from hf_partial_attention.analysis.selection import select_pattern
 
     run = str(tmp_path / "run")
     analyze_windows(minilm3, run, "head", capsys)
     calls = []
-    fit = budget_module.select_patterns
+    fit = derive_module.select_patterns  # the one fit of every derive (`derive._fit`)
 
-    def counted(cov, ks, **kwargs):
+    def counted(cov, ks, *args, **kwargs):
         calls.append((kwargs["layer"], kwargs["head"], tuple(ks)))
-        return fit(cov, ks, **kwargs)
+        return fit(cov, ks, *args, **kwargs)
 
-    monkeypatch.setattr(budget_module, "select_patterns", counted)
-    result = budget_module.derive_budget(run, "k4", granularity="head", objective="fisher")
+    monkeypatch.setattr(derive_module, "select_patterns", counted)
+    result = derive_budget(run, "k4", granularity="head", objective="fisher")
     ks = {int(layer): k for layer, k in result["buckets"][0]["k_per_layer"].items()}
     assert sorted(ks) == [0, 1] and ks[0] != ks[1]
     # layers 0 and 1 at their budgeted k and at 4, layer 2 (outside the budget) at 4 in both sets: one call each

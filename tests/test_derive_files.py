@@ -6,10 +6,9 @@ import os
 import pytest
 import torch
 
-from hf_partial_attention.analysis.budget import derive_budget
 from hf_partial_attention.analysis.covariance import ScoreCovariance
 from hf_partial_attention.analysis.derive_files import bucket_k_suffix, file_tag, keep_previous_rows
-from hf_partial_attention.analysis.layers import derive_layers
+from hf_partial_attention.analysis.derive import derive_budget, derive_layers
 
 
 def _folder(tmp_path, granularity):

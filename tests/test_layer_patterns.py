@@ -384,12 +384,12 @@ def test_length_buckets_per_head_through_the_cli(encoders, tmp_path, capsys):
     sets = load_patterns(path)
     # held-out errors per (layer, head) and bucket: layer 1, head 1's at b = 12 recomputed from its own scores alone
     from hf_partial_attention.analysis.length_eval import PaddedPattern, RealPositionMeter, run_inputs
-    from hf_partial_attention.analysis.lengths import _load_heldout
+    from hf_partial_attention.analysis.lengths import load_heldout_inputs
     from hf_partial_attention.pattern_buckets import bucket_for
 
     row = json.load(open(os.path.join(run, "results.json")))["lengths_per_query_head"]["patterns"][0]
     assert sorted(row["heldout"]) == ["12", "24"] and len(row["heldout_per_group"]["12"]) == len(sets.layers) * 4
-    held = _load_heldout(run)
+    held = load_heldout_inputs(run)
     index = [i for i, t in enumerate(held.lengths.tolist()) if bucket_for([12, 24], t) == 12]
     meter = RealPositionMeter(12, {"own": PaddedPattern(sets.group(1, 1)[12])})
     from hf_partial_attention.analysis.collect import load_model_and_tokenizer

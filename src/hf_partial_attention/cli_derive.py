@@ -60,31 +60,55 @@ def derive_arguments(p):
     p.add_argument("--batch-size", type=int, default=8, help="held-out windows per forward pass")
 
 
-def _run_derive_layers(args, fmt) -> int:
-    from .analysis.layers import derive_layers
+def run_derive(args) -> int:
+    """Map the flags onto one `analysis.derive.DeriveRequest`, run it and print a line per file."""
+    from .analysis.derive import DeriveRequest, derive_patterns
 
-    if args.scope != "per_query":
-        raise ValueError(f"--granularity {args.granularity} fits per-query patterns; drop --scope {args.scope}.")
-    result = derive_layers(args.dir, args.k, granularity=args.granularity, family=args.family,
-                           objective=args.objective, evaluate=not args.no_evaluate, batch_size=args.batch_size,
-                           progress=not args.no_progress)
+    request = DeriveRequest(ks=tuple(args.k), scope=args.scope, family=args.family, objective=args.objective,
+                            granularity=args.granularity, bucket_k=dict(args.bucket_k or ()), saving=args.saving,
+                            budget_layers=args.budget_layers, exact_layers=args.exact_layers,
+                            evaluate=not args.no_evaluate, baselines=not args.no_baselines,
+                            batch_size=args.batch_size, progress=not args.no_progress)
+    for inputs, result in derive_patterns(args.dir, request):
+        if args.saving is not None:
+            _print_budget(result, args.objective)
+            return 0
+        if args.granularity != "pooled":
+            (_print_layer_buckets if inputs == "buckets" else _print_layers)(result, args)
+            return 0
+        (_print_buckets if inputs == "buckets" else _print_windows)(result, args)
+    print(f"Report: {os.path.join(args.dir, 'report.md')}")
+    return 0
+
+
+def _fmt(value) -> str:
+    return "not measured" if value is None else f"{value:.4f}"
+
+
+def _print_windows(result, args) -> None:
+    for row in result["patterns"]:
+        if row["k"] in args.k:  # this run's; the report also lists the folder's earlier ones
+            print(f"k={row['k']}: {row['path']} (predicted error {_fmt(row['predicted'])}, "
+                  f"held-out {_fmt(row.get('heldout'))})")
+
+
+def _print_buckets(result, args) -> None:
+    for entry in result["ks"].values():
+        errors = ", ".join(f"b={r['length']}" + (f" (k={r['k']})" if r["k"] != entry["k"] and not r["exact"] else "")
+                           + ": " + ("exact" if r["exact"] else _fmt(r.get("heldout")))
+                           for r in entry["buckets"])
+        print(f"k={entry['k']}: {entry['path']} (held-out error per bucket {errors})")
+
+
+def _print_layers(result, args) -> None:
     groups = f"{len(result['layers'])} layers" + (f" x {len(result['heads'])} heads" if result["heads"] else "")
     for row in result["patterns"]:
         if row["k"] in args.k:
             print(f"k={row['k']}: {row['path']} (per {args.granularity}, {groups}; held-out error "
-                  f"{fmt(row.get('heldout'))}, the pooled pattern's {fmt(row.get('heldout_pooled_pattern'))})")
-    return 0
+                  f"{_fmt(row.get('heldout'))}, the pooled pattern's {_fmt(row.get('heldout_pooled_pattern'))})")
 
 
-def _run_derive_layer_buckets(args) -> int:
-    from .analysis.layers import derive_layer_buckets
-
-    if args.scope != "per_query":
-        raise ValueError(f"--scope {args.scope} with length buckets: buckets hold per-query patterns; drop --scope.")
-    result = derive_layer_buckets(args.dir, args.k, granularity=args.granularity, family=args.family,
-                                  objective=args.objective, bucket_k=dict(args.bucket_k or ()),
-                                  evaluate=not args.no_evaluate, batch_size=args.batch_size,
-                                  progress=not args.no_progress)
+def _print_layer_buckets(result, args) -> None:
     for row in result["patterns"]:
         if row["k"] in args.k:
             held = row.get("heldout") or {}
@@ -93,16 +117,9 @@ def _run_derive_layer_buckets(args) -> int:
                                for b, e in row["predicted_per_bucket"].items())
             print(f"k={row['k']}: {row['path']} (per {args.granularity}, length buckets; held-out error per bucket "
                   f"{errors})")
-    return 0
 
 
-def _run_derive_budget(args) -> int:
-    from .analysis.budget import derive_budget
-
-    if args.scope != "per_query" or args.bucket_k:
-        raise ValueError("--saving chooses every bucket's k per layer itself: drop --scope and --bucket-k.")
-    result = derive_budget(args.dir, args.saving, granularity=args.granularity, objective=args.objective,
-                           family=args.family, layers=args.budget_layers, exact_layers=args.exact_layers)
+def _print_budget(result, objective: str) -> None:
     for row in result["buckets"]:
         if row["exact"]:
             print(f"b={row['length']}: exact in every layer (the saving asks for k >= b)")
@@ -111,52 +128,6 @@ def _run_derive_budget(args) -> int:
                        for layer, k in row["k_per_layer"].items())
         print(f"b={row['length']}: k per layer {{{ks}}} (uniform {row['uniform_k']}), saving "
               f"{100 * row['saving']:.1f} % (uniform {100 * row['saving_uniform']:.1f} %); predicted "
-              f"{args.objective} error {row['predicted_objective']:.4f} (uniform "
+              f"{objective} error {row['predicted_objective']:.4f} (uniform "
               f"{row['predicted_objective_uniform']:.4f})")
     print(f"budgeted: {result['budget_path']}\nuniform:  {result['uniform_path']}")
-    return 0
-
-
-def run_derive(args) -> int:
-    from .analysis.lengths import bucket_covariance_files, derive_lengths
-    from .analysis.workflow import COVARIANCE_FILE, derive
-
-    buckets = bucket_covariance_files(args.dir)
-    fmt = lambda v: "not measured" if v is None else f"{v:.4f}"  # noqa: E731
-    if args.saving is not None:
-        return _run_derive_budget(args)
-    if args.exact_layers:
-        raise ValueError("--exact-layers leaves layers exact out of a --saving budget: give --saving too.")
-    if args.granularity != "pooled":
-        if buckets:
-            return _run_derive_layer_buckets(args)
-        if args.bucket_k:
-            raise ValueError(f"--bucket-k {args.bucket_k} needs length buckets: {args.dir!r} holds no "
-                             "covariance_len*.safetensors (run `analyze --inputs ...` into it first).")
-        return _run_derive_layers(args, fmt)
-    # the fixed windows first: their per_query_k<k> patterns are what the buckets are compared with
-    if os.path.isfile(os.path.join(args.dir, COVARIANCE_FILE)) or not buckets:
-        result = derive(args.dir, args.k, args.scope, evaluate=not args.no_evaluate, baselines=not args.no_baselines,
-                        batch_size=args.batch_size, progress=not args.no_progress, family=args.family,
-                        objective=args.objective)
-        for row in result["patterns"]:
-            if row["k"] in args.k:  # this run's; the report also lists the folder's earlier ones
-                print(f"k={row['k']}: {row['path']} (predicted error {fmt(row['predicted'])}, "
-                      f"held-out {fmt(row.get('heldout'))})")
-    if args.bucket_k and not buckets:
-        raise ValueError(f"--bucket-k {args.bucket_k} needs length buckets: {args.dir!r} holds no "
-                         "covariance_len*.safetensors (run `analyze --inputs ...` into it first).")
-    if buckets:
-        if args.scope != "per_query":
-            raise ValueError(f"--scope {args.scope} with length buckets: buckets hold per-query patterns; drop "
-                             "--scope or derive from a folder without covariance_len*.safetensors.")
-        result = derive_lengths(args.dir, args.k, family=args.family, objective=args.objective,
-                                evaluate=not args.no_evaluate, batch_size=args.batch_size,
-                                progress=not args.no_progress, bucket_k=dict(args.bucket_k or ()))
-        for entry in result["ks"].values():
-            errors = ", ".join(f"b={r['length']}" + (f" (k={r['k']})" if r["k"] != entry["k"] and not r["exact"] else "")
-                               + ": " + ("exact" if r["exact"] else fmt(r.get("heldout")))
-                               for r in entry["buckets"])
-            print(f"k={entry['k']}: {entry['path']} (held-out error per bucket {errors})")
-    print(f"Report: {os.path.join(args.dir, 'report.md')}")
-    return 0

@@ -30,22 +30,20 @@ import dataclasses
 import logging
 import os
 import re
-import time
 from typing import Any
 
 import torch
 
 from ..cost import score_cost
-from ..pattern_buckets import PatternBuckets
-from ..pattern_layers import LayerPatterns
 from .covariance import ScoreCovariance
-from .derive_files import check_granularity, file_tag
+from .derive_files import PatternSet, Source, check_granularity
+from .folder import COVARIANCE_FILE, load_results
 from .score_metrics import objective_metric
-from .selection import covariance_for, greedy_order, select_patterns
+from .selection import covariance_for, greedy_order
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["parse_saving", "uniform_k", "objective_curve", "allocate", "derive_budget"]
+__all__ = ["parse_saving", "uniform_k", "objective_curve", "allocate", "budget_sets"]
 
 _K_SAVING = re.compile(r"^k(\d+)$")
 
@@ -124,60 +122,59 @@ def _label(saving: str | float) -> str:
     return saving if isinstance(saving, str) else f"{saving:g}"
 
 
-def derive_budget(out: str, saving: str | float, *, granularity: str = "layer", objective: str = "paper",
-                  family: str = "per_query", centered: bool | None = None, layers=None,
-                  layer_weights: dict[int, float] | None = None, name: str | None = None,
-                  exact_layers=None) -> dict[str, Any]:
-    """A k per layer at ``saving`` (module docstring) from the analysis in ``out`` (length buckets when it holds
-    ``covariance_len*``, else the fixed windows' covariance), beside the uniform k at the same saving.
-
-    Args:
-        granularity: ``"layer"`` or ``"head"`` (P and R per layer or per head; the heads of a layer share its k).
-        layers: the layers the budget is spread over (default: every layer but the last, the default partial
-            layers); the others get the uniform k.
-        layer_weights: a positive weight per budget layer that multiplies its error curve, e.g. what a unit of the
-            layer's objective costs at the model's output (`experiments.granularity_layers` measures it); default
-            equal weights.
-        name: the budgeted file's suffix (``..._saving<S>_<name>.safetensors``) and its entry in ``results.json``
-            (``<S>`` for ``"budget"``, ``<S>_<name>`` otherwise), so that a weighted budget sits beside the plain one;
-            default ``"budget"``, or ``"exact<l>"`` (``"exact1and4"``) with ``exact_layers``.
-        exact_layers: budget layers left exact: each costs b·d_h per query row of the same budget (dense attention),
-            and the rest of the budget is spread over the other budget layers. The file holds no P and R for them and
-            records them (``metadata["exact_layers"]``), so that a conversion leaves them out of ``partial_layers``.
-
-    Raises ValueError for the pooled granularity (one P has one k), a covariance collected more coarsely than
-    ``granularity`` and an unreachable saving."""
-    from .workflow import load_results, update_results
-
-    start = time.perf_counter()
-    saving = parse_saving(saving)
-    plan = _plan(out, saving, granularity, layers, layer_weights, exact_layers, name)
-    kwargs = dict(family=family, centered=centered, objective=objective)
+def budget_sets(out: str, req) -> tuple[Source, list[tuple], list[PatternSet], "_Budget"]:
+    """The budget's part of `derive.derive_patterns`: its source, groups and two sets (the budgeted k per layer and
+    the uniform k), each bucket's k per layer allocated from the greedy runs (kept for the fit), and what writes its
+    section."""
+    saving = parse_saving(req.saving)
+    plan = _plan(out, saving, req.granularity, req.budget_layers, req.layer_weights, req.exact_layers, req.name)
     runs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (b, layer, head) -> the greedy's order and path
     chosen: dict[int, dict[int, int]] = {}  # bucket -> layer -> k
-    rows = [_allocate_bucket(plan, b, saving, kwargs, runs, chosen) for b in plan.lengths]
-    tag = file_tag("per_query", family, objective, granularity)
-    sets = _budget_sets(plan, chosen, saving, kwargs, runs)
-    name, windows, lengths = plan.name, plan.windows, plan.lengths
-    os.makedirs(os.path.join(out, "patterns"), exist_ok=True)
-    result: dict[str, Any] = {"saving": saving, "granularity": granularity, "objective": objective, "lengths": lengths,
-                              "layers": plan.model_layers, "budget_layers": plan.budget_layers,
-                              "head_dim": plan.d_head, "buckets": rows, "exact_layers": plan.exact_layers,
-                              "layers_k": {str(layer): sets[name].layer_lengths_k(layer) if layer in sets[name].layers
-                                           else list(lengths) for layer in plan.model_layers},
-                              "layer_weights": None if layer_weights is None else
-                              {str(layer): float(layer_weights[layer]) for layer in plan.budget_layers}}
-    for choice, layer_set in sets.items():
-        path = os.path.join(out, "patterns", f"{'' if windows else 'buckets_'}{tag}_saving{_label(saving)}_{choice}"
-                                             ".safetensors")
-        layer_set.save(path)
-        result[f"{'budget' if choice == name else choice}_path"] = path
-    result["seconds"] = round(time.perf_counter() - start, 1)
-    section = f"budget_{tag}"
-    results = dict(load_results(out).get(section) or {})
-    results[_label(saving) + ("" if name == "budget" else f"_{name}")] = result
-    update_results(out, section, results)
-    return result
+    rows = [_allocate_bucket(plan, b, saving, req.fit, runs, chosen) for b in plan.lengths]
+    uniform = {b: uniform_k(b, plan.d_head, saving) for b in plan.lengths}
+    meta = {"saving": saving, "budget_layers": plan.budget_layers}
+    stem = f"{'' if plan.windows else 'buckets_'}{req.tag}_saving{_label(saving)}"
+    sets = [PatternSet(f"{stem}_{plan.name}", lambda b, layer: chosen[b][layer],
+                       layers=[layer for layer in plan.model_layers if layer not in plan.exact_layers],
+                       # read by `conversion.partial_config`: these layers are left out of partial_layers
+                       meta={**meta, **({"exact_layers": plan.exact_layers} if plan.exact_layers else {}),
+                             "k_choice": plan.name}),
+            PatternSet(f"{stem}_uniform", lambda b, layer: uniform[b], meta={**meta, "k_choice": "uniform"})]
+    source = Source("windows" if plan.windows else "buckets", plan.bucket_cov)
+    groups = [(layer, head) for layer in plan.model_layers for head in plan.heads]
+    return source, groups, sets, _Budget(plan, saving, req, rows, runs, sets)
+
+
+@dataclasses.dataclass
+class _Budget:
+    """The budget's allocation (its rows and greedy runs) and its ``budget_<tag>`` section."""
+
+    plan: "_Plan"
+    saving: str | float
+    req: Any
+    rows: list[dict[str, Any]]
+    orders: dict[tuple, tuple[torch.Tensor, torch.Tensor]]
+    sets: list[PatternSet]
+
+    def write(self, out: str, built: dict, path) -> dict[str, Any]:
+        plan, req, name = self.plan, self.req, self.plan.name
+        budgeted = built[self.sets[0].name]
+        result: dict[str, Any] = {
+            "saving": self.saving, "granularity": req.granularity, "objective": req.objective,
+            "lengths": plan.lengths, "layers": plan.model_layers, "budget_layers": plan.budget_layers,
+            "head_dim": plan.d_head, "buckets": self.rows, "exact_layers": plan.exact_layers,
+            "layers_k": {str(layer): budgeted.layer_lengths_k(layer) if layer in budgeted.layers else list(plan.lengths)
+                         for layer in plan.model_layers},
+            "layer_weights": None if plan.layer_weights is None else
+            {str(layer): float(plan.layer_weights[layer]) for layer in plan.budget_layers}}
+        for s in self.sets:
+            built[s.name].save(path(s))
+            choice = s.meta["k_choice"]
+            result[f"{'budget' if choice == name else choice}_path"] = path(s)
+        section = f"budget_{req.tag}"
+        stored = dict(load_results(out).get(section) or {})
+        stored[_label(self.saving) + ("" if name == "budget" else f"_{name}")] = result
+        return {**result, "_section": section, "_stored": stored}
 
 
 @dataclasses.dataclass
@@ -213,7 +210,6 @@ class _Plan:
 def _plan(out, saving, granularity, layers, layer_weights, exact_layers, name) -> _Plan:
     """The covariances of ``out`` and the budget's layers, each argument checked (a ValueError naming it)."""
     from .lengths import bucket_covariance_files
-    from .workflow import COVARIANCE_FILE
 
     if granularity not in ("layer", "head"):
         raise ValueError(f"--saving gives each layer its own k, which needs P per layer: use --granularity layer or "
@@ -304,45 +300,6 @@ def _allocate_bucket(plan: _Plan, b: int, saving, kwargs, runs: dict, chosen: di
     logger.info("bucket %d: k per layer %s (uniform %d); predicted objective error %.4f (uniform %.4f)", b, ks, k_u,
                 row["predicted_objective"], row["predicted_objective_uniform"])
     return row
-
-
-def _budget_sets(plan: _Plan, chosen, saving, kwargs, runs: dict) -> dict[str, LayerPatterns]:
-    """``{name: the budgeted LayerPatterns, "uniform": the uniform k's}``, each (layer, head, bucket)'s P and R taken
-    from the greedy run the allocation made (`select_patterns(order=...)`), or one run to the k it needs."""
-    lengths, n = plan.lengths, plan.longest.seq_len
-    meta = {"source_model": plan.longest.metadata.get("model"), "source_model_id": plan.longest.metadata.get("model_id"),
-            "granularity": plan.granularity, "objective": kwargs["objective"], "family": kwargs["family"],
-            "saving": saving, "budget_layers": plan.budget_layers, "kind": plan.longest.metadata.get("kind")}
-    if plan.exact_layers:  # read by `conversion.partial_config`: these layers are left out of partial_layers
-        meta["exact_layers"] = plan.exact_layers
-    uniform = {b: uniform_k(b, plan.d_head, saving) for b in lengths}
-    choices = ((plan.name, lambda b, layer: chosen[b][layer]), ("uniform", lambda b, layer: uniform[b]))
-    # every k each (bucket, layer, head) needs in either set, fitted by one call (one read of its covariance)
-    wanted: dict[tuple, set[int]] = {}
-    for choice, k_of in choices:
-        for layer in plan.model_layers:
-            for b in lengths:
-                if k_of(b, layer) < b:
-                    for head in plan.heads:
-                        wanted.setdefault((b, layer, head), set()).add(k_of(b, layer))
-    fitted = {key: select_patterns(plan.bucket_cov[key[0]], sorted(ks), layer=key[1], head=key[2],
-                                   order=runs.get(key), **kwargs) for key, ks in wanted.items()}
-
-    def pattern(b: int, layer: int, head, k: int):
-        return fitted[(b, layer, head)][k]
-
-    sets = {}
-    for choice, k_of in choices:
-        def group(layer: int, head: int | None) -> PatternBuckets:
-            by_bucket = {b: pattern(b, layer, head, k_of(b, layer)) for b in lengths if k_of(b, layer) < b}
-            return PatternBuckets(by_bucket, [b for b in lengths if k_of(b, layer) >= b], k=by_bucket[n].k)
-        kept = [layer for layer in plan.model_layers if choice == "uniform" or layer not in plan.exact_layers]
-        sets[choice] = LayerPatterns({layer: group(layer, None) if plan.granularity == "layer" else
-                                      [group(layer, head) for head in plan.heads] for layer in kept},
-                                     metadata={**{key: v for key, v in meta.items()
-                                                  if choice != "uniform" or key != "exact_layers"},
-                                               "k_choice": choice, "lengths": lengths})
-    return sets
 
 
 def _total_objective(cov: ScoreCovariance, layer: int, heads, kwargs) -> torch.Tensor:

@@ -5,7 +5,7 @@ With P_i fitted for n positions, a query i < t of a t-token input has exact scor
 estimate U = [0, t) \\ P_i; the keys >= t do not exist. The linear MMSE estimate of a_U from a_S is
 ``R_i(t) = C_US C_SS⁻¹`` (plus ``μ_U − R μ_S`` when centred), the same eq. 7 on the sub-blocks of Q^i. The model
 runs instead the R of n with zeros for the missing keys (the zero fill); this is what an exact treatment of the
-missing keys would give, measured beside it by `lengths.derive_lengths`.
+missing keys would give, measured beside it by `derive.derive_lengths`.
 """
 
 from __future__ import annotations

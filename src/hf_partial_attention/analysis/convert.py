@@ -28,7 +28,7 @@ def convert(pattern_path: str, out_dir: str, model: Any = None, *, reconstructio
     run in (a decoder, DeBERTa-v2, MPNet, ...) is refused before anything is written (`UnsupportedModelError`).
 
     ``pattern_path`` is a single pattern (`AttentionPattern`, installed as it is) or length buckets
-    (`PatternBuckets`, ``patterns/buckets_k<k>.safetensors`` of `lengths.derive_lengths`: passed whole to
+    (`PatternBuckets`, ``patterns/buckets_k<k>.safetensors`` of `derive.derive_lengths`: passed whole to
     ``from_source``); the checks, the card's pattern facts and n are those of its longest bucket. A per-layer file
     (`LayerPatterns`, ``derive --granularity layer`` or ``head``) gives each partial layer (or head) its own P and
     R (the first group's stand for the set in the checks and the card). ``reconstruction``: ``"common"`` by default, ``"per_layer"``

@@ -1,14 +1,96 @@
-"""What every `derive` writes alike, in one place: the tag in its file and section names, the check that the
-analysis was collected finely enough for the granularity asked, the k range, and the report rows kept from an earlier
-derive into the same folder. Used by `workflow.derive` (pooled), `lengths.derive_lengths` (buckets),
-`layers.derive_layers` / `derive_layer_buckets` (per layer or head) and `budget.derive_budget` (a k per layer)."""
+"""What every part of `derive.derive_patterns` shares, in one place: the request (`DeriveRequest`, every axis), the
+covariances a run fits on (`Source`) and the files it writes (`PatternSet`); the tag in its file and section names,
+the check that the analysis was collected finely enough for the granularity asked, the k range, and the report rows
+kept from an earlier derive into the same folder. Used by `derive` and by its parts for the pooled fixed windows
+(`derive_windows`), the pooled buckets (`lengths`), groups (`layers`) and a budget over layers (`budget`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
-__all__ = ["file_tag", "bucket_k_suffix", "check_granularity", "check_ks", "keep_previous_rows"]
+from .covariance import ScoreCovariance
+
+__all__ = ["DeriveRequest", "Source", "PatternSet", "file_tag", "bucket_k_suffix", "check_granularity", "check_ks",
+           "keep_previous_rows"]
+
+Group = tuple  # (layer or None, head or None): (None, None) is the pooled group
+
+
+@dataclasses.dataclass
+class DeriveRequest:
+    """What to derive: every axis of ``hf-partial-attention derive`` (its flags' names).
+
+    ``inputs``: ``"windows"`` (``covariance.safetensors``), ``"buckets"`` (``covariance_len*``) or ``"auto"`` (the
+    command line's choice: the buckets when the folder has them, and, pooled, the fixed windows first when it has
+    them too, since the buckets' report compares with their patterns). ``batch_size``: held-out inputs per forward
+    pass (default 8 windows, 16 bucketed inputs). The budget's fields (``saving`` .. ``name``) are
+    `derive.derive_budget`'s."""
+
+    ks: Sequence[int] = ()
+    scope: str = "per_query"
+    family: str = "per_query"
+    objective: str = "paper"
+    granularity: str = "pooled"
+    bucket_k: Mapping[int, int] | None = None
+    saving: str | float | None = None
+    budget_layers: Sequence[int] | None = None
+    exact_layers: Sequence[int] | None = None
+    layer_weights: Mapping[int, float] | None = None
+    name: str | None = None
+    centered: bool | None = None
+    evaluate: bool = True
+    baselines: bool = True
+    batch_size: int | None = None
+    progress: bool = True
+    seed: int = 0
+    section: str | None = None
+    curve_scopes: Sequence[str] | None = None
+    inputs: str = "auto"
+
+    @property
+    def fit(self) -> dict[str, Any]:
+        """The greedy's and R's arguments, the same for every group."""
+        return dict(family=self.family, centered=self.centered, objective=self.objective)
+
+    @property
+    def tag(self) -> str:
+        return file_tag(self.scope, self.family, self.objective, self.granularity)
+
+
+@dataclasses.dataclass
+class Source:
+    """The covariances one run fits on: ``{b: covariance}``, the buckets' or the fixed windows' one (b = n)."""
+
+    kind: str  # "windows" | "buckets"
+    covs: dict[int, ScoreCovariance]
+
+    @property
+    def lengths(self) -> list[int]:
+        return list(self.covs)
+
+    @property
+    def n(self) -> int:
+        return max(self.covs)
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return self.covs[self.n].metadata
+
+
+@dataclasses.dataclass
+class PatternSet:
+    """One file: its name, the k of each (bucket, layer) (``k >= b``: exact in that bucket), the layers it holds (a
+    budget's exact layers are left out) and what its metadata adds."""
+
+    name: str
+    k_of: Callable[[int, int | None], int]
+    k: int | None = None
+    layers: list[int] | None = None
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)  # the file's own, beside the source's
+
 
 
 def bucket_k_suffix(bucket_k: Mapping[int, int] | None) -> str:

@@ -5,9 +5,9 @@ length: each input of T tokens goes to the smallest bucket b >= T, is padded to 
 and its scores enter that bucket's per-query covariance with its rows i >= T left out and its keys >= T zero
 (`ScoreCovariance.update(..., lengths=...)`). Held out: every ``heldout_every``-th document.
 
-`derive_lengths` fits, for each k, the greedy P and optimal R of every bucket with b > k (buckets with b <= k run
-exactly) into one `PatternBuckets` file, and measures each bucket on its held-out inputs at real positions beside
-two other treatments of the same inputs: the zero fill of a fixed-window pattern of n (what a single-bucket model
+`derive.derive_lengths` fits, for each k, the greedy P and optimal R of every bucket with b > k (buckets with b <= k
+run exactly) into one `PatternBuckets` file, and `record_buckets` measures each bucket on its held-out inputs at real
+positions beside two other treatments of the same inputs: the zero fill of a fixed-window pattern of n (what a single-bucket model
 runs) and the conditional R (`conditional`) of the n-window covariance and of the bucket's own.
 
 Folder layout (beside `workflow`'s): ``covariance_len{b}.safetensors``, ``heldout_inputs.safetensors``,
@@ -23,7 +23,6 @@ import logging
 import os
 import re
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -31,22 +30,22 @@ from safetensors.torch import load_file, save_file
 
 from ..cost import score_cost
 from ..pattern import AttentionPattern
-from ..pattern_buckets import PatternBuckets, bucket_for, check_lengths
+from ..pattern_buckets import bucket_for, check_lengths
 from . import plots
 from .collect import display_name, hub_id, load_model_and_tokenizer, model_shape
 from .conditional import ConditionalReconstructor
 from .corpus import split_heldout
 from .covariance import ScoreCovariance
-from .derive_files import bucket_k_suffix, check_ks, file_tag
+from .derive_files import bucket_k_suffix, file_tag
 from .fit_checks import check_seq_len, fit_size_warning
+from .folder import update_results
 from .inputs import DEFAULT_PAIR_COLUMNS, TokenizedInputs, flatten, load_inputs, tokenize_inputs
 from .length_eval import PaddedPattern, RealPositionMeter, run_inputs
-from .selection import select_patterns
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_LENGTHS", "default_lengths", "analyze_lengths", "derive_lengths", "bucket_k_suffix",
-           "bucket_covariance_files", "HELDOUT_INPUTS_FILE"]
+__all__ = ["DEFAULT_LENGTHS", "default_lengths", "analyze_lengths", "record_buckets", "bucket_k_suffix",
+           "bucket_covariance_files", "load_heldout_inputs", "HELDOUT_INPUTS_FILE"]
 
 DEFAULT_LENGTHS = (16, 32, 64, 128)
 HELDOUT_INPUTS_FILE = "heldout_inputs.safetensors"
@@ -161,8 +160,6 @@ def analyze_lengths(model: Any, inputs: Any = None, out: str = "runs/lengths", *
                "fit_documents": len(fit_docs), "heldout_documents": len(held_docs), "granularity": granularity,
                "centered": centered, "head_dim": head_dim, **_length_summary(fit, held, lengths, kind, out),
                "seconds": round(time.perf_counter() - start, 1)}
-    from .workflow import update_results
-
     update_results(out, section, summary)
     return summary
 
@@ -201,7 +198,7 @@ def _is_documents(inputs: Any) -> bool:
     return isinstance(inputs, list) and bool(inputs) and all(isinstance(d, list) for d in inputs)
 
 
-def _load_heldout(out: str) -> TokenizedInputs | None:
+def load_heldout_inputs(out: str) -> TokenizedInputs | None:
     path = os.path.join(out, HELDOUT_INPUTS_FILE)
     if not os.path.isfile(path):
         return None
@@ -225,55 +222,30 @@ def _windows_reference(out: str, tag: str, k: int, centered: bool | None):
     return pattern, conditional
 
 
-def derive_lengths(out: str, ks, *, family: str = "per_query", objective: str = "paper",
-                   centered: bool | None = None, evaluate: bool = True, batch_size: int = 16, progress: bool = True,
-                   section: str = "derive_lengths", bucket_k: Mapping[int, int] | None = None) -> dict:
-    """For each k: P and R of every bucket of ``out`` (b > k; b <= k exact) in ``patterns/buckets_k{k}.safetensors``,
-    each bucket's held-out error at real positions in its metadata (``heldout_normalized_error``), and, on the same
-    inputs, the zero fill of the fixed-window pattern of n (``patterns/per_query_k{k}.safetensors``, when `derive`
-    wrote one into ``out``) and the conditional R (`conditional`) of the n-window and of the bucket covariance.
-
-    ``family``, ``objective``, ``centered``: as in `workflow.derive` (each bucket's greedy). ``bucket_k``: ``{b: k_b}``,
-    a bucket (not the longest) that takes k_b instead of each k (``partial_lengths_k``); the files are then named
-    ``buckets_k{k}_b{b}k{k_b}``."""
-    start = time.perf_counter()
-    files = bucket_covariance_files(out)
-    if not files:
-        raise ValueError(f"{out!r} holds no covariance_len*.safetensors; run `analyze --inputs ...` into it first.")
-    ks = check_ks(ks, max(files), out, "the longest bucket")
-    covs = {b: ScoreCovariance.load(p) for b, p in files.items()}
-    lengths = list(covs)
-    bucket_k = {int(b): int(k) for b, k in (bucket_k or {}).items()}
-    bad = {b: k for b, k in bucket_k.items() if b not in lengths[:-1] or not 1 <= k <= b}
-    if bad:
-        raise ValueError(f"bucket_k={bad}: each entry must be a bucket of {lengths[:-1]} (not the longest, whose k is "
-                         "--k) with its k in [1, b]; give e.g. {64: 24}.")
-    k_of = lambda b, k: bucket_k.get(b, k)  # noqa: E731
-    meta = next(iter(covs.values())).metadata
+def record_buckets(out: str, covs: dict[int, ScoreCovariance], sets, built: dict, fitted: dict, req, path) -> dict:
+    """The pooled buckets' files and section (`derive.derive_patterns`): each k's `PatternBuckets` and, per bucket,
+    its predicted error and, on the held-out inputs, its error at real positions beside the zero fill of the
+    fixed-window pattern and the conditional R's."""
+    lengths, meta = list(covs), covs[max(covs)].metadata
     d_head = meta.get("head_dim")
-    fitted: dict[int, dict[int, AttentionPattern]] = {}
-    for b, cov in covs.items():
-        wanted = sorted({k_of(b, k) for k in ks if k_of(b, k) < b})
-        if wanted and (warning := fit_size_warning(cov.num_sequences, b)):
-            logger.warning("Bucket %d: %s", b, warning)
-        if wanted:
-            fitted[b] = select_patterns(cov, wanted, family=family, centered=centered, objective=objective,
-                                        metadata={"bucket": b, "num_inputs": cov.num_sequences})
-    held = _load_heldout(out) if evaluate else None
+    by_bucket: dict[int, dict[int, AttentionPattern]] = {}
+    for (b, _, _), patterns in fitted.items():
+        by_bucket[b] = patterns
+    held = load_heldout_inputs(out) if req.evaluate else None
     held_bucket, measured = None, {}
     if held is not None and len(held):
-        references = {k: _windows_reference(out, file_tag("per_query", family, objective), k, centered)
-                      for k in {*ks, *bucket_k.values()}}
-        held_bucket, measured = _measure_buckets(meta, held, lengths, fitted, covs, references, centered, batch_size,
-                                                 progress)
-    os.makedirs(os.path.join(out, "patterns"), exist_ok=True)
-    result: dict[str, Any] = {"lengths": lengths, "head_dim": d_head, "family": family, "objective": objective,
-                              "kind": meta.get("kind"), "ks": {}}
-    for k in ks:
+        bucket_k = req.bucket_k or {}
+        references = {k: _windows_reference(out, file_tag("per_query", req.family, req.objective), k, req.centered)
+                      for k in {*(s.k for s in sets), *bucket_k.values()}}
+        held_bucket, measured = _measure_buckets(meta, held, lengths, by_bucket, covs, references, req.centered,
+                                                 req.batch_size or 16, req.progress)
+    result: dict[str, Any] = {"lengths": lengths, "head_dim": d_head, "family": req.family,
+                              "objective": req.objective, "kind": meta.get("kind"), "ks": {}}
+    for s in sets:
         rows = []
         for b, cov in covs.items():
-            kb = k_of(b, k)
-            pattern = fitted.get(b, {}).get(kb)
+            kb = s.k_of(b, None)
+            pattern = by_bucket.get(b, {}).get(kb) if kb < b else None
             row = {"length": b, "k": min(kb, b), "exact": pattern is None, "fit_inputs": cov.num_sequences,
                    "median_length": cov.metadata.get("median_length"),
                    "relative_cost": 1.0 if pattern is None or not d_head else score_cost(b, kb, d_head).relative,
@@ -282,22 +254,11 @@ def derive_lengths(out: str, ks, *, family: str = "per_query", objective: str = 
                 row["heldout_inputs"] = int((held_bucket == b).sum())
             if (b, kb) in measured:
                 row.update(measured[(b, kb)])
-                pattern.metadata.update(heldout_normalized_error=row["heldout"],
-                                        heldout_inputs=row["heldout_inputs"])
+                pattern.metadata.update(heldout_normalized_error=row["heldout"], heldout_inputs=row["heldout_inputs"])
             rows.append(row)
-        buckets = PatternBuckets({b: p[k_of(b, k)] for b, p in fitted.items() if k_of(b, k) in p},
-                                 [b for b in lengths[:-1] if k_of(b, k) >= b], k=k,
-                                 metadata={"source_model": meta.get("model", ""),
-                                           "source_model_id": meta.get("model_id", ""), "kind": meta.get("kind"),
-                                           "lengths": lengths, "family": family, "objective": objective,
-                                           "num_inputs": {str(b): c.num_sequences for b, c in covs.items()}})
-        path = os.path.join(out, "patterns", f"buckets_k{k}{bucket_k_suffix(bucket_k)}.safetensors")
-        buckets.save(path)
-        result["ks"][str(k)] = {"k": k, "lengths_k": buckets.lengths_k, "path": path, "buckets": rows}
-    result["seconds"] = round(time.perf_counter() - start, 1)
-    from .workflow import update_results
-
-    update_results(out, section, result)
+        built[s.name].save(path(s))
+        result["ks"][str(s.k)] = {"k": s.k, "lengths_k": built[s.name].lengths_k, "path": path(s), "buckets": rows}
+    result["_section"] = req.section or "derive_lengths"
     return result
 
 
