@@ -173,8 +173,9 @@ class _Budget:
             result[f"{'budget' if choice == name else choice}_path"] = path(s)
         section = f"budget_{req.tag}"
         stored = dict(load_results(out).get(section) or {})
-        stored[_label(self.saving) + ("" if name == "budget" else f"_{name}")] = result
-        return {**result, "_section": section, "_stored": stored}
+        stored[_label(self.saving) + ("" if name == "budget" else f"_{name}")] = result  # its run time added later
+        result.update(_section=section, _stored=stored)
+        return result
 
 
 @dataclasses.dataclass

@@ -7,7 +7,7 @@ derive-*: written at commit c1cdbf3, when `derive` was five functions, one per c
 Run from a checkout of that commit: ``python tests/data/golden/make_derive_golden.py tests/data/golden/derive``.
 The test builds the same analysis folders with `build_folders` (one thread, so that the covariances are the same bit
 for bit) and runs `COMMANDS` in them; the golden keeps each command's printed lines, the pattern files and
-results.json (folder paths written as ``<out>``, run times left out)."""
+results.json (the temporary folder written as ``<root>``, run times as ``"<seconds>"``)."""
 import contextlib
 import io
 import json
@@ -87,8 +87,8 @@ def run_commands(root: str) -> list[str]:
 
 
 def _strip(value, root: str):
-    if isinstance(value, dict):
-        return {k: _strip(v, root) for k, v in value.items() if k != "seconds"}
+    if isinstance(value, dict):  # a run time is kept as its key only
+        return {k: "<seconds>" if k == "seconds" else _strip(v, root) for k, v in value.items()}
     if isinstance(value, list):
         return [_strip(v, root) for v in value]
     if isinstance(value, str):
@@ -97,7 +97,7 @@ def _strip(value, root: str):
 
 
 def read_outputs(root: str) -> dict:
-    """What the golden keeps of the folders under ``root``: ``{"<folder>/results.json": results without run times,
+    """What the golden keeps of the folders under ``root``: ``{"<folder>/results.json": results (run times as a mark),
     "<folder>/patterns/<file>": (tensors, metadata)}``, ``root`` written as ``<root>`` (JSON metadata parsed)."""
     from safetensors import safe_open
 
