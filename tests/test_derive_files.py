@@ -63,3 +63,20 @@ def test_rows_of_an_earlier_derive_stay_while_their_files_remain(tmp_path):
     assert keep_previous_rows(previous, rows, [1, 4]) == [{"k": 1, "path": "new"}, {"k": 2, "path": str(kept)},
                                                          {"k": 4, "path": "new"}]
     assert keep_previous_rows(None, rows, [1, 4]) is rows
+
+
+def test_a_request_names_its_inputs_and_a_budget_chooses_its_own(tmp_path):
+    """`DeriveRequest.inputs` is one of the three sources (a typo would otherwise read as the buckets), and a budget,
+    which fits on the buckets when the folder has them, refuses a source named for it; both before anything is
+    written."""
+    from hf_partial_attention.analysis.derive import DeriveRequest, derive_patterns
+
+    out = _folder(tmp_path, "layer")
+    with pytest.raises(ValueError, match="inputs must be 'auto', 'windows' or 'buckets', got 'window'"):
+        derive_patterns(out, DeriveRequest(ks=(4,), inputs="window"))
+    with pytest.raises(ValueError, match="inputs='windows' with a saving: .* leave inputs='auto'"):
+        derive_patterns(out, DeriveRequest(saving="k4", granularity="layer", inputs="windows"))
+    assert not os.path.isdir(os.path.join(out, "patterns"))
+    [(source, result)] = derive_patterns(out, DeriveRequest(ks=(4,), granularity="layer", inputs="windows",
+                                                            evaluate=False))
+    assert source == "windows" and [row["k"] for row in result["patterns"]] == [4]

@@ -28,7 +28,7 @@ def derived(tmp_path_factory, minilm_path):
     maker = _maker()
     root = str(tmp_path_factory.mktemp("derive_golden"))
     maker.build_folders(root, minilm_path)
-    return maker.run_commands(root), maker.read_outputs(root), maker.read_outputs(GOLDEN)
+    return maker.run_commands(root), maker.read_outputs(root), maker.read_outputs(GOLDEN), os.path.join(root, "windows")
 
 
 def _close(a, b, where: str) -> None:
@@ -50,13 +50,13 @@ def _close(a, b, where: str) -> None:
 
 
 def test_every_derive_prints_what_it_printed(derived):
-    printed, _, _ = derived
+    printed = derived[0]
     with open(os.path.join(GOLDEN, "printed.txt")) as f:
         assert printed == f.read().splitlines()
 
 
 def test_every_derive_writes_the_same_files_and_results(derived):
-    _, now, golden = derived
+    _, now, golden, _ = derived
     assert sorted(now) == sorted(golden)
     for path, value in golden.items():
         if path.endswith("results.json"):
@@ -71,3 +71,28 @@ def test_every_derive_writes_the_same_files_and_results(derived):
             else:
                 assert torch.equal(new_tensors[key], t), f"{path}: {key}"
         _close(new_meta, meta, f"{path} metadata")
+
+
+def test_the_python_request_of_the_usage_page_runs_as_printed(derived, tmp_path, monkeypatch, capsys):
+    """docs/usage.md's `DeriveRequest` snippet on a copy of the per-head windows folder (k3 for k16: n = 8 here): it
+    prints the budgeted file, which holds every layer's P and R per head at the ks it reports."""
+    import re
+    import shutil
+
+    from hf_partial_attention.pattern_layers import LayerPatterns
+
+    root = os.path.dirname(GOLDEN)
+    usage = open(os.path.join(root, "..", "..", "..", "docs", "usage.md"), encoding="utf-8").read()
+    snippet = re.search(r"```python\n(from hf_partial_attention.analysis.derive import .*?)```", usage, re.S).group(1)
+    folder = tmp_path / "runs" / "h"
+    shutil.copytree(derived[3], folder)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(snippet.replace('"k16"', '"k3"'), "usage.md", "exec"), {})
+    source, path, ks = capsys.readouterr().out.split(" ", 2)
+    assert source == "windows" and path == "runs/h/patterns/per_query_fisher_head_savingk3_budget.safetensors"
+    layers = LayerPatterns.load(path)
+    assert layers.metadata["granularity"] == "head" and layers.metadata["objective"] == "fisher"
+    by_layer = json.loads(ks.strip().replace("'", '"'))[0]
+    assert {int(layer) for layer in by_layer} == {0, 1}  # the budget layers: all but the last
+    for layer, k in by_layer.items():
+        assert layers.group(int(layer), 1).lengths_k == [k]  # head 1 of that layer at its k

@@ -180,6 +180,11 @@ def derive_patterns(out: str, request: DeriveRequest) -> list[tuple[str, dict[st
 
 def _kinds(out: str, req: DeriveRequest) -> list[str]:
     """The sources to run, in order; the combinations that cannot run refused in one line."""
+    if req.inputs not in ("auto", "windows", "buckets"):
+        raise ValueError(f"inputs must be 'auto', 'windows' or 'buckets', got {req.inputs!r}.")
+    if req.saving is not None and req.inputs != "auto":
+        raise ValueError(f"inputs={req.inputs!r} with a saving: a budget fits on the length buckets when the folder "
+                         "has them, else on the fixed windows; leave inputs='auto'.")
     if req.inputs != "auto":
         return [req.inputs]
     buckets = bool(bucket_covariance_files(out))
