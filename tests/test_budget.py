@@ -221,8 +221,6 @@ def test_exact_layers_pay_dense_cost_out_of_the_budget(minilm3, tmp_path, capsys
     assert model.config.partial_layers == [0] and model.get_pattern(0, head=3).k == 9
     with pytest.raises(ValueError, match="not a partial layer"):
         model.get_pattern(1, head=3)
-    import hf_partial_attention.analysis.budget as budget_module
-
     with pytest.raises(ValueError, match=r"Layers \[1\] exact take 512 of it: leave fewer layers exact"):
         derive_budget(run, "k4", granularity="head", exact_layers=[1])
     for bad in ([0, 1], [2]):
@@ -237,7 +235,6 @@ def test_each_groups_patterns_are_fitted_by_one_call_and_equal_a_fit_of_their_ow
     """`derive --saving k4 --granularity head` on MiniLM's first 3 layers (b = 16): the budgeted and the uniform sets
     need two ks of a budget layer's head whose budgeted k is not 4; both come from one `select_patterns` call per
     (bucket, layer, head), which reads its covariance once, and each pattern equals a fit of that k alone."""
-    import hf_partial_attention.analysis.budget as budget_module
     import hf_partial_attention.analysis.derive as derive_module
     from hf_partial_attention.analysis.covariance import ScoreCovariance
     from hf_partial_attention.analysis.selection import select_pattern
