@@ -127,9 +127,9 @@ def derive_budget(out: str, saving: str | float, *, granularity: str = "layer", 
                   family: str = "per_query", centered: bool | None = None, layers=None,
                   layer_weights: dict[int, float] | None = None, name: str | None = None,
                   exact_layers=None) -> dict[str, Any]:
-    """A k per layer at ``saving`` (module docstring) from the analysis in ``out`` (length buckets when it holds
-    ``covariance_len*``, else the fixed windows' covariance), beside the uniform k at the same saving (the budget's
-    run of `derive.derive_patterns`).
+    """A k per layer at ``saving`` (`budget`'s module docstring) from the analysis in ``out`` (length buckets when it
+    holds ``covariance_len*``, else the fixed windows' covariance), beside the uniform k at the same saving (the
+    budget's run of `derive.derive_patterns`).
 
     Args:
         granularity: ``"layer"`` or ``"head"`` (P and R per layer or per head; the heads of a layer share its k).
