@@ -36,7 +36,7 @@ from .derive_windows import checked_ks, curve_ks, record_windows
 from .fit_checks import fit_size_warning
 from .folder import COVARIANCE_FILE, update_results
 from .layers import record_groups
-from .lengths import bucket_covariance_files, record_buckets
+from .lengths import HELDOUT_INPUTS_FILE, bucket_covariance_files, record_buckets
 from .selection import select_patterns
 
 logger = logging.getLogger(__name__)
@@ -168,7 +168,7 @@ def derive_patterns(out: str, request: DeriveRequest) -> list[tuple[str, dict[st
     results = []
     for kind, start, source, groups, sets, record in plans:
         start = start or time.perf_counter()
-        fitted = _fit(source, groups, sets, request, getattr(record, "orders", None))
+        fitted = _fit(out, source, groups, sets, request, getattr(record, "orders", None))
         built = {s.name: _build(source, groups, s, fitted, request, form=_form(source, request)) for s in sets}
         result = _record(out, source, groups, sets, built, fitted, request, record)
         result["seconds"] = round(time.perf_counter() - start, 1)
@@ -275,14 +275,17 @@ def _form(source: Source, req: DeriveRequest) -> str:
     return "pattern" if source.kind == "windows" and req.saving is None else "buckets"
 
 
-def _fit(source: Source, groups: list[Group], sets: list[PatternSet], req: DeriveRequest,
+def _fit(out: str, source: Source, groups: list[Group], sets: list[PatternSet], req: DeriveRequest,
          orders: dict | None) -> dict[tuple, dict[int, Any]]:
     """``{(b, layer, head): {k: pattern}}``: every k any set needs of each (bucket, group), from one greedy run per
     (bucket, group) (``orders``: runs already made, by the budget's allocation). Beside the groups, the pooled
-    pattern at the same k on the same covariance (what a layer's or head's own is compared with); on the pooled
-    fixed windows, the error curve's ks too (the greedy is nested: one run gives both)."""
+    pattern at the same k on the same covariance (what a layer's or head's own is compared with: in the report's
+    predicted errors on the fixed windows, and in the held-out measure on buckets); on the pooled fixed windows, the
+    error curve's ks too (the greedy is nested: one run gives both)."""
     wanted: dict[tuple, set[int]] = {}
     form = _form(source, req)
+    reference = req.saving is None and (form == "pattern" or (
+        req.evaluate and os.path.isfile(os.path.join(out, HELDOUT_INPUTS_FILE))))
     for s in sets:
         for b in source.lengths:
             for layer, head in groups:
@@ -291,7 +294,7 @@ def _fit(source: Source, groups: list[Group], sets: list[PatternSet], req: Deriv
                 k = s.k_of(b, layer)
                 if form == "pattern" or k < b:
                     wanted.setdefault((b, layer, head), set()).add(k)
-                    if layer is not None and req.saving is None and (form == "pattern" or req.evaluate):
+                    if layer is not None and reference:
                         wanted.setdefault((b, None, None), set()).add(k)
     scope = req.scope
     if source.kind == "windows" and groups == [(None, None)]:

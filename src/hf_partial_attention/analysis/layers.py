@@ -77,21 +77,18 @@ def record_groups(out: str, source, groups: list[tuple], sets, built: dict, fitt
     (``derive_<tag>``) each set's predicted error per group and weighted over them, beside the pooled pattern's, and
     the held-out errors on the analysis' windows; on length buckets (``lengths_<tag>``) the same per bucket, held out
     at real positions."""
-
     tag, ks, n = req.tag, [s.k for s in sets], source.n
     if source.kind == "buckets":
         lengths = source.lengths
+        variances = {b: {g: cov.total_variance(layer=g[0], head=g[1], centered=req.centered) for g in groups}
+                     for b, cov in source.covs.items()}
         rows = []
         for s in sets:
             predicted = {}
             for b in lengths:
-                if s.k_of(b, None) >= b:
-                    predicted[str(b)] = 0.0
-                    continue
-                cov = source.covs[b]
-                var = {g: cov.total_variance(layer=g[0], head=g[1], centered=req.centered) for g in groups}
-                predicted[str(b)] = _weighted({g: fitted[(b, *g)][s.k_of(b, None)].normalized_error for g in groups},
-                                              var)
+                k = s.k_of(b, None)
+                predicted[str(b)] = 0.0 if k >= b else _weighted(
+                    {g: fitted[(b, *g)][k].normalized_error for g in groups}, variances[b])
             rows.append({"k": s.k, "path": path(s), "lengths_k": [s.k_of(b, None) for b in lengths],
                          "predicted_per_bucket": predicted, "_sets": built[s.name]})
         if req.evaluate:
