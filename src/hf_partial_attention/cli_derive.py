@@ -85,17 +85,24 @@ def _fmt(value) -> str:
     return "not measured" if value is None else f"{value:.4f}"
 
 
+def _deficient(result, b=None) -> str:
+    """The mark of a window length (None: the fixed windows' n) whose covariance is rank-deficient
+    (`derive._rank_deficient`), or ""."""
+    found = result.get("rank_deficient") or []
+    return " (rank-deficient: fewer windows than n)" if (found if b is None else int(b) in found) else ""
+
+
 def _print_windows(result, args) -> None:
     for row in result["patterns"]:
         if row["k"] in args.k:  # this run's; the report also lists the folder's earlier ones
             print(f"k={row['k']}: {row['path']} (predicted error {_fmt(row['predicted'])}, "
-                  f"held-out {_fmt(row.get('heldout'))})")
+                  f"held-out {_fmt(row.get('heldout'))}){_deficient(result)}")
 
 
 def _print_buckets(result, args) -> None:
     for entry in result["ks"].values():
         errors = ", ".join(f"b={r['length']}" + (f" (k={r['k']})" if r["k"] != entry["k"] and not r["exact"] else "")
-                           + ": " + ("exact" if r["exact"] else _fmt(r.get("heldout")))
+                           + ": " + ("exact" if r["exact"] else _fmt(r.get("heldout")) + _deficient(result, r["length"]))
                            for r in entry["buckets"])
         print(f"k={entry['k']}: {entry['path']} (held-out error per bucket {errors})")
 
@@ -105,7 +112,8 @@ def _print_layers(result, args) -> None:
     for row in result["patterns"]:
         if row["k"] in args.k:
             print(f"k={row['k']}: {row['path']} (per {args.granularity}, {groups}; held-out error "
-                  f"{_fmt(row.get('heldout'))}, the pooled pattern's {_fmt(row.get('heldout_pooled_pattern'))})")
+                  f"{_fmt(row.get('heldout'))}, the pooled pattern's {_fmt(row.get('heldout_pooled_pattern'))})"
+                  f"{_deficient(result)}")
 
 
 def _print_layer_buckets(result, args) -> None:
@@ -113,7 +121,7 @@ def _print_layer_buckets(result, args) -> None:
         if row["k"] in args.k:
             held = row.get("heldout") or {}
             errors = ", ".join(f"b={b}: " + (f"{held[b]:.4f} (pooled pattern {row['heldout_pooled_pattern'][b]:.4f})"
-                                             if b in held else f"predicted {e:.4f}")
+                                             if b in held else f"predicted {e:.4f}") + _deficient(result, b)
                                for b, e in row["predicted_per_bucket"].items())
             print(f"k={row['k']}: {row['path']} (per {args.granularity}, length buckets; held-out error per bucket "
                   f"{errors})")
@@ -129,5 +137,5 @@ def _print_budget(result, objective: str) -> None:
         print(f"b={row['length']}: k per layer {{{ks}}} (uniform {row['uniform_k']}), saving "
               f"{100 * row['saving']:.1f} % (uniform {100 * row['saving_uniform']:.1f} %); predicted "
               f"{objective} error {row['predicted_objective']:.4f} (uniform "
-              f"{row['predicted_objective_uniform']:.4f})")
+              f"{row['predicted_objective_uniform']:.4f}){_deficient(result, row['length'])}")
     print(f"budgeted: {result['budget_path']}\nuniform:  {result['uniform_path']}")

@@ -77,20 +77,42 @@ def solve_reconstruction(
     return recon, bias, error
 
 
+# A C_PP whose eigenvalues fall below SPECTRAL_RTOL times its largest is rank-deficient as far as the covariance can
+# tell: covariances are sums of float32 scores, which resolve ~1e-7 of their scale, and one fitted on fewer windows
+# than n has exact null directions that roundoff fills with noise. R is then the minimum-norm solution: those
+# directions are left out (they carry at most SPECTRAL_RTOL of C_PP's variance), so R does not depend on the noise.
+SPECTRAL_RTOL = 1e-6
+# Problems whose smallest Cholesky pivot² is below this fraction of their largest (ill-conditioned or rank-deficient)
+# are solved through C_PP's eigendecomposition to apply SPECTRAL_RTOL; the others keep the Cholesky solve (the same
+# R in exact arithmetic: no eigenvalue of theirs is near the cut).
+_CHECK_SPECTRUM_BELOW = 1e-3
+
+
 def _solve_blocks(c_pp: torch.Tensor, c_cp: torch.Tensor, c_cc_trace: torch.Tensor, ridge: float):
-    """``R = C_P̄P C_PP⁻¹`` and ``Tr(C_P̄P̄) − Tr(R C_PP̄)`` from the blocks of C (no explicit inverse)."""
+    """``R = C_P̄P C_PP⁻¹`` and ``Tr(C_P̄P̄) − Tr(R C_PP̄)`` from the blocks of C (no explicit inverse): a Cholesky
+    solve of ``C_PP + λI``, or, where C_PP is rank-deficient (`SPECTRAL_RTOL`), the minimum-norm R."""
     k = c_pp.shape[-1]
     lam = _ridge(c_pp, ridge)
     eye = torch.eye(k, dtype=c_pp.dtype, device=c_pp.device)
-    chol, info = torch.linalg.cholesky_ex(c_pp + lam[..., None, None] * eye)  # (..., k, k)
-    if bool((info != 0).any()):
-        # A singular C_PP (for example constant scores) still has a least-squares R: fall back to lstsq.
-        logger.warning("C_PP not positive definite for %d problems; using a pseudo-inverse", int((info != 0).sum()))
-        r_t = torch.linalg.pinv(c_pp + lam[..., None, None] * eye, hermitian=True) @ c_cp.transpose(-1, -2)
-    else:
-        r_t = torch.cholesky_solve(c_cp.transpose(-1, -2), chol)  # (..., k, l-k) = C_PP⁻¹ C_PP̄
+    shifted = c_pp + lam[..., None, None] * eye  # (..., k, k)
+    chol, info = torch.linalg.cholesky_ex(shifted)  # (..., k, k)
+    r_t = torch.cholesky_solve(c_cp.transpose(-1, -2), chol)  # (..., k, l-k) = C_PP⁻¹ C_PP̄
+    pivots = torch.diagonal(chol, dim1=-2, dim2=-1) ** 2  # (..., k)
+    flagged = (info != 0) | ~(pivots.amin(-1) > _CHECK_SPECTRUM_BELOW * pivots.amax(-1))  # (...,)
+    if bool(flagged.any()):
+        r_t = r_t.clone()
+        r_t[flagged] = _min_norm(c_pp[flagged], c_cp[flagged], lam[flagged])  # (m, k, l-k) of the flagged problems
     recon = r_t.transpose(-1, -2).contiguous()  # (..., l-k, k)
     return recon, c_cc_trace - (recon * c_cp).sum((-1, -2))
+
+
+def _min_norm(c_pp: torch.Tensor, c_cp: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+    """``(m, k, l-k)``: ``(C_PP + λI)⁻¹ C_PP̄`` restricted to the eigenvectors of C_PP above `SPECTRAL_RTOL` of its
+    largest eigenvalue, for ``(m, k, k)`` C_PP, ``(m, l-k, k)`` C_P̄P and ``(m,)`` λ."""
+    vals, vecs = torch.linalg.eigh(c_pp)  # (m, k), (m, k, k)
+    keep = vals > SPECTRAL_RTOL * vals.amax(-1, keepdim=True).clamp_min(torch.finfo(vals.dtype).tiny)  # (m, k)
+    inv = torch.where(keep, 1.0 / (vals + lam[..., None]).clamp_min(torch.finfo(vals.dtype).tiny), 0.0)  # (m, k)
+    return vecs @ (inv.unsqueeze(-1) * (vecs.transpose(-1, -2) @ c_cp.transpose(-1, -2)))  # (m, k, l-k)
 
 
 def nearest_keys(n: int, k: int) -> torch.Tensor:

@@ -171,11 +171,19 @@ def derive_patterns(out: str, request: DeriveRequest) -> list[tuple[str, dict[st
         fitted = _fit(out, source, groups, sets, request, getattr(record, "orders", None))
         built = {s.name: _build(source, groups, s, fitted, request, form=_form(source, request)) for s in sets}
         result = _record(out, source, groups, sets, built, fitted, request, record)
+        result["rank_deficient"] = _rank_deficient(source, groups)
         result["seconds"] = round(time.perf_counter() - start, 1)
         section, stored = result.pop("_section"), result.pop("_stored", None)
         update_results(out, section, result if stored is None else stored)
         results.append((kind, result))
     return results
+
+
+def _rank_deficient(source: Source, groups: list[Group]) -> list[int]:
+    """The window lengths (n, or each bucket b) whose group covariances are rank-deficient: fewer score rows than
+    positions, a group's rows being the score matrices it pools (the fitted windows times its layers and heads).
+    There P rests on the greedy's tie rule (`greedy.TIE_RTOL`) and R is the minimum-norm solution."""
+    return sorted(int(b) for b, cov in source.covs.items() if cov.count / len(groups) < int(b))
 
 
 def _kinds(out: str, req: DeriveRequest) -> list[str]:

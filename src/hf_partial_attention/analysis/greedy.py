@@ -7,17 +7,27 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
-__all__ = ["greedy_select"]
+__all__ = ["TIE_RTOL", "greedy_select"]
+
+# Candidates whose gains differ by less than TIE_RTOL times the problem's largest first-step gain (its scale) tie,
+# and the tie goes to the lowest index. Gains equal in exact arithmetic (a rank-one residual, which a covariance of
+# fewer windows than n reaches, gives every column the same gain ‖v‖²) otherwise differ by roundoff, and the CPU's
+# summation order would choose P; roundoff of the covariance (1e-12 relative) grows ~10^4-fold through the
+# elimination. The covariances are sums of float32 scores, which resolve ~1e-7 of their scale: a difference below
+# 1e-6 of the scale is not a measured difference between keys, and choosing either moves the error by less.
+TIE_RTOL = 1e-6
 
 
 def greedy_select(cov: torch.Tensor, k: int, groups: torch.Tensor | None = None,
                   candidates: torch.Tensor | None = None, rel_tol: float = 1e-10,
-                  metric: torch.Tensor | None = None, order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  metric: torch.Tensor | None = None, order: bool = False,
+                  tie_rtol: float = TIE_RTOL) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy P minimising the reconstruction error, optionally under a sharing constraint.
 
     Starting from ``S = C``, each step adds ``j* = argmax_j ‖S[:, j]‖² / S[j, j]`` (the entry whose exact value
     removes the most residual variance) and updates ``S ← S − S[:, j*] S[j*, :] / S[j*, j*]``. Ties go to the
-    lowest index. Entries whose residual variance is below ``rel_tol`` times the problem's largest initial
+    lowest index: candidates whose gains are within ``tie_rtol`` times the problem's largest first-step gain of the
+    step's largest gain tie, so that roundoff never chooses P (`TIE_RTOL`). Entries whose residual variance is below ``rel_tol`` times the problem's largest initial
     variance are taken only once nothing else is left (their error contribution is already zero).
 
     Args:
@@ -50,11 +60,10 @@ def greedy_select(cov: torch.Tensor, k: int, groups: torch.Tensor | None = None,
     num_groups = int(groups.max()) + 1
     chosen = torch.zeros(r, l, dtype=torch.bool)
     picks = torch.empty(r, k, dtype=torch.long)
-    tiny = torch.finfo(cov.dtype).tiny
     # The residual S = C − L Lᵀ (L: the steps' normalised columns) is tracked through its diagonal and the
     # energies ‖S[:, j]‖²_M; each step then costs one product of C with a vector, not an update of all of S.
     diag = torch.diagonal(c, dim1=-2, dim2=-1).clone()  # (R, l)
-    tol = rel_tol * diag.amax(-1, keepdim=True).clamp_min(tiny)  # (R, 1)
+    tol = rel_tol * diag.amax(-1, keepdim=True).clamp_min(torch.finfo(cov.dtype).tiny)  # (R, 1)
     # M C, once: M's column j of S is then read from it and M L (each step's M u kept), not computed by a product
     mc = None if m is None else torch.bmm(m, c)  # (R, l, l)
     energy = _column_energy(c, mc)  # (R, l)
@@ -64,9 +73,10 @@ def greedy_select(cov: torch.Tensor, k: int, groups: torch.Tensor | None = None,
     m_basis = None if m is None else torch.zeros_like(basis)  # (R, k, l): (M L)ᵀ
     path = torch.empty(r, k, dtype=cov.dtype) if order else None  # residual after each step
     # a progress bar where a run takes minutes (whole-matrix covariances, l = n² >= 4096)
+    # (G, 1): gains closer than this tie (tie_rtol times each group's largest first-step gain)
+    tie = tie_rtol * _best_candidate(_gain(diag, energy, tol), chosen, groups, candidates, num_groups, None)[1]
     for step in tqdm(range(k), desc=f"greedy (l={l})", disable=l < 4096, leave=False, unit="step"):
-        gain = torch.where(diag > tol, energy / diag.clamp_min(tiny), torch.zeros_like(diag))
-        j = _best_candidate(gain, chosen, groups, candidates, num_groups)  # (R,)
+        j, _ = _best_candidate(_gain(diag, energy, tol), chosen, groups, candidates, num_groups, tie)  # (R,)
         picks[:, step] = j
         chosen[rows, j] = True
         u, w, energy = _step(c, mc, basis[:, :step], None if m_basis is None else m_basis[:, :step], j, tol, energy)
@@ -84,6 +94,11 @@ def greedy_select(cov: torch.Tensor, k: int, groups: torch.Tensor | None = None,
     if order:
         return picks.reshape(*lead, k), path.reshape(*lead, k)
     return torch.sort(picks, dim=-1).values.reshape(*lead, k), residual.reshape(lead)
+
+
+def _gain(diag: torch.Tensor, energy: torch.Tensor, tol: torch.Tensor) -> torch.Tensor:
+    """``(R, l)``: the residual variance each entry would remove, ‖S[:, j]‖²_M / S[j, j] (zero where S[j, j] <= tol)."""
+    return torch.where(diag > tol, energy / diag.clamp_min(torch.finfo(diag.dtype).tiny), torch.zeros_like(diag))
 
 
 def _step(c, mc, low, m_low, j, tol, energy) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -106,15 +121,20 @@ def _step(c, mc, low, m_low, j, tol, energy) -> tuple[torch.Tensor, torch.Tensor
 
 
 def _best_candidate(gain: torch.Tensor, chosen: torch.Tensor, groups: torch.Tensor, candidates: torch.Tensor,
-                    num_groups: int) -> torch.Tensor:
-    """``(R,)``: the entry each row takes this step, its group's candidate whose gains ``(R, l)`` summed over the
-    group's rows are largest (lowest on ties), among those that map to no entry already ``chosen`` in any of them."""
+                    num_groups: int, tie: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``((R,), (G, 1))``: the entry each row takes this step, its group's candidate whose gains ``(R, l)`` summed over
+    the group's rows are largest, among those that map to no entry already ``chosen`` in any of them, the lowest of
+    those within ``tie`` ``(G, 1)`` of the largest (None: exact ties only); and each group's largest summed gain."""
     rows = torch.arange(gain.shape[0])
     pooled = torch.zeros(num_groups, candidates.shape[1], dtype=gain.dtype).index_add_(
         0, groups, gain.gather(-1, candidates))  # (G, c): gains summed over each group's rows
     used = torch.zeros_like(pooled).index_add_(0, groups, chosen.gather(-1, candidates).to(gain.dtype)) > 0
-    best = torch.where(used, torch.full_like(pooled, -1.0), pooled).argmax(-1)  # (G,)
-    return candidates[rows, best[groups]]
+    pooled = torch.where(used, torch.full_like(pooled, -1.0), pooled)  # (G, c): gains >= 0, a used candidate -1
+    top = pooled.amax(-1, keepdim=True)  # (G, 1)
+    # the first candidate within the tolerance of the largest (argmax of a bool row: its first True)
+    near = pooled >= (top if tie is None else top - tie)  # (G, c)
+    best = (near & ~used).to(torch.int8).argmax(-1)  # (G,): the first True of each row
+    return candidates[rows, best[groups]], top
 
 
 def _constraint(r: int, l: int, groups, candidates) -> tuple[torch.Tensor, torch.Tensor]:
