@@ -20,6 +20,14 @@ os.environ.setdefault("HF_PARTIAL_ATTENTION_CACHE", os.path.join(tempfile.gettem
 # thread: those that time things (their ratios would measure the other worker) or spawn processes of their own
 # (accelerate launch, torch.multiprocessing), which would fight the other worker for the cores.
 SERIAL_MODULES = {"test_benchmarks", "test_examples", "test_examples_encoders", "test_analysis_distributed"}
+# Two tiers, as transformers has them (its @slow / RUN_SLOW=1): `make test` runs every test not marked `slow`, the
+# unit tier (every architecture, the common model tests, the clients) in a few minutes; `make test-all` runs them all.
+# A test is marked `slow` (one marker, @pytest.mark.slow at the test, or `pytestmark` for a module) when it, or the
+# fixture it alone uses, takes over ~10 s on 2 cores: the studies' end-to-end runs, fresh Python processes that load
+# remote code, two-process launches, inductor compiles, gradchecks of large graphs. A check that a cheaper test can
+# make belongs in the unit tier, the slow test keeping the end-to-end run. SLOW_COMMON: transformers' own common tests
+# (fetched, not ours to decorate) of that cost.
+SLOW_COMMON = {"test_bc_torch_dtype"}
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"  # for processes the tests start, too
     torch.set_num_threads(1)
@@ -41,8 +49,11 @@ if os.environ.get("HPA_TEST_NO_GC_FREEZE") != "1":
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.module.__name__.rpartition(".")[2] in SERIAL_MODULES:
+        module = item.module.__name__.rpartition(".")[2]
+        if module in SERIAL_MODULES:
             item.add_marker(pytest.mark.serial)
+        if module == "test_transformers_common" and item.originalname in SLOW_COMMON:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

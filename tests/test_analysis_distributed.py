@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 import torch
 import torch.multiprocessing as mp
 
@@ -38,6 +40,7 @@ def test_single_process_is_a_no_op():
     assert process_info("auto") == (0, 1) or os.environ.get("WORLD_SIZE", "1") != "1"
 
 
+@pytest.mark.slow
 def test_two_processes_sum_exactly(tmp_path):
     mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
     reduced = ScoreCovariance.load(tmp_path / "reduced.safetensors")
@@ -71,6 +74,7 @@ def _short_worker(rank, init_file, out_dir):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_processes_reduce_row_counts_exactly(tmp_path):
     mp.spawn(_short_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
     reduced = ScoreCovariance.load(tmp_path / "reduced.safetensors")

@@ -39,6 +39,7 @@ def quick_run(tmp_path_factory):
     return out, _import("run").main(["--quick", "--repeats", "1", "--out", str(out)])
 
 
+@pytest.mark.slow
 def test_quick_benchmark_writes_tables_and_goals(quick_run):
     tmp_path, result = quick_run
     saved = json.loads((tmp_path / "results.json").read_text())
@@ -200,6 +201,7 @@ def test_benchmark_families_have_the_structure_of_the_analysis_families():
         assert layout.structure is FAMILY_STRUCTURE[family], family
 
 
+@pytest.mark.slow
 def test_rule_misses_are_found_and_printed(quick_run):
     """A case where another kernel beats auto's choice by more than 10 % is a rule miss, in the results and their
     table; within 10 % it is not. The --quick run's own misses are the ones its rows show."""
@@ -285,6 +287,7 @@ def test_model_rows_keep_every_round_and_pair_the_ratios_by_round():
         run.model_rows({**spec, "models": ["BertModel eager", "PartialBert shared"]}, 1)
 
 
+@pytest.mark.slow
 def test_model_study_decides_each_goal_from_its_rounds(tmp_path):
     """The study at --quick shapes: only the models the goals name, each comparison in its own process; each goal's
     median and interval recomputed here from the kept per-round seconds, and its verdict from them."""

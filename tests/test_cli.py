@@ -142,6 +142,7 @@ def test_convert_refusals_are_one_line(tiny_bert_dir, tmp_path, capsys):
     assert "not a safetensors file" in _one_line_error(capsys)
 
 
+@pytest.mark.slow
 def test_derive_warnings_reach_the_terminal(tiny_run):
     """In a fresh process, as a user runs it: the CLI's logging shows the library's warnings on stderr."""
     import subprocess
@@ -191,6 +192,7 @@ def test_derive_objective(tiny_run):
     assert not torch.equal(saved.indices, select_pattern(cov, 4).indices)  # the objective changed P here
 
 
+@pytest.mark.slow
 def test_analyze_derive_convert_without_matplotlib(tiny_bert_dir, tmp_path):
     """matplotlib is the [analysis] extra: without it the commands write every number and say once which extra
     brings the figures."""

@@ -87,6 +87,7 @@ def test_compiled_inference_runs_the_op_on_the_models_own_p_and_r_and_equals_eag
     assert op_calls and set(op_calls) == _storages(model)
 
 
+@pytest.mark.slow
 def test_compiled_with_inductor_equals_eager(op_calls):
     model = _model("fixed")
     batch = _batch()
@@ -136,6 +137,7 @@ def test_no_stale_w_after_r_or_p_change_between_compiled_calls():
     check()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["common", "per_layer"])
 def test_compiled_training_step_updates_a_trained_r_then_compiled_eval_reads_the_new_r(mode, op_calls):
     """A compiled training step differentiates R (W built in the graph: the op is not used under autograd) with
@@ -216,6 +218,7 @@ def test_fast_path_off_builds_w_in_the_graph(op_calls):
     assert not op_calls
 
 
+@pytest.mark.slow
 def test_quick_benchmark_writes_its_tables(tmp_path):
     sys.path.insert(0, str(BENCH))
     try:

@@ -239,6 +239,7 @@ def _run_snippets(folders, tmp_path) -> None:
     assert proc.stdout.count("RAN ") == len(jobs)
 
 
+@pytest.mark.slow
 def test_card_snippets_run_as_printed_on_converted_folders(derived, minilm_converted, tmp_path):
     _, path = derived
     convert(path, str(tmp_path / "ckpt"), verify=False)
@@ -247,6 +248,7 @@ def test_card_snippets_run_as_printed_on_converted_folders(derived, minilm_conve
     _run_snippets([tmp_path / "ckpt", minilm_converted], tmp_path)
 
 
+@pytest.mark.slow
 def test_usage_python_api_writes_a_folder_its_card_loads(tiny_bert_dir, tmp_path, monkeypatch):
     readme = open(os.path.join(ROOT, "docs", "usage.md"), encoding="utf-8").read()
     quick = re.search(r"## PartialBert and the paper\n\n[^`]*```python\n(.*?)```", readme, flags=re.S).group(1)
@@ -258,6 +260,7 @@ def test_usage_python_api_writes_a_folder_its_card_loads(tiny_bert_dir, tmp_path
     _run_snippets([tmp_path / "pbert"], tmp_path)
 
 
+@pytest.mark.slow
 def test_readme_quickstart_runs_as_printed(minilm_path, tmp_path, monkeypatch, capsys):
     """The README's three commands and its sentence-transformers comparison, on the packaged MiniLM (the Hub id
     replaced by its local folder: tests are offline) and a text file of real prose."""

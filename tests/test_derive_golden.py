@@ -35,6 +35,7 @@ import pytest
 import torch
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "golden", "derive")
+pytestmark = pytest.mark.slow  # the tiny model's two analyses and 14 derives: ~25 s (tests/conftest.py)
 RTOL = 1e-5  # floats: the tolerance float32 model outputs keep across CPUs (module docstring)
 HELDOUT_RTOL = 1e-4  # held-out errors: sums of squared float32 residuals (module docstring)
 NYSTROM_RTOL = 1e-2  # the Nyström CUR baseline's held-out errors: near-singular landmark cores (module docstring)

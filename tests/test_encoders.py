@@ -220,6 +220,7 @@ def remote_loads(tmp_path_factory):
             for t in _REMOTE_AVAILABLE}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", REMOTE_TYPES)
 def test_save_load_with_the_plugin_and_by_remote_code_without_it(model_type, remote_loads):
     raised, results = remote_loads[model_type]

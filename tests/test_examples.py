@@ -147,6 +147,7 @@ def test_pretrain_mlm_one_process(mlm_one_process):
     assert os.path.isfile(os.path.join(out, "modeling_partial_bert.py"))
 
 
+@pytest.mark.slow
 def test_pretrain_mlm_two_processes_match_one(mlm_one_process, tmp_path):
     out1, _ = mlm_one_process
     out2 = str(tmp_path / "mlm2")
@@ -190,6 +191,7 @@ def test_finetune_mnli_one_process(mnli_one_process):
     assert [r.dataset_split for r in card.data.eval_results] == ["validation_matched", "validation_mismatched"]
 
 
+@pytest.mark.slow
 def test_finetune_mnli_two_processes_match_one(mlm_one_process, mnli_one_process, tmp_path):
     out2 = str(tmp_path / "mnli2")
     accelerate_two_processes("finetune_mnli.py", mnli_args(out2, mlm_one_process[0])

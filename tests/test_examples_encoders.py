@@ -72,6 +72,7 @@ def one_process(tmp_path_factory):
     return runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", TYPES)
 def test_converted_checkpoint_trains_through_both_scripts(one_process, model_type):
     partial, mlm, mnli = one_process[model_type]
@@ -94,6 +95,7 @@ def test_converted_checkpoint_trains_through_both_scripts(one_process, model_typ
     assert 0.0 <= results["eval_accuracy"] <= 1.0 and results["eval_samples"] == 24
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_for_every_architecture(one_process, tmp_path):
     plan, outputs = [], {}
     for model_type in TYPES:

@@ -154,6 +154,7 @@ def test_makefile_targets_run_the_studies():
     assert lines[3][-2:] == ["--out", "results/objectives"]
 
 
+@pytest.mark.slow
 def test_python_m_experiments_in_a_fresh_process():
     proc = subprocess.run([sys.executable, "-m", "experiments", "objectives", "does-not-exist", "--no-progress"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120,
@@ -245,6 +246,7 @@ def test_demo_small(tmp_path, minilm_path, capsys):
                                            "at k=16's saving, layer 4 exact") in report
 
 
+@pytest.mark.slow
 def test_lengths_small(tmp_path, minilm_path, capsys):
     """The tiny version of `make lengths`: every arm, kind and k measured, the goals table rendered, the figure drawn,
     and the four arms give different embeddings (each runs its own P and R); bucket 64 at its own k (--bucket-k)."""
@@ -285,6 +287,7 @@ def test_spearman_matches_scipy():
     assert spearman(a, -a) == pytest.approx(-1.0)
 
 
+@pytest.mark.slow
 def test_recover_small(tmp_path, minilm_path, capsys):
     """The tiny version of `make recover`: buckets fitted, converted, two recovery steps, measured, saved. The saved
     checkpoint is the measured one (its embeddings reproduce the recovered row), it differs from the conversion, it
@@ -358,6 +361,7 @@ def test_granularity_small(tmp_path, minilm_path, capsys):
     assert "| 4 | paper | head |" in text and minilm_path not in text
 
 
+@pytest.mark.slow
 def test_granularity_lengths_small(tmp_path, minilm_path, capsys, monkeypatch):
     """The tiny version of `make granularity-lengths` (buckets 16 and 32, k = 4): the five arms measured on every kind
     of input, the budgeted arms with a k per partial layer that costs no more than k = 4 in every layer, and the

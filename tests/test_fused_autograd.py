@@ -85,6 +85,7 @@ def test_gradcheck(family, attention_mask):
     assert torch.autograd.gradcheck(f, (*leaves, r.requires_grad_(), bias.requires_grad_()))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["per_query", "blocks"])
 def test_dropout_scales_kept_probabilities_and_its_gradient_checks(family):
     """With V the identity, the output is the dropped-out attention map: each entry is either zero or the

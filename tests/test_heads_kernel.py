@@ -100,6 +100,7 @@ def test_only_some_inputs_train(trained, attention_mask):
         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_gradcheck(attention_mask):
     heads, _ = _heads(3)
     leaves = _inputs(6)
@@ -112,6 +113,7 @@ def test_gradcheck(attention_mask):
     assert torch.autograd.gradcheck(f, (*leaves, *rs))
 
 
+@pytest.mark.slow
 def test_dropout_drops_and_its_gradient_checks():
     """With V the identity, the output is the dropped-out attention map: each entry is zero or the reference
     probability / (1 - p); the backward is checked numerically with the same dropout draws."""

@@ -191,6 +191,7 @@ CACHE_LOAD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_load_by_repo_id_from_the_hub_cache_without_the_plugin(tmp_path):
     """The layout `huggingface_hub` writes (models--org--name/snapshots/<commit>, refs/main), loaded offline by
     repo id with a pinned revision, where the plugin cannot be imported."""

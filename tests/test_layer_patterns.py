@@ -118,6 +118,7 @@ def _save_and_load(model_type: str, patterns: LayerPatterns, folder) -> str:
     return f"{folder} AutoModel"
 
 
+@pytest.mark.slow
 def test_save_load_remote_code_and_format_4(tmp_path):
     """P and R per layer (BERT, RoBERTa, ModernBERT, DistilBERT) and per head (RoBERTa, ModernBERT): format 4, one
     pattern module per partial layer (the head dimension leading per head), identical after loading with the plugin

@@ -106,6 +106,7 @@ REMOTE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sentence_transformers_without_the_plugin_runs_the_buckets_of_the_saved_code(st_folders, tmp_path):
     """The remote-code bundle carries the buckets (attention_lengths.py, pattern_buckets.py): the same embeddings of
     the mixed batch without the plugin."""

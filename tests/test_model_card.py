@@ -114,6 +114,7 @@ def test_invalid_metadata_is_reported(model):
         validate_card_metadata(bad)
 
 
+@pytest.mark.slow
 def test_remote_code_saves_without_the_plugin_or_its_card_module(model, tmp_path):
     model.save_pretrained(tmp_path / "ckpt")
     assert not (tmp_path / "ckpt" / "model_card.py").exists()  # the card is the plugin's job, not the bundle's

@@ -61,6 +61,7 @@ REMOTE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_partial_conversion_loads_with_and_without_the_plugin(tmp_path):
     out, _ = _convert(tmp_path, AttentionPattern.local(128, 16), "k16")
     here = SentenceTransformer(str(out), device="cpu", trust_remote_code=True).encode(SENTENCES, convert_to_tensor=True)

@@ -33,6 +33,7 @@ def tiny_run(tmp_path_factory):
     return a, run_table1_scratch(a, ["--tiny"])
 
 
+@pytest.mark.slow
 def test_tiny_study_end_to_end(tiny_run):
     a, report = tiny_run
     with open(os.path.join(a.output_dir, "table1.json")) as f:
@@ -69,6 +70,7 @@ def test_tiny_study_end_to_end(tiny_run):
             assert "Pretrained from scratch with P and R built in" in f.read()
 
 
+@pytest.mark.slow
 def test_arms_run_what_they_name(tiny_run):
     """The saved checkpoints are what each arm says: P and R of the derived files, P alone in a BERT config, the
     per-head arm per head; the exact arm and a trained-in one start from the same weights."""
@@ -97,6 +99,7 @@ def test_arms_run_what_they_name(tiny_run):
         assert torch.equal(partial_state[name], tensor), name
 
 
+@pytest.mark.slow
 def test_resume_runs_only_missing_jobs(tiny_run):
     a, report = tiny_run
     jobs = os.path.join(a.run_dir, "jobs")

@@ -6,7 +6,7 @@ report the same numbers.
 derive-*: first written at c1cdbf3, when `derive` was five functions (issue 43); rewritten by issue 52, after the
 greedy's tie rule and the minimum-norm R: P and R changed only where bucket 14 (12 windows at n = 14) was fitted per
 head or per layer.
-Run from a checkout of that commit: ``python tests/data/golden/make_derive_golden.py tests/data/golden/derive``.
+Written by ``python tests/data/golden/make_derive_golden.py tests/data/golden/derive`` at the commit that rewrote it.
 The test builds the same analysis folders with `build_folders` (one thread, so that the covariances are the same bit
 for bit) and runs `COMMANDS` in them; the golden keeps each command's printed lines, the pattern files and
 results.json (the temporary folder written as ``<root>``, run times as ``"<seconds>"``)."""
