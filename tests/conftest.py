@@ -21,13 +21,24 @@ os.environ.setdefault("HF_PARTIAL_ATTENTION_CACHE", os.path.join(tempfile.gettem
 # (accelerate launch, torch.multiprocessing), which would fight the other worker for the cores.
 SERIAL_MODULES = {"test_benchmarks", "test_examples", "test_examples_encoders", "test_analysis_distributed"}
 # Two tiers, as transformers has them (its @slow / RUN_SLOW=1): `make test` runs every test not marked `slow`, the
-# unit tier (every architecture, the common model tests, the clients) in a few minutes; `make test-all` runs them all.
-# A test is marked `slow` (one marker, @pytest.mark.slow at the test, or `pytestmark` for a module) when it, or the
-# fixture it alone uses, takes over ~10 s on 2 cores: the studies' end-to-end runs, fresh Python processes that load
-# remote code, two-process launches, inductor compiles, gradchecks of large graphs. A check that a cheaper test can
-# make belongs in the unit tier, the slow test keeping the end-to-end run. SLOW_COMMON: transformers' own common tests
-# (fetched, not ours to decorate) of that cost.
+# unit tier (every architecture, the common model tests, the clients) in a few minutes on 2 cores, setup included;
+# `make test-all` runs them all, and CI runs `make test-all`. What is marked `slow` (one marker: @pytest.mark.slow at the
+# test, or `pytestmark` for a module): a test that takes over ~3 s on 2 cores, or whose fixture alone does: the
+# studies' end-to-end runs, fresh Python processes that load remote code, two-process launches, torch.compile and
+# torch.export / ONNX exports, gradchecks of large graphs, the derive golden. A test parametrized over architectures,
+# kernels or dtypes keeps one case in the unit tier and the others in the slow one: SLOW_BUT, test name -> the
+# parameter id that stays (the first case that checks the path), applied in `pytest_collection_modifyitems`.
+SLOW_BUT = {
+    "test_export_with_a_dynamic_batch_and_length_up_to_n": "bert",
+    "test_compile_fullgraph_and_export_match_eager": "gather",
+    "test_compiled_inference_runs_the_op_on_the_models_own_p_and_r_and_equals_eager": "auto-fixed",
+    "test_compile_fullgraph_and_export_run_the_bucket_of_the_padded_length": "16-16-per_bucket",
+    "test_onnx_export_of_a_bucketed_model_runs_its_bucket_in_onnxruntime": "per_bucket",
+}
+# transformers' own common tests (fetched, not ours to decorate): of their dtype-parametrized tests the float32 cases
+# stay in the unit tier (`parameterized` names each case test_<name>_<i>_<dtype>_...).
 SLOW_COMMON = {"test_bc_torch_dtype"}
+SLOW_COMMON_UNLESS_FP32 = "test_eager_matches_sdpa_inference"
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"  # for processes the tests start, too
     torch.set_num_threads(1)
@@ -52,7 +63,11 @@ def pytest_collection_modifyitems(config, items):
         module = item.module.__name__.rpartition(".")[2]
         if module in SERIAL_MODULES:
             item.add_marker(pytest.mark.serial)
-        if module == "test_transformers_common" and item.originalname in SLOW_COMMON:
+        name = item.originalname or item.name
+        if name in SLOW_BUT and getattr(item, "callspec", None) is not None and item.callspec.id != SLOW_BUT[name]:
+            item.add_marker(pytest.mark.slow)
+        if module == "test_transformers_common" and (
+                name in SLOW_COMMON or (name.startswith(SLOW_COMMON_UNLESS_FP32) and "_fp32_" not in name)):
             item.add_marker(pytest.mark.slow)
 
 

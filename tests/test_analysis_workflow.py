@@ -173,6 +173,7 @@ def test_objectives_comparison_on_a_tiny_model(analysed, tmp_path):
     assert json.load(open(tmp_path / "cli" / "objectives.json"))["rows"][0]["objective"] == "paper"
 
 
+@pytest.mark.slow
 def test_paper_preset_at_a_tiny_n(tiny_bert_dir, tmp_path, monkeypatch):
     """`make paper`'s code path (python -m experiments paper) at n = 8 on the tiny model."""
     from experiments import cli

@@ -127,6 +127,7 @@ def test_compile_fullgraph_and_export_match_eager(implementation):
         assert torch.equal(exported.module()(input_ids=ids, attention_mask=mask).last_hidden_state, ref)
 
 
+@pytest.mark.slow
 def test_onnx_export_runs_in_onnxruntime():
     torch.manual_seed(0)
     model = PartialBertModel(PartialBertConfig(**TINY)).eval()
@@ -164,6 +165,7 @@ def test_exported_eval_model_runs_with_autograd_on(implementation):
                                    model(input_ids=ids, attention_mask=mask).last_hidden_state, atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow
 def test_export_with_dynamic_shapes_by_input_name():
     # transformers' documented call: keyword inputs named as BertModel.forward names them, a dynamic length
     from torch.export import Dim

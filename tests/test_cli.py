@@ -158,6 +158,7 @@ def test_derive_warnings_reach_the_terminal(tiny_run):
     assert f"k=8: {os.path.join(tiny_run, 'patterns', 'per_query_k8.safetensors')}" in proc.stdout
 
 
+@pytest.mark.slow
 def test_second_derive_keeps_the_first_ones_patterns_in_the_report(tiny_bert_dir, tmp_path):
     text = tmp_path / "text.txt"
     text.write_text("\n\n".join(default_texts()[:6]), encoding="utf-8")

@@ -98,6 +98,7 @@ def test_compiled_with_inductor_equals_eager(op_calls):
     assert set(op_calls) == _storages(model)
 
 
+@pytest.mark.slow
 def test_compiled_per_head_p_and_r_equals_eager(op_calls):
     model = _model("fixed", partial_granularity="head")
     batch = _batch()
@@ -110,6 +111,7 @@ def test_compiled_per_head_p_and_r_equals_eager(op_calls):
     assert op_calls
 
 
+@pytest.mark.slow
 def test_no_stale_w_after_r_or_p_change_between_compiled_calls():
     """R edited in place, a new P and R by set_pattern, P edited in place without refresh_layout: each compiled
     call after the change equals eager on the changed model."""
@@ -173,6 +175,7 @@ def test_compiled_training_step_updates_a_trained_r_then_compiled_eval_reads_the
     assert op_calls
 
 
+@pytest.mark.slow
 def test_compiled_auto_runs_tiled_for_rows_sharing_p_and_r(monkeypatch):
     """The blocks of rows sharing P and R are found at run time: under compile, auto runs tiled (n = 256) as eager."""
     ran = []
@@ -210,6 +213,7 @@ def test_export_keeps_w_in_the_graph():
         torch.testing.assert_close(exported.module()(**batch).last_hidden_state, model(**batch).last_hidden_state)
 
 
+@pytest.mark.slow
 def test_fast_path_off_builds_w_in_the_graph(op_calls):
     model = _model("fixed")
     model.encoder.partial_pattern.compiled_fast_path = False

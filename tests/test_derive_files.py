@@ -80,3 +80,22 @@ def test_a_request_names_its_inputs_and_a_budget_chooses_its_own(tmp_path):
     [(source, result)] = derive_patterns(out, DeriveRequest(ks=(4,), granularity="layer", inputs="windows",
                                                             evaluate=False))
     assert source == "windows" and [row["k"] for row in result["patterns"]] == [4]
+
+
+def test_a_length_fitted_on_fewer_rows_than_positions_is_marked_rank_deficient(capsys):
+    """A group's rows are the score matrices it pools: 12 windows x 2 heads (count 24) at n = 14 are enough pooled
+    over heads, too few for one head's covariance; the printed line marks the bucket that is, not the other."""
+    import types
+
+    from hf_partial_attention.analysis.derive import _rank_deficient
+    from hf_partial_attention.analysis.derive_files import Source
+    from hf_partial_attention.cli_derive import _print_buckets
+
+    source = Source("buckets", {14: types.SimpleNamespace(count=24), 16: types.SimpleNamespace(count=64)})
+    assert _rank_deficient(source, [(None, None)]) == []
+    assert _rank_deficient(source, [(0, 0), (0, 1)]) == [14]  # 12 rows a head at b = 14; 32 at b = 16
+    result = {"rank_deficient": [14], "ks": {3: {"k": 3, "path": "p", "buckets": [
+        {"length": 14, "k": 3, "exact": False, "heldout": 0.5}, {"length": 16, "k": 3, "exact": False, "heldout": 0.4}]}}}
+    _print_buckets(result, None)
+    assert capsys.readouterr().out == ("k=3: p (held-out error per bucket b=14: 0.5000 (rank-deficient: fewer windows "
+                                       "than n), b=16: 0.4000)\n")

@@ -328,6 +328,7 @@ def test_recover_small(tmp_path, minilm_path, capsys):
     assert minilm_path not in card and minilm_path not in open(os.path.join(results, "recovery.md")).read()
 
 
+@pytest.mark.slow
 def test_granularity_small(tmp_path, minilm_path, capsys):
     """The tiny version of `make granularity`: one analysis per head, the three granularities measured at the same
     k, each converting what it names (the pooled row is the pooled pattern's conversion, recomputed here)."""

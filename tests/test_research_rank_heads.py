@@ -150,6 +150,7 @@ def test_qk_angle_of_a_negative_identity_head_is_180():
     assert qk_angle_deg(model) == pytest.approx(180.0)
 
 
+@pytest.mark.slow
 def test_cli_tiny_run_writes_summary(tmp_path):
     from research.cli import main
 

@@ -102,7 +102,8 @@ def _print_windows(result, args) -> None:
 def _print_buckets(result, args) -> None:
     for entry in result["ks"].values():
         errors = ", ".join(f"b={r['length']}" + (f" (k={r['k']})" if r["k"] != entry["k"] and not r["exact"] else "")
-                           + ": " + ("exact" if r["exact"] else _fmt(r.get("heldout")) + _deficient(result, r["length"]))
+                           + ": " + ("exact" if r["exact"]
+                                     else _fmt(r.get("heldout")) + _deficient(result, r["length"]))
                            for r in entry["buckets"])
         print(f"k={entry['k']}: {entry['path']} (held-out error per bucket {errors})")
 

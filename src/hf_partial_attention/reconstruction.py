@@ -100,6 +100,7 @@ def _solve_blocks(c_pp: torch.Tensor, c_cp: torch.Tensor, c_cc_trace: torch.Tens
     pivots = torch.diagonal(chol, dim1=-2, dim2=-1) ** 2  # (..., k)
     flagged = (info != 0) | ~(pivots.amin(-1) > _CHECK_SPECTRUM_BELOW * pivots.amax(-1))  # (...,)
     if bool(flagged.any()):
+        logger.debug("C_PP rank-deficient or ill-conditioned for %d problems: minimum-norm R", int(flagged.sum()))
         r_t = r_t.clone()
         r_t[flagged] = _min_norm(c_pp[flagged], c_cp[flagged], lam[flagged])  # (m, k, l-k) of the flagged problems
     recon = r_t.transpose(-1, -2).contiguous()  # (..., l-k, k)

@@ -27,8 +27,9 @@ def greedy_select(cov: torch.Tensor, k: int, groups: torch.Tensor | None = None,
     Starting from ``S = C``, each step adds ``j* = argmax_j ‖S[:, j]‖² / S[j, j]`` (the entry whose exact value
     removes the most residual variance) and updates ``S ← S − S[:, j*] S[j*, :] / S[j*, j*]``. Ties go to the
     lowest index: candidates whose gains are within ``tie_rtol`` times the problem's largest first-step gain of the
-    step's largest gain tie, so that roundoff never chooses P (`TIE_RTOL`). Entries whose residual variance is below ``rel_tol`` times the problem's largest initial
-    variance are taken only once nothing else is left (their error contribution is already zero).
+    step's largest gain tie, so that roundoff never chooses P (`TIE_RTOL`). Entries whose residual variance is below
+    ``rel_tol`` times the problem's largest initial variance are taken only once nothing else is left (their error
+    contribution is already zero).
 
     Args:
         cov: ``(..., l, l)`` covariances (symmetric), one problem per leading index (float64).
@@ -72,9 +73,9 @@ def greedy_select(cov: torch.Tensor, k: int, groups: torch.Tensor | None = None,
     basis = torch.zeros(r, k, l, dtype=cov.dtype)  # (R, k, l): Lᵀ
     m_basis = None if m is None else torch.zeros_like(basis)  # (R, k, l): (M L)ᵀ
     path = torch.empty(r, k, dtype=cov.dtype) if order else None  # residual after each step
-    # a progress bar where a run takes minutes (whole-matrix covariances, l = n² >= 4096)
     # (G, 1): gains closer than this tie (tie_rtol times each group's largest first-step gain)
     tie = tie_rtol * _best_candidate(_gain(diag, energy, tol), chosen, groups, candidates, num_groups, None)[1]
+    # a progress bar where a run takes minutes (whole-matrix covariances, l = n² >= 4096)
     for step in tqdm(range(k), desc=f"greedy (l={l})", disable=l < 4096, leave=False, unit="step"):
         j, _ = _best_candidate(_gain(diag, energy, tol), chosen, groups, candidates, num_groups, tie)  # (R,)
         picks[:, step] = j
@@ -97,7 +98,8 @@ def greedy_select(cov: torch.Tensor, k: int, groups: torch.Tensor | None = None,
 
 
 def _gain(diag: torch.Tensor, energy: torch.Tensor, tol: torch.Tensor) -> torch.Tensor:
-    """``(R, l)``: the residual variance each entry would remove, ‖S[:, j]‖²_M / S[j, j] (zero where S[j, j] <= tol)."""
+    """``(R, l)``: the residual variance each entry would remove, ‖S[:, j]‖²_M / S[j, j] (zero where
+    S[j, j] <= tol)."""
     return torch.where(diag > tol, energy / diag.clamp_min(torch.finfo(diag.dtype).tiny), torch.zeros_like(diag))
 
 
