@@ -24,19 +24,11 @@ SERIAL_MODULES = {"test_benchmarks", "test_examples", "test_examples_encoders", 
 # unit tier (every architecture, the common model tests, the clients) in a few minutes on 2 cores, setup included;
 # `make test-all` runs them all, and CI runs `make test-all`. What is marked `slow` (one marker: @pytest.mark.slow at the
 # test, or `pytestmark` for a module): a test that takes over ~3 s on 2 cores, or whose fixture alone does: the
-# studies' end-to-end runs, fresh Python processes that load remote code, two-process launches, torch.compile and
-# torch.export / ONNX exports, gradchecks of large graphs, the derive golden. A test parametrized over architectures,
-# kernels or dtypes keeps one case in the unit tier and the others in the slow one: SLOW_BUT, test name -> the
-# parameter id that stays (the first case that checks the path), applied in `pytest_collection_modifyitems`.
-SLOW_BUT = {
-    "test_export_with_a_dynamic_batch_and_length_up_to_n": "bert",
-    "test_compile_fullgraph_and_export_match_eager": "gather",
-    "test_compiled_inference_runs_the_op_on_the_models_own_p_and_r_and_equals_eager": "auto-fixed",
-    "test_compile_fullgraph_and_export_run_the_bucket_of_the_padded_length": "16-16-per_bucket",
-    "test_onnx_export_of_a_bucketed_model_runs_its_bucket_in_onnxruntime": "per_bucket",
-}
-# transformers' own common tests (fetched, not ours to decorate): of their dtype-parametrized tests the float32 cases
-# stay in the unit tier (`parameterized` names each case test_<name>_<i>_<dtype>_...).
+# studies' end-to-end runs, fresh Python processes (remote-code loads, two-process launches), torch.compile,
+# torch.export and ONNX exports, gradchecks of large graphs, the derive golden.
+# transformers' own common tests (fetched, not ours to decorate) are marked here: SLOW_COMMON by name, and of the
+# dtype-parametrized SLOW_COMMON_UNLESS_FP32 all but the float32 cases (`parameterized` names each case
+# test_<name>_<i>_<dtype>_...).
 SLOW_COMMON = {"test_bc_torch_dtype"}
 SLOW_COMMON_UNLESS_FP32 = "test_eager_matches_sdpa_inference"
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -64,8 +56,6 @@ def pytest_collection_modifyitems(config, items):
         if module in SERIAL_MODULES:
             item.add_marker(pytest.mark.serial)
         name = item.originalname or item.name
-        if name in SLOW_BUT and getattr(item, "callspec", None) is not None and item.callspec.id != SLOW_BUT[name]:
-            item.add_marker(pytest.mark.slow)
         if module == "test_transformers_common" and (
                 name in SLOW_COMMON or (name.startswith(SLOW_COMMON_UNLESS_FP32) and "_fp32_" not in name)):
             item.add_marker(pytest.mark.slow)

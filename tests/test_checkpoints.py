@@ -108,6 +108,7 @@ def test_layout_follows_p_changed_in_place():
     assert torch.equal(model.encoder.partial_pattern.complement, pattern.complement)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("implementation", ["gather", "fused", "tiled"])
 def test_compile_fullgraph_and_export_match_eager(implementation):
     torch.manual_seed(0)

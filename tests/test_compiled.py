@@ -72,6 +72,7 @@ def _storages(model):
     return {(module.indices.untyped_storage().data_ptr(), r.untyped_storage().data_ptr()) for r in rs}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["fixed", "common", "per_layer"])
 @pytest.mark.parametrize("implementation", ["auto", "fused", "tiled"])
 def test_compiled_inference_runs_the_op_on_the_models_own_p_and_r_and_equals_eager(mode, implementation, op_calls):

@@ -273,6 +273,7 @@ def test_output_attentions_gives_every_layers_map():
     torch.testing.assert_close(out.attentions[0].sum(-1)[0], torch.ones(4, N, dtype=torch.float64))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", TYPES)
 def test_export_with_a_dynamic_batch_and_length_up_to_n(model_type):
     """torch.export with a dynamic batch and sequence length (<= n, n included) from a full-length padded example,

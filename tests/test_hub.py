@@ -110,6 +110,7 @@ REMOTE = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_trust_remote_code_without_the_plugin(tmp_path):
     jobs = []
     cases = [("fixed", PartialBertModel, "AutoModel"), ("common", PartialBertForMaskedLM, "AutoModelForMaskedLM"),

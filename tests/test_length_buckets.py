@@ -212,6 +212,7 @@ def test_pattern_buckets_file_round_trip_and_single_pattern_files(tmp_path):
         PatternBuckets({32: single}, k=K + 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ks", KS)
 @pytest.mark.parametrize("t, bucket", [(16, 16), (20, 32)])
 def test_compile_fullgraph_and_export_run_the_bucket_of_the_padded_length(t, bucket, ks):
@@ -230,6 +231,7 @@ def test_compile_fullgraph_and_export_run_the_bucket_of_the_padded_length(t, buc
         assert torch.equal(exported.module()(input_ids=ids, attention_mask=mask).last_hidden_state, ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ks", KS)
 def test_onnx_export_of_a_bucketed_model_runs_its_bucket_in_onnxruntime(ks):
     """ONNX (dynamo exporter): one graph per bucket, of the padded length's bucket, run by onnxruntime."""
