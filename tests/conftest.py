@@ -20,6 +20,7 @@ os.environ.setdefault("HF_PARTIAL_ATTENTION_CACHE", os.path.join(tempfile.gettem
 # thread: those that time things (their ratios would measure the other worker) or spawn processes of their own
 # (accelerate launch, torch.multiprocessing), which would fight the other worker for the cores.
 SERIAL_MODULES = {"test_benchmarks", "test_examples", "test_examples_encoders", "test_analysis_distributed"}
+
 # Two tiers, as transformers has them (its @slow / RUN_SLOW=1): `make test` runs every test not marked `slow`, the
 # unit tier (every architecture, the common model tests, the clients) in a few minutes on 2 cores, setup included;
 # `make test-all` runs them all, and CI runs `make test-all`. What is marked `slow` (one marker: @pytest.mark.slow at the
@@ -39,8 +40,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # Every Trainer.train() starts with accelerate's free_memory(), a full gc.collect(): 0.2-0.3 s a call once torch,
 # transformers and datasets are imported (about 450 000 objects the collector tracks), and the studies' smoke tests
 # train dozens of times. Those modules live for the whole session: import them once here and move what they built out
-# of the collector's way (gc.freeze); objects the tests create are collected as before.
-if os.environ.get("HPA_TEST_NO_GC_FREEZE") != "1":
+# of the collector's way (gc.freeze); objects the tests create are collected as before. Not in pytest-xdist's
+# controller, which runs no test: importing Trainer costs ~25 s of CPU that the workers would wait for.
+def pytest_configure(config):
+    controller = bool(getattr(config.option, "numprocesses", None)) and not os.environ.get("PYTEST_XDIST_WORKER")
+    if os.environ.get("HPA_TEST_NO_GC_FREEZE") == "1" or controller:
+        return
     import gc
 
     import datasets  # noqa: F401
