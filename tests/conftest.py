@@ -15,10 +15,12 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # start, in the temp folder rather than the user's ~/.cache.
 os.environ.setdefault("HF_PARTIAL_ATTENTION_CACHE", os.path.join(tempfile.gettempdir(), f"hpa_tests_{os.getuid()}"))
 
-# `make test` runs the suite in two passes: every test but the `serial` ones across both cores (pytest-xdist, one
+# `make test-all` runs the suite in two passes: every test but the `serial` ones across both cores (pytest-xdist, one
 # torch thread per worker so two workers do not oversubscribe two cores), then the `serial` ones alone with every
 # thread: those that time things (their ratios would measure the other worker) or spawn processes of their own
-# (accelerate launch, torch.multiprocessing), which would fight the other worker for the cores.
+# (accelerate launch, torch.multiprocessing), which would fight the other worker for the cores. `make test` (the unit
+# tier) runs in one pass across both cores: the serial modules' tests that are not slow check what a benchmark or a
+# launch records, never a speed, and start at most one process.
 SERIAL_MODULES = {"test_benchmarks", "test_examples", "test_examples_encoders", "test_analysis_distributed"}
 
 # Two tiers, as transformers has them (its @slow / RUN_SLOW=1): `make test` runs every test not marked `slow`, the

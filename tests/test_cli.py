@@ -20,6 +20,7 @@ def test_registry_lists_commands_and_refuses_duplicates():
     assert args.k == [16, 24] and args.scope == "whole"
 
 
+@pytest.mark.slow
 def test_analyze_derive_convert(tiny_bert_dir, tmp_path, capsys):
     text = tmp_path / "text.txt"
     text.write_text("\n\n".join(default_texts()[:6]), encoding="utf-8")

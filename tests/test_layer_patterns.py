@@ -366,6 +366,7 @@ def test_memory_of_r_per_head_is_stated_before_it_is_built():
     assert reconstruction_bytes(128, 16, 1, lengths_k={16: 16, 128: 16}) == 128 * 112 * 16 * 4  # exact buckets: none
 
 
+@pytest.mark.slow
 def test_length_buckets_per_head_through_the_cli(encoders, tmp_path, capsys):
     """``analyze --inputs sentences --lengths 12 24 --granularity head`` → ``derive --granularity head --bucket-k``
     → ``convert``: every head of every partial layer holds its own P per bucket, and a short input runs bucket 12's
