@@ -23,7 +23,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test test-all test-portable test-compat demo paper related bench bench-model bench-quick objectives lengths recover granularity granularity-lengths granularity-recover granularity-layers granularity-refit table1 table1-scratch python-docs clean
+.PHONY: setup test test-all test-portable test-compat demo paper related bench bench-model bench-quick objectives lengths recover granularity granularity-lengths granularity-recover granularity-layers granularity-refit table1 table1-scratch recall python-docs clean
 
 setup: $(STAMP)
 
@@ -131,6 +131,14 @@ recover: setup
 # -> results/table1/.
 table1: setup
 	$(PY) -m experiments table1 --output_dir results/table1 --run_dir runs/table1
+
+# What R earns: exact, P + R and P alone trained from scratch on associative recall, far and near copy and a global
+# task, three seeds, every arm's rate chosen on validation (resumable; its estimate is logged first), one process per
+# core (they share the jobs) -> results/recall/.
+recall: setup
+	$(PY) -m experiments recall --output_dir results/recall --run_dir runs/recall --threads 1 --progress false & \
+		$(PY) -m experiments recall --output_dir results/recall --run_dir runs/recall --threads 1; status=$$?; \
+		wait $$! && exit $$status
 
 # CPython's HTML documentation (Debian's python3.11-doc), the prose table1-scratch pretrains on.
 python-docs:

@@ -345,6 +345,9 @@ _DATACLASS_STUDIES = {
     "table1-scratch": ("Table 1 as the paper ran it: BERT pretrained from scratch with P and R built in, beside "
                        "exact, P alone and the converted exact model (resumable; make table1-scratch)",
                        "table1_scratch", "ScratchArguments", "run_table1_scratch", "table1.md"),
+    "recall": ("What R earns: exact, P + R and P alone trained from scratch on associative recall, far and near "
+               "copy and a global task (resumable; make recall)", "recall", "RecallArguments", "run_recall",
+               "recall.md"),
 }
 COMMANDS = (*_SUBCOMMANDS, *_DATACLASS_STUDIES)  # every study, as `--help` lists them
 

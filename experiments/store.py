@@ -61,6 +61,8 @@ class JobStore:
             return json.load(f)
 
     def save(self, name: str, result: dict[str, Any]) -> dict[str, Any]:
+        """Store job ``name``'s result (a name with ``/`` is a path under ``jobs/``)."""
+        os.makedirs(os.path.dirname(self._path(name)), exist_ok=True)
         self._write(self._path(name), result)
         return result
 

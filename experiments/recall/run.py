@@ -1,0 +1,164 @@
+"""`run_recall`: the recall study's jobs in order (`study`), resumable, then its report (`report`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from ..store import JobStore
+from .report import write_recall_report
+from .spec import COMMAND, RecallArguments
+from .study import RecallStudy, job_name
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["run_recall", "sweep", "estimate_seconds"]
+
+
+def sweep(a: RecallArguments, arm) -> list[tuple[float, float | None]]:
+    """The (learning rate, R's ratio) pairs an arm's first seed tries: R's ratio only where R is trained."""
+    ratios = a.ratio_list() if arm.kind == "trained" else [None]
+    return [(lr, ratio) for lr in a.lr_list() for ratio in ratios]
+
+
+def estimate_seconds(a: RecallArguments, step_seconds: float) -> float:
+    """Every run's steps at ``step_seconds`` a step (the sweeps on the first seed, the other seeds once), a tenth
+    more for evaluations and covariances."""
+    steps = a.steps_of()
+    runs = sum(len(sweep(a, arm)) + len(a.seed_list()) - 1 for arm in a.arm_list())
+    return 1.1 * step_seconds * runs * sum(steps[t.name] for t in a.task_list())
+
+
+def _step_seconds(study: RecallStudy) -> float:
+    """The median of a few training steps of the exact model on the first task (forward, backward, AdamW)."""
+    task = next(iter(study.tasks.values()))
+    model = study.new_model(study.arms["exact"], task, 0).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = study.split(task, 0, study.a.batch_size)
+    times = []
+    for _ in range(6):
+        t0 = time.perf_counter()
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def _claim(path: str) -> bool:
+    """Take the job whose lock file is ``path`` for this process: False where a live process holds it (a lock
+    left by a killed process is taken over)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                with open(path) as f:
+                    os.kill(int(f.read() or 0), 0)  # raises where the holder is gone
+                return False
+            except (ProcessLookupError, ValueError, FileNotFoundError):
+                try:
+                    os.remove(path)
+                except FileNotFoundError:
+                    pass
+                continue
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        return True
+    return False
+
+
+def run_recall(a: RecallArguments, argv: list[str] | None = None) -> dict:
+    """Run (or resume) the study and write ``recall.md`` and ``recall.json`` into ``a.output_dir``.
+
+    Jobs run in phases (the exact arm's sweep, then P and R and its other seeds, then every other arm's sweep,
+    then their other seeds; the band's arms before the greedy's), each phase's jobs by arm, then task. Several processes may run the same command on
+    one ``run_dir`` (``make recall`` starts one per core): each takes the jobs no other holds, and waits at a
+    phase's end for the jobs the next phase needs.
+    """
+    command = " ".join([COMMAND, *(shlex.quote(x) for x in (argv or []) if not x.startswith("--threads"))])
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    store = JobStore(a.run_dir, a.result_fields())
+    study = RecallStudy(a, store)
+    arms, tasks, seeds = list(study.arms.values()), list(study.tasks.values()), a.seed_list()
+    exact, others = arms[0], arms[1:]
+    bar = tqdm(desc="recall jobs", disable=not a.progress)
+
+    def job(name, fn) -> None:
+        if store.done(name) or not _claim(lock := os.path.join(a.run_dir, "locks", f"{name}.lock")):
+            return
+        try:
+            t0 = time.time()
+            bar.set_postfix_str(name)
+            result = fn()
+            result["seconds"] = time.time() - t0
+            store.save(name, result)
+            logger.info("recall job %s done in %.0f s", name, result["seconds"])
+            bar.update(1)
+        finally:
+            os.remove(lock)
+
+    def wait(names) -> None:  # for jobs another process holds
+        while not all(store.done(n) for n in names):
+            time.sleep(5)
+
+    def sweeps(arm_list):
+        names = []
+        for arm in arm_list:
+            for task in tasks:
+                for lr, ratio in sweep(a, arm):
+                    name = job_name(arm, task, lr, ratio, seeds[0])
+                    save = store.model_dir(name) if arm.kind == "exact" else None
+                    job(name, lambda arm=arm, task=task, lr=lr, ratio=ratio, save=save:
+                        study.train(arm, task, lr, ratio, seeds[0], save))
+                    names.append(name)
+        wait(names)
+
+    def other_seeds(arm_list):
+        names = []
+        for arm in arm_list:
+            for task in tasks:
+                lr, ratio = chosen(store, arm, task, a)
+                for seed in seeds[1:]:
+                    name = job_name(arm, task, seed=seed)
+                    job(name, lambda arm=arm, task=task, lr=lr, ratio=ratio, seed=seed:
+                        study.train(arm, task, lr, ratio, seed))
+                    names.append(name)
+        return names
+
+    job("estimate", lambda: {"step_seconds": (s := _step_seconds(study)),
+                             "estimate_seconds": estimate_seconds(a, s)})
+    wait(["estimate"])
+    estimate = store.load("estimate")
+    logger.warning("recall: estimated %.1f h for the whole study in one process on this machine (%.3f s a step); "
+                   "it resumes after a kill.", estimate["estimate_seconds"] / 3600, estimate["step_seconds"])
+    sweeps([exact])
+    if others:
+        for task in tasks:
+            lr, ratio = chosen(store, exact, task, a)
+            exact_dir = store.model_dir(job_name(exact, task, lr, ratio, seeds[0]))
+            job(f"patterns/{task.name}", lambda task=task, exact_dir=exact_dir: study.patterns(task, exact_dir))
+        wait([f"patterns/{task.name}" for task in tasks])
+    names = other_seeds([exact])
+    for group in ([arm for arm in others if not arm.greedy], [arm for arm in others if arm.greedy]):
+        sweeps(group)  # the band's arms, seeds included, before the greedy's P: the verdicts' arms come first
+        names += other_seeds(group)
+    wait(names)
+    bar.close()
+    return write_recall_report(a, store, command)
+
+
+def chosen(store: JobStore, arm, task, a: RecallArguments) -> tuple[float, float | None]:
+    """The arm's (learning rate, R's ratio) with the best validation accuracy of its first seed's sweep (ties to
+    the first tried)."""
+    seed = a.seed_list()[0]
+    results = [(store.load(job_name(arm, task, lr, ratio, seed))["validation"], -i, (lr, ratio))
+               for i, (lr, ratio) in enumerate(sweep(a, arm))]
+    return max(results)[2]
