@@ -201,7 +201,8 @@ class DerivedState:
 
 
 class PartialTensors(NamedTuple):
-    """What a partial layer reconstructs with (``module.partial_tensors()``, read by every kernel)."""
+    """What a partial layer reconstructs with (`attention_dispatch.layer_tensors`), passed to every kernel as
+    ``partial=``."""
 
     layout: PatternLayout
     reconstruction: torch.Tensor  # R (n, n-k, k)

@@ -234,11 +234,10 @@ def applies_compiled(partial: PartialTensors, grad: bool, need_weights: bool, dr
 
 def compiled_attention(implementation: str, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                        value: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None = None,
-                       dropout: float = 0.0, *, partial: PartialTensors | None = None, **kwargs
+                       dropout: float = 0.0, *, partial: PartialTensors, **kwargs
                        ) -> tuple[torch.Tensor, None]:
     """Partial attention by the setting ``implementation`` (auto, fused or tiled) as one custom op, in transformers'
     calling convention (arguments as `attention_gather.gather_attention`): ``(output (B, T, H, D), None)``."""
-    partial = module.partial_tensors() if partial is None else partial
     scaling = module.scaling if scaling is None else scaling
     if needs_grad(query, key, value, partial.reconstruction, partial.bias):
         raise ValueError("the compiled fast path runs without autograd only")

@@ -290,14 +290,13 @@ def all_heads_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
 
 def fused_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0, *,
-                    partial: PartialTensors | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                    partial: PartialTensors, **kwargs) -> tuple[torch.Tensor, None]:
     """Partial attention by the fused kernel, in transformers' calling convention (arguments as
     `attention_gather.gather_attention`): ``(output (B, T, H, D), None)``, the reference kernel's numbers.
 
     With autograd: the hand-written backward. Without: groups of (batch, head) pairs whose n×n scores hold about
     `attention_common.TILE_ELEMENTS` values each, written into one output, so that B·H·n² values are never
     allocated at once."""
-    partial = module.partial_tensors() if partial is None else partial
     scaling = module.scaling if scaling is None else scaling
     dropout = dropout if module.training else 0.0
     if needs_grad(query, key, value, partial.reconstruction, partial.bias):

@@ -33,7 +33,7 @@ def reconstruct_scores(exact: torch.Tensor, reconstruction: torch.Tensor, bias: 
 
 def gather_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0, *,
-                     partial: PartialTensors | None = None, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+                     partial: PartialTensors, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """Partial attention by the reference kernel, in transformers' calling convention.
 
     Args:
@@ -41,12 +41,11 @@ def gather_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         attention_mask: ``None``, bool ``(B|1, 1|H, T, T)`` (True = attend) or additive float of that shape.
         scaling: the scores' scale (``module.scaling`` when None); dropout: the probability of dropping an
             attention probability (applied in training mode only).
-        partial: P's layout, R and the bias (``module.partial_tensors()`` when None).
+        partial: P's layout, R and the bias (`attention_dispatch.layer_tensors`), a required keyword.
 
     Returns:
         ``(output (B, T, H, D), probabilities (B, H, T, T))`` like ``eager_attention_forward``.
     """
-    partial = module.partial_tensors() if partial is None else partial
     scaling = module.scaling if scaling is None else scaling
     layout, reconstruction, bias = partial.layout, partial.reconstruction, partial.bias
     exact, additive = masked_exact_scores(query, key, attention_mask, layout, scaling, structured=False)

@@ -45,10 +45,9 @@ def _buffer(flat: torch.Tensor, lead: torch.Size, last: int) -> torch.Tensor:
 
 def tiled_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0, *,
-                    partial: PartialTensors | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                    partial: PartialTensors, **kwargs) -> tuple[torch.Tensor, None]:
     """Partial attention by the tiled kernel, in transformers' calling convention (arguments as
     `attention_gather.gather_attention`), without autograd: ``(output (B, T, H, D), None)``."""
-    partial = module.partial_tensors() if partial is None else partial
     scaling = module.scaling if scaling is None else scaling
     layout = partial.layout
     if needs_grad(query, key, value, partial.reconstruction, partial.bias):

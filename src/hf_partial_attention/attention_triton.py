@@ -274,10 +274,9 @@ def triton_partial_attention(query, key, value, w, bias_full, additive_mask, mas
 
 def triton_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0, *,
-                     partial: PartialTensors | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                     partial: PartialTensors, **kwargs) -> tuple[torch.Tensor, None]:
     """Partial attention by the Triton kernel, in transformers' calling convention (arguments as
     `attention_gather.gather_attention`): ``(output (B, T, H, D), None)``; no attention dropout."""
-    partial = module.partial_tensors() if partial is None else partial
     scaling = module.scaling if scaling is None else scaling
     layout = partial.layout
     if module.training and dropout > 0:
