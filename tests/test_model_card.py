@@ -163,13 +163,16 @@ def test_card_of_a_bucketed_model_lists_its_buckets():
             "bucket:") in text
     header = lines.index("| bucket b | k_b | P and R | saving |")
     assert lines[header + 2:header + 6] == ["| 4 | 4 | exact (k = b) | 0.0 % |", "| 8 | 8 | exact (k = b) | 0.0 % |",
-                                            "| 16 | 8 | `bert.encoder.partial_pattern_len16` | 25.0 % |",
-                                            "| 32 | 8 | `bert.encoder.partial_pattern` | 37.5 % |"]
+                                            "| 16 | 8 | P `bert.encoder.partial_pattern_len16.indices`; R "
+                                            "`bert.encoder.partial_pattern_len16.reconstruction` | 25.0 % |",
+                                            "| 32 | 8 | P `bert.encoder.partial_pattern.indices`; R "
+                                            "`bert.encoder.partial_pattern.reconstruction` | 37.5 % |"]
     assert lines[header + 6] == ""  # the table ends there
     # a k per bucket: 16's saving at k = 10 (d_h = 16): 1 − (10·16 + 6·10) / (16·16) = 14.1 %
     per_bucket = build_model_card(PartialBertForMaskedLM(PartialBertConfig(
         **TINY, partial_lengths=[4, 8, 16, 32], partial_lengths_k=[4, 8, 10, 8], reconstruction="common"))).text
-    assert "| 16 | 10 | `bert.encoder.partial_pattern_len16` | 14.1 % |" in per_bucket.splitlines()
+    assert ("| 16 | 10 | P `bert.encoder.partial_pattern_len16.indices`; R "
+            "`bert.encoder.partial_pattern_len16.reconstruction` | 14.1 % |") in per_bucket.splitlines()
     assert "bert.encoder.partial_pattern_len16" in dict(model.named_modules())  # the name is the module's
     one = build_model_card(PartialBertForMaskedLM(PartialBertConfig(**TINY, reconstruction="common"))).text
     assert "Length buckets" not in one and "| bucket b |" not in one

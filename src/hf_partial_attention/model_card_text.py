@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from .cost import bucket_savings, score_cost
+from .partial_places import r_trainable, tensor_names
 
 __all__ = ["partial_section", "provenance_section", "training_section", "loading_section", "PLACEHOLDER",
            "UNTRAINED_WARNING"]
@@ -50,10 +51,7 @@ def _buckets_section(config, prefix: str, d_head: int, paths: tuple[str, str] | 
     def names(b: int) -> str:
         if ks[lengths.index(b)] == b and b != n:
             return "exact (k = b)"
-        suffix = "" if b == n else f"_len{b}"
-        if config.reconstruction == "per_layer":  # P in the pattern module, R in each partial layer
-            return f"`{owner}partial_pattern{suffix}.indices`; R: `{layer}.reconstruction{suffix}`"
-        return f"`{owner}partial_pattern{suffix}`"
+        return _tensor_list(tensor_names(config, owner, layer, b))
 
     rows = "\n".join(f"| {b} | {kb} | {names(b)} | {100 * savings[b]:.1f} % |" for b, kb in zip(lengths, ks))
     return f"""- **Length buckets** {lengths}: each bucket b holds its own P (b, k_b) and R (b, b − k_b, k_b), fitted on
@@ -66,6 +64,12 @@ def _buckets_section(config, prefix: str, d_head: int, paths: tuple[str, str] | 
 """
 
 
+def _tensor_list(names: dict[str, str]) -> str:
+    """P, R and the bias by their full names (`partial_places.tensor_names`)."""
+    return "; ".join(f"{'P' if kind == 'P' else 'R' if kind == 'R' else 'its bias'} `{name}`"
+                     for kind, name in names.items())
+
+
 def _layers_k_section(config, d_head: int) -> str:
     """The k of each partial layer (``partial_layers_k``, from ``derive --saving``; empty when the layers share k)."""
     rows = getattr(config, "partial_layers_k", None)
@@ -75,7 +79,8 @@ def _layers_k_section(config, d_head: int) -> str:
     saving = {layer: score_cost(lengths[-1], row[-1], d_head).saving for layer, row in zip(config.partial_layers, rows)}
     lines = "\n".join(f"| {layer} | " + " | ".join(str(k) for k in row) + f" | {100 * saving[layer]:.1f} % |"
                       for layer, row in zip(config.partial_layers, rows))
-    return f"""- **A k per layer** (`partial_layers_k`, chosen by `derive --saving` to spend the QKᵀ budget where the greedy's
+    return f"""- **A k per layer** (`partial_layers_k`, chosen by `derive --saving` to spend the QKᵀ budget \
+where the greedy's
   error falls most); k = the largest of them above, each layer's P (n, k_l) and R (n, n − k_l, k_l):
 
 | layer | {" | ".join(f"k at b = {b}" for b in lengths)} | saving at n |
@@ -98,27 +103,27 @@ def partial_section(config, prefix: str, paths: tuple[str, str] | None = None) -
                      else [cost.saving] * len(layers))
     model_saving = sum(layer_savings) / total
     partial_saving = sum(layer_savings) / max(len(layers), 1)
+    names = tensor_names(config, owner, layer_path)
+    r_name = f"`{names['R']}`" + (f" (its bias `{names['bias']}`)" if "bias" in names else "")
     mode = {
-        "fixed": f"fixed: a buffer `{owner}partial_pattern.reconstruction`, never trained",
-        "common": f"common: one trainable tensor `{owner}partial_pattern.reconstruction` shared by all "
-                  "partial layers",
-        "per_layer": f"per layer: a trainable tensor `{layer_path}.reconstruction` "
-                     "for each partial layer l",
+        "fixed": f"fixed: a buffer {r_name}, never trained",
+        "common": f"common: one trainable tensor {r_name} shared by all partial layers",
+        "per_layer": f"per layer: a trainable tensor {r_name} for each partial layer l",
     }[config.reconstruction]
     bias = " plus a per-query bias b_i" if config.partial_use_bias else ""
-    p_line = (f"`{owner}partial_pattern.indices`, an int64 buffer of shape (n, k) = ({n}, {k}), shared by all\n"
+    p_line = (f"`{names['P']}`, an int64 buffer of shape (n, k) = ({n}, {k}), shared by all\n"
               "  partial layers and heads; it never changes during training.")
     granularity = getattr(config, "partial_granularity", "pooled")
     if granularity != "pooled":  # each layer (or head) its own P and R (format 4)
-        held = "trainable" if config.reconstruction == "per_layer" else "a fixed buffer"
+        held = "trainable" if r_trainable(config) else "a fixed buffer"
         heads = config.num_attention_heads
         lead = f"H = {heads}, " if granularity == "head" else ""
         dims = "(H, n, k)" if granularity == "head" else "(n, k)"
-        mode = (f"each partial layer l its own, `{owner}partial_pattern_layer{{l}}.reconstruction` ({held}"
-                + (f"; shape (H, n, n − k, k), one R per head" if granularity == "head" else "") + ")")
+        mode = (f"each partial layer l its own, {r_name} ({held}"
+                + ("; shape (H, n, n − k, k), one R per head" if granularity == "head" else "") + ")")
         whose = "each head's own covariance (`derive --granularity head`): every head" if granularity == "head" \
             else "that layer's own covariance (`derive --granularity layer`), shared by its heads"
-        p_line = (f"`{owner}partial_pattern_layer{{l}}.indices` for each partial layer l, an int64 buffer of shape "
+        p_line = (f"`{names['P']}` for each partial layer l, an int64 buffer of shape "
                   f"{dims} = ({lead}{n}, {k}),\n  fitted on {whose}"
                   + (" has its own P" if granularity == "head" else "") + "; it never changes during training.")
     return f"""## Partial attention: P and R
@@ -207,8 +212,8 @@ def training_section(training_details: str | None, record: dict[str, Any] | None
     if training_details:
         return training_details
     if untrained_conversion:
-        return (f"No training: **converted, not retrained.** `hf-partial-attention convert` kept every weight of {base} "
-                f"and installed P and R; nothing was trained since. {UNTRAINED_WARNING}")
+        return ("No training: **converted, not retrained.** `hf-partial-attention convert` kept every weight of "
+                f"{base} and installed P and R; nothing was trained since. {UNTRAINED_WARNING}")
     if record:
         return ("Not recorded. This checkpoint comes from a conversion (see where the pattern came from); unless it "
                 f"was trained since, it is an untrained conversion. {UNTRAINED_WARNING}")

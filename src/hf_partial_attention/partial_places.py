@@ -21,8 +21,8 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-__all__ = ["PARTIAL_NAME", "is_reconstruction_name", "Place", "bucket_suffix", "pattern_module_name", "r_on_attention", "attention_r_names",
-           "place", "pattern_layers", "head_count", "heads"]
+__all__ = ["PARTIAL_NAME", "is_reconstruction_name", "Place", "bucket_suffix", "pattern_module_name", "r_on_attention",
+           "attention_r_names", "place", "pattern_layers", "head_count", "heads", "tensor_names", "r_trainable"]
 
 # P, R and their biases in a state dict: the pattern modules' tensors and each partial layer's own R (per_layer).
 PARTIAL_NAME = re.compile(r"\.partial_pattern(_layer\d+)?(_len\d+)?\.|\.reconstruction(_bias)?(_len\d+)?$")
@@ -91,6 +91,11 @@ def place(config, layer: int | None = None, length: int | None = None, head: int
                  head)
 
 
+def r_trainable(config) -> bool:
+    """Whether R (and its bias) are trained: every mode but ``reconstruction="fixed"``."""
+    return config.reconstruction != "fixed"
+
+
 def pattern_layers(config) -> list[int | None]:
     """The layers with a P or an R of their own (R per layer, or P per layer or head), else ``[None]``."""
     if config.reconstruction == "per_layer" or config.partial_granularity != "pooled":
@@ -107,3 +112,19 @@ def heads(config) -> list[int | None]:
     """Each head when P and R are per head, else ``[None]``."""
     count = head_count(config)
     return [None] if count is None else list(range(count))
+
+
+def tensor_names(config, owner: str, attention: str, length: int | None = None) -> dict[str, str]:
+    """The full state-dict names of bucket ``length``'s (None: n) P, R and (with ``partial_use_bias``) R's bias:
+    ``{"P": ..., "R": ..., "bias": ...}``, with ``{l}`` standing for the layer where P or R is per layer.
+
+    ``owner``: the path of the module holding the pattern modules, with a trailing dot (``"bert.encoder."``);
+    ``attention``: the path of layer ``{l}``'s attention module (``"bert.encoder.layer.{l}.attention.self"``).
+    """
+    where = place(config, None if pattern_layers(config) == [None] else "{l}", length)
+    pattern = owner + where.pattern
+    holder = attention if where.on_attention else pattern
+    names = {"P": f"{pattern}.indices", "R": f"{holder}.{where.r_name}"}
+    if getattr(config, "partial_use_bias", False):
+        names["bias"] = f"{holder}.{where.bias_name}"
+    return names
