@@ -23,7 +23,7 @@ from .conversion import from_source
 from .partial_layer import is_partial, make_exact, make_partial
 from .partial_pattern import PartialPattern, check_buckets, check_layers, init_bias, initial_for, initial_stack
 from .partial_places import (PARTIAL_NAME, Place, attention_r_names, bucket_suffix, heads, pattern_layers,
-                             pattern_module_name, place, r_on_attention)
+                             pattern_module_layers, pattern_module_name, place, r_on_attention)
 from .pattern import AttentionPattern
 from .pattern_buckets import PatternBuckets
 from .pattern_layers import LayerPatterns
@@ -60,7 +60,7 @@ class PartialModelMixin:
         the default), and make every attention module partial (``config.partial_layers``) or exact (idempotent)."""
         config, base = self.config, self.base_model
         owner = self._partial_arch.owner_module(base)
-        layers = config.partial_layers if config.partial_granularity != "pooled" else [None]
+        layers = pattern_module_layers(config)
         if not layers or pattern_module_name(config, None, layers[0]) in owner._modules:
             return
         if pattern is not None:
@@ -126,7 +126,10 @@ class PartialModelMixin:
             if getattr(module, "reconstruction", None) is not None:
                 init.copy_(module.reconstruction, r)
             if getattr(module, "reconstruction_bias", None) is not None:
-                init.zeros_(module.reconstruction_bias) if bias is None else init.copy_(module.reconstruction_bias, bias)
+                if bias is None:
+                    init.zeros_(module.reconstruction_bias)
+                else:
+                    init.copy_(module.reconstruction_bias, bias)
         elif is_partial(module) and r_on_attention(self.config):
             for length in (None, *self.config.partial_buckets):
                 pattern = initial_for(self.config, self._initial_pattern, length)
@@ -185,7 +188,7 @@ class PartialModelMixin:
         """Bucket length -> the owner's pattern module of that bucket (n first, then the shorter buckets); of
         ``layer`` (default: the first partial layer) when each layer has its own P."""
         owner, config = self._partial_owner(), self.config
-        if config.partial_granularity != "pooled":
+        if pattern_module_layers(config) != [None]:  # each layer its own pattern modules
             layer = self._check_layer(layer)
         return {length or config.partial_seq_len: getattr(owner, pattern_module_name(config, length, layer))
                 for length in (None, *config.partial_buckets)}

@@ -20,7 +20,7 @@ from torch import nn
 # The per-call names, re-exported here where 0.x had them
 from .attention_dispatch import EXACT_FUNCTION, attention_function_name, is_partial, layer_tensors
 from .partial_pattern import r_tensor
-from .partial_places import attention_r_names, r_on_attention
+from .partial_places import attention_r_names, r_on_attention, r_trainable
 
 __all__ = ["EXACT_FUNCTION", "config_view", "make_partial", "make_exact", "is_partial", "layer_tensors"]
 
@@ -70,8 +70,9 @@ def make_partial(module: nn.Module, owner: nn.Module, layer_idx: int | None, con
     if r_on_attention(config):  # else R lives in the pattern module beside P (`partial_places`)
         for length in (None, *config.partial_buckets):  # n's R, then each shorter bucket's
             r_name, bias_name = attention_r_names(config, length)
-            setattr(module, r_name, r_tensor(config, True, False, pattern, length))
-            setattr(module, bias_name, r_tensor(config, True, True, pattern, length) if config.partial_use_bias else None)
+            setattr(module, r_name, r_tensor(config, r_trainable(config), False, pattern, length))
+            setattr(module, bias_name,
+                    r_tensor(config, r_trainable(config), True, pattern, length) if config.partial_use_bias else None)
 
 
 def make_exact(module: nn.Module, config) -> None:

@@ -20,7 +20,7 @@ from .pattern import AttentionPattern
 from .pattern_buckets import PatternBuckets
 from .pattern_layers import LayerPatterns
 # Where P and R live (re-exported: the names were defined here before `partial_places`).
-from .partial_places import bucket_suffix, head_count, pattern_module_name
+from .partial_places import bucket_suffix, head_count, pattern_module_name, r_on_attention, r_trainable
 
 __all__ = ["PartialPattern", "PartialBertPattern", "default_pattern", "initial_for", "initial_stack", "check_buckets",
            "check_layers", "r_tensor", "init_bias", "bucket_suffix", "pattern_module_name", "head_count"]
@@ -49,7 +49,8 @@ def check_buckets(config: PartialConfigMixin, pattern: AttentionPattern | Patter
         raise ValueError(f"pattern has seq_len={buckets.seq_len}, k={buckets.k} but the config has "
                          f"partial_seq_len={config.partial_seq_len}, partial_k={ks[-1]}"
                          f"{'' if config.partial_layers_k is None else f' at layer {layer} (partial_layers_k)'}; "
-                         "build the config from the pattern (from_source does) or pass a pattern of the config's n and k.")
+                         "build the config from the pattern (from_source does) or pass a pattern of the config's "
+                         "n and k.")
     if buckets.lengths != list(config.partial_lengths):
         raise ValueError(f"pattern has length buckets {buckets.lengths} but the config has partial_lengths="
                          f"{config.partial_lengths}; build the config from the pattern (from_source does) or pass "
@@ -171,13 +172,11 @@ class PartialPattern(nn.Module):
         r_bias = r_bias if config.partial_use_bias else None
         self.register_buffer("indices", indices, persistent=True)
         self.mode = config.reconstruction
-        # One layer's module holds that layer's R: trainable unless fixed ("per_layer" R lives here, not on the
-        # attention module, because P is the layer's own too).
-        trainable = self.mode == "common" or (layer is not None and self.mode == "per_layer")
-        if trainable:
+        # R lives beside P here, unless each layer's attention module holds its own (`partial_places`)
+        if not r_on_attention(config) and r_trainable(config):
             self.reconstruction = nn.Parameter(r)
             self.reconstruction_bias = None if r_bias is None else nn.Parameter(r_bias)
-        elif self.mode == "fixed":
+        elif not r_on_attention(config):
             self.register_buffer("reconstruction", r, persistent=True)
             self.register_buffer("reconstruction_bias", r_bias, persistent=True)
         # The layout derived from P (complement, inverse permutation, block structure) is kept as non-persistent

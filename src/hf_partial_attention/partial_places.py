@@ -22,7 +22,8 @@ import re
 from typing import NamedTuple
 
 __all__ = ["PARTIAL_NAME", "is_reconstruction_name", "Place", "bucket_suffix", "pattern_module_name", "r_on_attention",
-           "attention_r_names", "place", "pattern_layers", "head_count", "heads", "tensor_names", "r_trainable"]
+           "attention_r_names", "place", "pattern_layers", "head_count", "heads", "tensor_names", "r_trainable",
+           "pattern_module_layers"]
 
 # P, R and their biases in a state dict: the pattern modules' tensors and each partial layer's own R (per_layer).
 PARTIAL_NAME = re.compile(r"\.partial_pattern(_layer\d+)?(_len\d+)?\.|\.reconstruction(_bias)?(_len\d+)?$")
@@ -91,6 +92,12 @@ def place(config, layer: int | None = None, length: int | None = None, head: int
                  head)
 
 
+def pattern_module_layers(config) -> list[int | None]:
+    """The layers that own pattern modules of their own (P per layer or per head), else ``[None]``: one set of
+    pattern modules serves every layer."""
+    return list(config.partial_layers) if config.partial_granularity != "pooled" else [None]
+
+
 def r_trainable(config) -> bool:
     """Whether R (and its bias) are trained: every mode but ``reconstruction="fixed"``."""
     return config.reconstruction != "fixed"
@@ -121,7 +128,7 @@ def tensor_names(config, owner: str, attention: str, length: int | None = None) 
     ``owner``: the path of the module holding the pattern modules, with a trailing dot (``"bert.encoder."``);
     ``attention``: the path of layer ``{l}``'s attention module (``"bert.encoder.layer.{l}.attention.self"``).
     """
-    where = place(config, None if pattern_layers(config) == [None] else "{l}", length)
+    where = place(config, None if pattern_layers(config) == [None] else "{l}", length)  # "{l}": the layer, named later
     pattern = owner + where.pattern
     holder = attention if where.on_attention else pattern
     names = {"P": f"{pattern}.indices", "R": f"{holder}.{where.r_name}"}
