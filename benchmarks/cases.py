@@ -6,12 +6,12 @@ import math
 
 import torch
 from torch import nn
-from transformers import BertConfig, BertModel, BigBirdConfig, NystromformerConfig
+from transformers import BertConfig, BigBirdConfig, NystromformerConfig
 from transformers.models.bert.modeling_bert import BertSelfAttention
 from transformers.models.big_bird.modeling_big_bird import BigBirdBlockSparseAttention, BigBirdModel
 from transformers.models.nystromformer.modeling_nystromformer import NystromformerSelfAttention
 
-from hf_partial_attention import AttentionPattern, PartialBertConfig, PartialBertModel, partial_class_for
+from hf_partial_attention import AttentionPattern, PartialBertConfig, partial_class_for
 from hf_partial_attention.architectures import ARCHITECTURES
 from hf_partial_attention.cost import forward_ratio
 from hf_partial_attention.modeling_partial_bert import PartialBertPattern

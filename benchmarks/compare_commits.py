@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> dict:
     lines = [f"# PartialBert at {head_sha[:7]} beside {base_sha[:7]}, interleaved", "",
              f"Command: `{result['command']}`; spec {json.dumps(spec)}; {args.processes} fresh processes per tree, "
              f"alternating, {args.rounds} rounds each.", "",
-             "| tree | mode | partial median s | / eager | interval | / SDPA | interval |", "|---|---|---|---|---|---|---|"]
+             "| tree | mode | partial median s | / eager | interval | / SDPA | interval |",
+             "|---|---|---|---|---|---|---|"]
     for name, sha in (("base", base_sha), ("head", head_sha)):
         for mode, e in result["summary"][name].items():
             lines.append(f"| {name} ({sha[:7]}) | {mode} | {e['partial_s']:.3f} | {e['eager']['median']:.3f} | "

@@ -1,6 +1,7 @@
 """Compiled models: PartialBert against BertModel (eager and SDPA attention), each uncompiled and under torch.compile,
-inference, with the compiled fast path (`attention_dispatch.compiled_attention`: W and the blocks of rows sharing P and R read from the
-pattern module's cache, outside the graph) and without it (W built in the graph at every call, as before).
+inference, with the compiled fast path (`attention_dispatch.compiled_attention`: W and the blocks of rows sharing P and
+R read from the pattern module's cache, outside the graph) and without it (W built in the graph at every call, as
+before).
 
     python benchmarks/compiled.py --out benchmarks/results
 

@@ -2,11 +2,12 @@
 `python benchmarks/granularity_speed.py`.
 
 P and R per head run each head by the kernel of its own P and R in inference (H kernel calls per layer instead of
-one) and every head in one autograd node under autograd (`attention_fused.all_heads_attention`), with H times the W; the question is
-what that costs. The models: `BertModel` (eager and SDPA) of MiniLM's shape (6 layers, hidden 384,
+one) and every head in one autograd node under autograd (`attention_fused.all_heads_attention`), with H times the W;
+the question is what that costs. The models: `BertModel` (eager and SDPA) of MiniLM's shape (6 layers, hidden 384,
 12 heads, d_h 32) with random weights, and PartialBert converted from it (layers 0–4 partial, R fixed, ``auto``):
 pooled, and per head, with the local pattern of k keys around each query shifted by h positions for head h (a
-different P per head; speed does not depend on R's values). BERT-base shape at n = 512 with ``--spec n512`` (``--modes inference``: a training step there takes minutes a round);
+different P per head; speed does not depend on R's values). BERT-base shape at n = 512 with ``--spec n512``
+(``--modes inference``: a training step there takes minutes a round);
 MiniLM's shape at n = 512, B = 4, k = 16 with ``--spec n512_minilm`` (both modes).
 Each round runs every model once, in an order rotated round by round; ratios are medians of per-round ratios with
 a distribution-free interval (`timing.median_interval`). Writes granularity_speed_<spec>.json / .md.
@@ -113,9 +114,10 @@ def run(spec: dict, rounds: int, modes=MODES) -> dict:
 def markdown(result: dict) -> str:
     spec = result["spec"]
     lines = [f"# P and R per head beside pooled, BERT eager and SDPA ({result['spec_name']})", "",
-             f"Command: `{result['command']}`; {spec['layers']} layers, hidden {spec['hidden']}, {spec['heads']} heads, "
-             f"B = {spec['b']}, n = {spec['n']}, k = {spec['k']}; {result['rounds']} rounds, order rotated; "
-             f"{result['machine'].get('cpu', '')}, {result['machine'].get('torch_threads', '')} threads.", "",
+             f"Command: `{result['command']}`; {spec['layers']} layers, hidden {spec['hidden']}, "
+             f"{spec['heads']} heads, B = {spec['b']}, n = {spec['n']}, k = {spec['k']}; {result['rounds']} rounds, "
+             f"order rotated; {result['machine'].get('cpu', '')}, {result['machine'].get('torch_threads', '')} "
+             "threads.", "",
              "| mode | model | median s | / pooled | interval | / eager | interval | / SDPA | interval |",
              "|---|---|---|---|---|---|---|---|---|"]
     for mode, rows in result["results"].items():

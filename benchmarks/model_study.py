@@ -4,9 +4,10 @@
 `make bench` times each model comparison in 5 rounds. On a shared 2-core machine one round's ratio of two
 5-second forwards moves by ±10 %, so 5 rounds cannot tell 0.96x from 0.98x: the same code met and missed the
 n = 128 goals in two runs. This study times only the models the goals name (BertModel eager and SDPA, and
-PartialBert with the "shared" pattern; and RobertaModel beside PartialRoberta at RoBERTa-base's shape), in many more rounds (order rotated each round, each comparison in a
-fresh process as `make bench` does), and reports each goal's median per-round ratio with a distribution-free
-95 % interval for it: a goal is met or missed only where the interval lies on one side of it.
+PartialBert with the "shared" pattern; and RobertaModel beside PartialRoberta at RoBERTa-base's shape), in many more
+rounds (order rotated each round, each comparison in a fresh process as `make bench` does), and reports each goal's
+median per-round ratio with a distribution-free 95 % interval for it: a goal is met or missed only where the interval
+lies on one side of it.
 Writes model_study.json and model_study.md under --out.
 """
 
@@ -49,8 +50,9 @@ def markdown(result: dict) -> str:
              ("Models: BertModel (eager, SDPA) and PartialBertModel converted from it (every layer but the last "
               "partial, the `shared` pattern, R fixed, `partial_implementation=\"auto\"`, SDPA in the exact last "
               "layer); likewise RobertaModel and PartialRobertaModel at RoBERTa-base's shape (the same mechanism, "
-              "no goal of its own); random weights and token ids (speed does not depend on them). Each round runs every model "
-              "once, back to back, in an order rotated round by round; each comparison runs in a fresh process."),
+              "no goal of its own); random weights and token ids (speed does not depend on them). Each round runs "
+              "every model once, back to back, in an order rotated round by round; each comparison runs in a fresh "
+              "process."),
              "", INTERVAL_NOTE, "",
              "| goal | median ratio | interval for the median | goal | met |", "|---|---|---|---|---|"]
     for g in result["goals"]:

@@ -157,8 +157,8 @@ def markdown(result: dict) -> str:
              f"Allocator: {_allocator(m)}  ",
              "Ratios are partial / dense eager attention (and / SDPA) at the same shapes, measured side by side in one "
              "process (cases interleaved, medians). Patterns: `per_query` (each query its own keys), `columns` (one "
-             "key set), `blocks` (blocks of 32 rows share keys, each row its own R), `shared_blocks` (blocks of 32 rows "
-             "share keys and R). `auto` marks the kernel `partial_implementation=\"auto\"` "
+             "key set), `blocks` (blocks of 32 rows share keys, each row its own R), `shared_blocks` (blocks of 32 "
+             "rows share keys and R). `auto` marks the kernel `partial_implementation=\"auto\"` "
              "picks. `mac_ratio` = multiply-adds of the kernel's attention forward over dense, "
              "(k·d + (n−k)·k + n·d) / (2·n·d), counting what the kernel computes: fused and tiled multiply by all of "
              "[I|R] (n·k), and every kernel but gather gets a per-query pattern's exact scores from the whole QKᵀ "

@@ -216,7 +216,8 @@ def main(argv: list[str] | None = None) -> dict:
         if args.threads:
             torch.set_num_threads(args.threads)
         spec = json.loads(args.model_spec)
-        rows = mixed_length_rows(spec, args.model_repeats) if "lengths" in spec else model_rows(spec, args.model_repeats)
+        rows = (mixed_length_rows(spec, args.model_repeats) if "lengths" in spec
+                else model_rows(spec, args.model_repeats))
         sys.stdout.write(json.dumps(rows) + "\n")
         return {}
     logging.basicConfig(level=logging.INFO, format="%(message)s")

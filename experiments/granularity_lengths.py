@@ -5,8 +5,9 @@ inputs of real lengths (issue 34): ``python -m experiments granularity-lengths``
 Fit (as the lengths study, `experiments.lengths`): the demo text's sentences and paragraphs at their own lengths, one
 covariance per (layer, head) per bucket (``analyze_lengths(granularity="head")``; the per-layer and pooled ones are its
 sums); the longest bucket's also holds ``fit_windows`` windows of n tokens of the same text (the demo's 320; its
-sentences and paragraphs of 65–128 tokens are few for n = 128 positions per head). Arms, each the original MiniLM converted without retraining (R fixed; the paper's partial layers: all but the
-last), greedy with the Fisher objective, at k = 16's saving in every bucket:
+sentences and paragraphs of 65–128 tokens are few for n = 128 positions per head). Arms, each the original MiniLM
+converted without retraining (R fixed; the paper's partial layers: all but the last), greedy with the Fisher objective,
+at k = 16's saving in every bucket:
 
 - ``pooled`` / ``layer`` / ``head`` × ``uniform``: k = min(16, b) in every layer (pooled: one P and R for every layer,
   the buckets of `make recover`);
@@ -218,8 +219,8 @@ def render(result: dict) -> str:
              result["command"], "```", "",
              f"- Buckets {result['lengths']}, P and R per bucket (greedy, objective `{result['objective']}`) fitted on "
              "the demo text's sentences and paragraphs at their own lengths (inputs per bucket "
-             f"{result['fit_inputs']}; the longest bucket's includes {result['fit_windows']} windows of n tokens of the "
-             "same text), one covariance per (layer, head) summed for the per-layer and pooled fits; "
+             f"{result['fit_inputs']}; the longest bucket's includes {result['fit_windows']} windows of n tokens of "
+             "the same text), one covariance per (layer, head) summed for the per-layer and pooled fits; "
              f"converted without retraining, R fixed, partial layers {result['partial_layers']}.",
              f"- `uniform`: k = min({result['k']}, b) in every layer; `budget`: a k per layer from `derive --saving "
              f"k{result['k']}` (the greedy's error curves; never more QKᵀ work than `uniform` in any bucket).",

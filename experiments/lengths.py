@@ -74,7 +74,8 @@ def held_out_documents(packages=README_PACKAGES) -> list[list[str]]:
             payload = metadata.metadata(name).get_payload() or ""
         except metadata.PackageNotFoundError:
             continue
-        blocks = [" ".join(re.sub(r"[*_`]|\[([^\]]*)\]\([^)]*\)", r"\1", b).split()) for b in re.split(r"\n\s*\n", payload)]
+        blocks = [" ".join(re.sub(r"[*_`]|\[([^\]]*)\]\([^)]*\)", r"\1", b).split())
+                  for b in re.split(r"\n\s*\n", payload)]
         paragraphs = [b for b in blocks if _prose(b)]
         if paragraphs:
             docs.append(paragraphs)
@@ -83,7 +84,8 @@ def held_out_documents(packages=README_PACKAGES) -> list[list[str]]:
 
 def held_out_inputs(tok, max_heldout: int, heldout_windows: int, n: int = LENGTHS[-1]):
     """``({"sentences", "paragraphs", "pairs": TokenizedInputs}, windows)``: at most ``max_heldout`` inputs of each
-    kind from `held_out_documents` (evenly spaced), truncated to n tokens, and ``heldout_windows`` windows of n (None for 0)."""
+    kind from `held_out_documents` (evenly spaced), truncated to n tokens, and ``heldout_windows`` windows of n (None
+    for 0)."""
     docs = held_out_documents()
     kinds = {"sentences": [s for d in docs for p in d for s in split_sentences(p)],
              "paragraphs": [p for d in docs for p in d],
@@ -128,7 +130,8 @@ def run_inputs(model, tokens, index: list[int], batch_size: int, install=None):
     """Embeddings ``(S, hidden)`` of the inputs ``index`` and each layer's hidden states (real positions only),
     in batches of inputs of similar length; ``install(T)``: called before each batch of one length T (conditional)."""
     order = sorted(index, key=lambda i: int(tokens.lengths[i]))
-    groups = ([[i for i in order if int(tokens.lengths[i]) == t] for t in sorted({int(tokens.lengths[i]) for i in order})]
+    groups = ([[i for i in order if int(tokens.lengths[i]) == t]
+               for t in sorted({int(tokens.lengths[i]) for i in order})]
               if install else [order[s:s + batch_size] for s in range(0, len(order), batch_size)])
     embs, hidden = {}, {}
     for group in groups:
@@ -174,9 +177,9 @@ def _conditional_installer(model, buckets: PatternBuckets, reconstructors: dict)
 
 
 def run_lengths(out: str = "runs/lengths", results: str = "results/lengths", model: str | None = None, *,
-                ks=(8, 16), lengths=LENGTHS, objective: str = "paper", fit_windows: int = 320, heldout_windows: int = 64, fit_inputs: int | None = None,
-                max_heldout: int = 600, batch_size: int = 16, progress: bool = True, command: str | None = None,
-                bucket_k: dict[int, int] | None = None) -> dict:
+                ks=(8, 16), lengths=LENGTHS, objective: str = "paper", fit_windows: int = 320,
+                heldout_windows: int = 64, fit_inputs: int | None = None, max_heldout: int = 600, batch_size: int = 16,
+                progress: bool = True, command: str | None = None, bucket_k: dict[int, int] | None = None) -> dict:
     """Fit, convert and measure (see the module docstring); writes ``results``/lengths.json, lengths.md, figures.
     ``bucket_k``: ``{b: k_b}``, buckets that take their own k in place of each k (`derive_lengths`)."""
     bucket_k = {int(b): int(v) for b, v in (bucket_k or {}).items()}
@@ -249,7 +252,8 @@ def run_lengths(out: str = "runs/lengths", results: str = "results/lengths", mod
                        "zero_fill": distribution_saving([lengths[-1]], k, d_head, real),
                        "per_bucket": {str(b): v for b, v in bucket_savings(lengths, lengths_k[k], d_head).items()}}
               for k in ks}
-    result = {"command": command or "python -m experiments lengths", "model": model_id, "lengths": list(lengths), "ks": list(ks), "objective": objective,
+    result = {"command": command or "python -m experiments lengths", "model": model_id, "lengths": list(lengths),
+              "ks": list(ks), "objective": objective,
               "bucket_k": {str(b): v for b, v in sorted(bucket_k.items())},
               "fit": {"windows": fit_windows, "bucket_inputs": json.loads(json.dumps(
                   {row["length"]: row["fit_inputs"] for row in derived["ks"][str(ks[0])]["buckets"]}))},

@@ -58,7 +58,8 @@ def _layer_projections(model, tok, texts, out: str, n: int, fit_sequences: int, 
     layers = []
     for layer in range(num_layers):
         acc = ScoreCovariance(n, ("whole",))
-        run_windows(model, windows, lambda idx, scores, layer=layer: acc.update(0, scores) if idx == layer else None,
+        run_windows(model, windows,
+                    lambda idx, scores, layer=layer, acc=acc: acc.update(0, scores) if idx == layer else None,
                     batch_size=batch_size, progress=progress, desc=f"layer {layer}")
         c_l = acc.whole()
         del acc

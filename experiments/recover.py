@@ -190,10 +190,10 @@ def run_recover(out: str = "runs/recover", results: str = "results/recovery", mo
     train = _training_set(tokenizer, n, train_inputs)
     args = PartialAttentionTrainingArguments(
         output_dir=os.path.join(out, "trainer"), max_steps=steps, per_device_train_batch_size=batch_size,
-        learning_rate=learning_rate, reconstruction_learning_rate=reconstruction_learning_rate, warmup_steps=steps // 20,
-        lr_scheduler_type="cosine", weight_decay=0.01, logging_steps=max(1, steps // 30), save_steps=max(1, steps // 6),
-        save_total_limit=1, group_by_length=True, seed=seed, use_cpu=True, report_to="none", dataloader_num_workers=0,
-        disable_tqdm=not progress, recovery_objective=objective,
+        learning_rate=learning_rate, reconstruction_learning_rate=reconstruction_learning_rate,
+        warmup_steps=steps // 20, lr_scheduler_type="cosine", weight_decay=0.01, logging_steps=max(1, steps // 30),
+        save_steps=max(1, steps // 6), save_total_limit=1, group_by_length=True, seed=seed, use_cpu=True,
+        report_to="none", dataloader_num_workers=0, disable_tqdm=not progress, recovery_objective=objective,
         attention_transfer_parameters=None if trainable == "all" else trainable)
     trainer = PartialAttentionTrainer(model=student, args=args, train_dataset=train,
                                       data_collator=DataCollatorWithPadding(tokenizer), teacher_model=original)

@@ -140,7 +140,8 @@ def load_study_data(a) -> StudyData:
     mlm_pairs = _spread(pairs["validation"], a.mlm_eval_pairs).remove_columns("label")
     recovery_inputs = _recovery_inputs(windows["train"], pairs["train"], tokenizer)
     sizes = {"mlm_windows": {k: len(v) for k, v in windows.items()}, "pairs": {k: len(v) for k, v in pairs.items()},
-             "mlm_pairs": len(mlm_pairs), "recovery_inputs": len(recovery_inputs), "bucket_fit_documents": len(fit_documents),
+             "mlm_pairs": len(mlm_pairs), "recovery_inputs": len(recovery_inputs),
+             "bucket_fit_documents": len(fit_documents),
              "bucket_fit_inputs_available": sum(len(d) for d in fit_documents)}
     pooler = _start_pooler(path)
     return StudyData(path, hub_id or a.model_name_or_path, tokenizer, windows, pairs, mlm_pairs, fit_documents,

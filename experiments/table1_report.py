@@ -210,7 +210,8 @@ def render(report: dict) -> str:
         "runs its bucket (zero-fill: n) against dense attention over its own tokens (negative: more work than "
         "dense). MLM losses: nats per masked token, the same test examples and masks for every arm. R drift: "
         "‖R − R₀‖/‖R₀‖ after phase 2 over the model's R tensors (n's and each bucket's; phase 2 runs the training "
-        "windows and the training pairs at their own lengths, so each bucket's R trains on the inputs of its range).", "",
+        "windows and the training pairs at their own lengths, so each bucket's R trains on the inputs of its "
+        "range).", "",
         "## Verdicts", "",
         "A difference counts when it exceeds twice its standard error (MLM: paired over test windows; accuracy: "
         f"seeds and examples) and {MIN_EFFECT_NATS} nats (MLM) or 1 point (accuracy). MLM losses on the windows "

@@ -28,7 +28,8 @@ def _saving(a: ScratchArguments, arm: ScratchArm, patterns: dict) -> float | Non
         return None if arm.kind == "p_only" else 0.0
     n, layers = a.max_seq_length, a.num_hidden_layers
     if arm.kind == "head_budget":
-        ks = [row[-1] for layer, row in sorted(patterns["head"][str(arm.k)]["layers_k"].items(), key=lambda x: int(x[0]))
+        ks = [row[-1]
+              for layer, row in sorted(patterns["head"][str(arm.k)]["layers_k"].items(), key=lambda x: int(x[0]))
               if int(layer) < layers - 1]
     else:
         ks = [arm.k] * (layers - 1)
@@ -114,11 +115,12 @@ def _verdicts(report: dict, arms, runs, test) -> dict:
 def _goals(report: dict, arms) -> list[dict]:
     rows = report["rows"]
     exact, unigram = rows["exact"], report["sizes"]["unigram_nats"]
-    goals = [{"goal": "the exact model has learned: held-out MLM loss >= 1.5 nats below the unigram model's and the pair "
-                      "task >= 10 points above chance (33.3 %)",
+    goals = [{"goal": "the exact model has learned: held-out MLM loss >= 1.5 nats below the unigram model's and the "
+                      "pair task >= 10 points above chance (33.3 %)",
               "met": unigram - exact["mlm_windows"] >= 1.5 and exact["accuracy"]["mean"] - 1 / 3 >= 0.10,
-              "figure": f"MLM {exact['mlm_windows']:.3f} vs unigram {unigram:.3f} nats ({unigram - exact['mlm_windows']:.2f}"
-                        f" below); accuracy {100 * exact['accuracy']['mean']:.1f} % "
+              "figure": f"MLM {exact['mlm_windows']:.3f} vs unigram {unigram:.3f} nats "
+                        f"({unigram - exact['mlm_windows']:.2f} below); accuracy "
+                        f"{100 * exact['accuracy']['mean']:.1f} % "
                         f"({100 * (exact['accuracy']['mean'] - 1 / 3):+.1f} points over chance)"}]
     for k, points in ((32, 0.01), (24, 0.01), (16, 0.02)):
         best = _best_trained(report, arms, k)
@@ -278,8 +280,9 @@ def _cards(a: ScratchArguments, store, report: dict) -> list[str]:
             training_details=(f"Pretrained from scratch with P and R built in (MLM, {r['steps']} steps of "
                               f"{a.pretrain_batch_size} windows of n = {a.max_seq_length}, R {r['reconstruction']}), "
                               f"every layer partial but the last, by `python -m experiments table1-scratch`; held-out "
-                              f"MLM loss {r['mlm_windows']:.4f} nats (exact: {report['rows']['exact']['mlm_windows']:.4f})"
-                              f". Results: results/table1_scratch/table1.md.")))
+                              f"MLM loss {r['mlm_windows']:.4f} nats "
+                              f"(exact: {report['rows']['exact']['mlm_windows']:.4f}). "
+                              "Results: results/table1_scratch/table1.md.")))
     return written
 
 

@@ -120,7 +120,8 @@ class Arm:
         ``_zerofill`` for the zero-fill arm."""
         if self.k is None:
             return "exact"
-        return (f"k{self.k}_{self.reconstruction}_{self.recovery}" + ("_zerofill" if self.lengths == "zero_fill" else "")
+        return (f"k{self.k}_{self.reconstruction}_{self.recovery}"
+                + ("_zerofill" if self.lengths == "zero_fill" else "")
                 + ("" if self.granularity == "pooled" else f"_{self.granularity}") + self._budget_suffix)
 
     @property

@@ -59,7 +59,8 @@ def expressivity_section(res: dict) -> str:
         "\n### Fits: least squares d ≈ a ln L + b (fit method [I]) vs d ≈ αL + β\n",
         table(fits, ["setup", "margin_m", "a", "b", "rmse_log", "rmse_linear", "increments", "increment_growth",
                      "d_over_L_at_Lmax", "verdict"]),
-        ("\n`increments` are d_min increases per doubling of L (d_min(2L) − d_min(L) on our grid): constant for a ln L growth, doubling for linear growth. "
+        ("\n`increments` are d_min increases per doubling of L (d_min(2L) − d_min(L) on our grid): constant for a "
+        "ln L growth, doubling for linear growth. "
         "margin_m is the margin m used (auto: our heuristic, capped at 8). "
         "Verdict rule (ours): log-like when the log fit is at least as good as the linear fit, the last "
         "increment is <= 1.5x the first, and d_min <= L/4 at the largest L.\n"),

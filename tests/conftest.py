@@ -25,8 +25,8 @@ SERIAL_MODULES = {"test_benchmarks", "test_examples", "test_examples_encoders", 
 
 # Two tiers, as transformers has them (its @slow / RUN_SLOW=1): `make test` runs every test not marked `slow`, the
 # unit tier (every architecture, the common model tests, the clients) in a few minutes on 2 cores, setup included;
-# `make test-all` runs them all, and CI runs `make test-all`. What is marked `slow` (one marker: @pytest.mark.slow at the
-# test, or `pytestmark` for a module): a test that takes over ~3 s on 2 cores, or whose fixture alone does: the
+# `make test-all` runs them all, and CI runs `make test-all`. What is marked `slow` (one marker: @pytest.mark.slow at
+# the test, or `pytestmark` for a module): a test that takes over ~3 s on 2 cores, or whose fixture alone does: the
 # studies' end-to-end runs, fresh Python processes (remote-code loads, two-process launches), torch.compile,
 # torch.export and ONNX exports, gradchecks of large graphs, the derive golden.
 # transformers' own common tests (fetched, not ours to decorate) are marked here: SLOW_COMMON by name, and of the

@@ -247,8 +247,8 @@ def test_convert_a_buckets_file(bucketed, tmp_path, sharp_bert_dir):
 
 
 def test_derive_and_convert_a_k_per_bucket(bucketed, tmp_path, sharp_bert_dir, capsys):
-    """``--bucket-k 20=6``: bucket 20 takes k = 6 (its own greedy at 6), the others --k; the checkpoint converted from it
-    holds partial_lengths_k and is of format 3; a bucket that is not one, or the longest, is refused."""
+    """``--bucket-k 20=6``: bucket 20 takes k = 6 (its own greedy at 6), the others --k; the checkpoint converted from
+    it holds partial_lengths_k and is of format 3; a bucket that is not one, or the longest, is refused."""
     from hf_partial_attention.analysis.selection import select_pattern
     from hf_partial_attention.cli import main
 

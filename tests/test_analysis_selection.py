@@ -225,7 +225,8 @@ def test_columns_greedy_takes_the_best_shared_key_at_each_step():
         chosen = idx[0].tolist()
         added = [j for j in chosen if j not in prev]
         assert len(added) == 1
-        errors = {j: _total_error(cov, torch.tensor(sorted(prev + [j])).expand(n, k)) for j in range(n) if j not in prev}
+        errors = {j: _total_error(cov, torch.tensor(sorted(prev + [j])).expand(n, k))
+                  for j in range(n) if j not in prev}
         assert errors[added[0]] == pytest.approx(min(errors.values()), rel=1e-9)
         assert float(residual.sum()) == pytest.approx(errors[added[0]], rel=1e-8)
         prev = chosen
@@ -367,7 +368,8 @@ def _explicit_greedy(cov, k, groups, candidates, metric=None, rel_tol=1e-10):
         col = s[rows, :, j].unsqueeze(-1)
         pivot = s[rows, j, j].view(r, 1, 1)
         s = s - torch.where(pivot > tol.unsqueeze(-1), col @ col.transpose(-1, -2) / pivot, torch.zeros_like(s))
-    residual = torch.diagonal(s, dim1=-2, dim2=-1).clamp_min(0).sum(-1) if metric is None else (metric * s).sum((-1, -2))
+    residual = (torch.diagonal(s, dim1=-2, dim2=-1).clamp_min(0).sum(-1) if metric is None
+                else (metric * s).sum((-1, -2)))
     return torch.sort(torch.stack(picks, -1), -1).values, residual
 
 

@@ -180,7 +180,7 @@ def test_paper_preset_at_a_tiny_n(tiny_bert_dir, tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)  # no runs/table1 here, whatever the checkout holds: the report says it is skipped
 
-    out, results = tmp_path / "run", tmp_path / "results"
+    results = tmp_path / "results"
     assert cli.main(["paper", "--out", "run", "--results", "results", "--model", tiny_bert_dir,
                      "--seq-len", "8", "--fit-sequences", "24", "--heldout-sequences", "6", "--whole-k", "4", "16",
                      "--k", "2", "--max-k", "16", "--second-sequences", "8", "--no-progress"]) == 0
@@ -195,7 +195,8 @@ def test_paper_preset_at_a_tiny_n(tiny_bert_dir, tmp_path, monkeypatch):
     assert {m["method"] for m in whole["heldout"]["methods"]} == {"greedy P + R"}
     assert {c["scope"] for c in whole["curves"]} == {"per_query", "whole"}
     report = open(results / "report.md").read()
-    for figure in ("layer_projection", "dataset_overlap", "global_eigenvectors", "patterns_whole", "error_curves_whole"):
+    for figure in ("layer_projection", "dataset_overlap", "global_eigenvectors", "patterns_whole",
+                   "error_curves_whole"):
         assert f"figures/{figure}.png" in report, figure
         assert (results / "figures" / f"{figure}.png").is_file()
     assert str(tmp_path) not in report and "Across training" in report and "skipped" in report

@@ -143,7 +143,8 @@ def test_a_budgeted_model_runs_each_layers_own_k():
     with torch.no_grad():
         hidden = model(input_ids=ids, output_hidden_states=True).hidden_states
         for layer, k in ((0, 3), (1, 6)):
-            alone = cls.from_source(source_model("roberta"), sets, partial_layers=[layer], reconstruction="fixed").eval()
+            alone = cls.from_source(source_model("roberta"), sets, partial_layers=[layer],
+                                    reconstruction="fixed").eval()
             assert alone.config.partial_layers_k is None and alone.config.partial_k == k
             expected = alone.encoder.layer[layer](hidden[layer])
             expected = expected[0] if isinstance(expected, tuple) else expected

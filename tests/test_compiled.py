@@ -1,6 +1,6 @@
-"""The compiled fast path (`attention_dispatch.compiled_attention`): under torch.compile with R frozen a partial layer runs its kernel as
-one custom op reading W and the blocks of rows sharing P and R from the owner's cache, outside the graph; it equals
-eager, never reads a stale W after P or R change, and a trained R still gets its gradient."""
+"""The compiled fast path (`attention_dispatch.compiled_attention`): under torch.compile with R frozen a partial layer
+runs its kernel as one custom op reading W and the blocks of rows sharing P and R from the owner's cache, outside the
+graph; it equals eager, never reads a stale W after P or R change, and a trained R still gets its gradient."""
 
 import copy
 import sys

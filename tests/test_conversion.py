@@ -17,8 +17,9 @@ BERT = dict(vocab_size=99, hidden_size=32, num_hidden_layers=3, num_attention_he
             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
 
-@pytest.mark.parametrize("bert_cls, partial_cls", [(BertForSequenceClassification, PartialBertForSequenceClassification),
-                                                   (BertForTokenClassification, PartialBertForTokenClassification)])
+@pytest.mark.parametrize("bert_cls, partial_cls",
+                         [(BertForSequenceClassification, PartialBertForSequenceClassification),
+                          (BertForTokenClassification, PartialBertForTokenClassification)])
 def test_from_bert_path_with_three_labels(tmp_path, bert_cls, partial_cls):
     torch.manual_seed(0)
     BertModel(BertConfig(**BERT)).save_pretrained(tmp_path)  # a body-only checkpoint, as most Hub BERTs

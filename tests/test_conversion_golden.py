@@ -46,7 +46,8 @@ def test_conversion_gives_the_earlier_codes_model(name, tmp_path):
     # tied tensors (the MLM decoder's, tied to the embeddings and the head's bias) are saved once
     assert set(golden) <= set(ours)
     saved_storage = {ours[key].data_ptr() for key in golden}
-    assert all(ours[key].data_ptr() in saved_storage for key in set(ours) - set(golden)), sorted(set(ours) - set(golden))
+    extra = set(ours) - set(golden)
+    assert all(ours[key].data_ptr() in saved_storage for key in extra), sorted(extra)
     for key, value in golden.items():
         assert _close(ours[key], value), key
     model.save_pretrained(tmp_path, write_model_card=False)

@@ -280,7 +280,8 @@ def test_readme_quickstart_runs_as_printed(minilm_path, tmp_path, monkeypatch, c
     assert len(lines) == 3 and all(line.startswith("hf-partial-attention ") for line in lines)
     for line in lines:
         argv = [minilm_path if word == model_id else word for word in shlex.split(line)[1:]]
-        assert cli.main(argv + (["--max-sequences", "64", "--heldout-sequences", "16", "--no-progress"] if argv[0] == "analyze" else [])) == 0
+        extra = ["--max-sequences", "64", "--heldout-sequences", "16", "--no-progress"] if argv[0] == "analyze" else []
+        assert cli.main(argv + extra) == 0
     assert "a saving of 43.8 % of QKᵀ" in capsys.readouterr().out  # MiniLM: d_h = 32, k = 16, n = 128
     namespace = {}
     exec(compile(python.replace(repr(model_id).replace("'", '"'), repr(minilm_path)), "README.md", "exec"), namespace)

@@ -95,7 +95,8 @@ def test_a_length_fitted_on_fewer_rows_than_positions_is_marked_rank_deficient(c
     assert _rank_deficient(source, [(None, None)]) == []
     assert _rank_deficient(source, [(0, 0), (0, 1)]) == [14]  # 12 rows a head at b = 14; 32 at b = 16
     result = {"rank_deficient": [14], "ks": {3: {"k": 3, "path": "p", "buckets": [
-        {"length": 14, "k": 3, "exact": False, "heldout": 0.5}, {"length": 16, "k": 3, "exact": False, "heldout": 0.4}]}}}
+        {"length": 14, "k": 3, "exact": False, "heldout": 0.5},
+        {"length": 16, "k": 3, "exact": False, "heldout": 0.4}]}}}
     _print_buckets(result, None)
     assert capsys.readouterr().out == ("k=3: p (held-out error per bucket b=14: 0.5000 (rank-deficient: fewer windows "
                                        "than n), b=16: 0.4000)\n")

@@ -200,4 +200,5 @@ def test_default_pattern_is_valid_after_construction_and_its_cache_bounded():
     partial_pattern._local_pattern.cache_clear()
     for k in range(1, 9):
         partial_pattern.default_pattern(PartialBertConfig(**{**TINY, "partial_k": k}))
-    assert partial_pattern._local_pattern.cache_info().currsize == partial_pattern._local_pattern.cache_info().maxsize == 4
+    info = partial_pattern._local_pattern.cache_info()
+    assert info.currsize == info.maxsize == 4

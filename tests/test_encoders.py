@@ -387,7 +387,8 @@ def test_masked_only_mlm_loss_equals_each_architectures_own_loss(model_type):
     from hf_partial_attention.training.losses import masked_only_mlm_loss
 
     model = partial_class_for(model_type, "AutoModelForMaskedLM").from_source(
-        source_model(model_type, "AutoModelForMaskedLM"), fitted_pattern(model_type), reconstruction="common").float().train()
+        source_model(model_type, "AutoModelForMaskedLM"), fitted_pattern(model_type),
+        reconstruction="common").float().train()
     ids, mask = batch()
     labels = torch.full_like(ids, -100)
     labels[0, 2], labels[0, 15], labels[1, 0], labels[1, 8] = 7, 9, 11, 13

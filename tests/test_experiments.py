@@ -317,7 +317,8 @@ def test_recover_small(tmp_path, minilm_path, capsys):
     saved = PartialBertModel.from_pretrained(folder, add_pooling_layer=False).eval()
     assert saved.config.partial_lengths_k == [16, 16, 20, 16]  # bucket 64 at its own k (--bucket-k)
     original = BertModel.from_pretrained(minilm_path, add_pooling_layer=False).eval()
-    again = measure(original, {"recovered": saved}, {"sentences": held_out_inputs(tok, 24, 0, 128)[0]["sentences"]}, data["lengths"])
+    again = measure(original, {"recovered": saved}, {"sentences": held_out_inputs(tok, 24, 0, 128)[0]["sentences"]},
+                    data["lengths"])
     again = {r["bucket"]: r for r in again}
     assert again["all"]["one_minus_cos"] == pytest.approx(rec["one_minus_cos"], rel=1e-6, abs=1e-9)
     st = SentenceTransformer(folder, trust_remote_code=True, device="cpu")
@@ -381,8 +382,8 @@ def test_granularity_lengths_small(tmp_path, minilm_path, capsys, monkeypatch):
 
     run, results = str(tmp_path / "run"), str(tmp_path / "results")
     assert studies_cli.main(["granularity-lengths", "--out", run, "--results", results, "--k", "4", "--lengths", "16",
-                             "32", "--fit-inputs", "80", "--fit-windows", "16", "--max-heldout", "12", "--heldout-windows", "4",
-                             "--no-progress"]) == 0
+                             "32", "--fit-inputs", "80", "--fit-windows", "16", "--max-heldout", "12",
+                             "--heldout-windows", "4", "--no-progress"]) == 0
     assert capsys.readouterr().out.startswith(f"Wrote {os.path.join(results, 'granularity_lengths.md')} in ")
     data = json.load(open(os.path.join(results, "granularity_lengths.json")))
     assert data["arms"] == ["pooled uniform", "layer uniform", "layer budget", "head uniform", "head budget"]

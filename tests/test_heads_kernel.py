@@ -1,5 +1,5 @@
-"""The all-heads kernel of P and R per head under autograd (`attention_fused.all_heads_attention`, its hand-written backward) against
-the reference kernel run head by head on each head's own P, R and bias, in float64."""
+"""The all-heads kernel of P and R per head under autograd (`attention_fused.all_heads_attention`, its hand-written
+backward) against the reference kernel run head by head on each head's own P, R and bias, in float64."""
 
 import pytest
 import torch

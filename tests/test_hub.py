@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification
+from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM
 
 import hf_partial_attention
 from hf_partial_attention import PartialBertConfig, PartialBertForMaskedLM, PartialBertModel
@@ -35,9 +35,10 @@ def test_save_pretrained_writes_auto_map_and_code(tmp_path):
     # the model's files and their sibling imports; the Hub layer (registration, cards) stays out of the bundle
     assert bundle == {"modeling_partial_bert.py", "configuration_partial_bert.py", "pattern.py", "reconstruction.py",
                       "cost.py", "conversion.py", "partial_pattern.py", "attention_common.py",
-                      "attention_gather.py", "attention_fused.py", "attention_tiled.py", "attention_triton.py", "attention_dispatch.py",
-                      "attention_lengths.py", "pattern_buckets.py", "pattern_layers.py", "configuration_partial.py", "modeling_partial.py",
-                      "architectures.py", "partial_layer.py", "configuration_partial_encoders.py",
+                      "attention_gather.py", "attention_fused.py", "attention_tiled.py", "attention_triton.py",
+                      "attention_dispatch.py", "attention_lengths.py", "pattern_buckets.py", "pattern_layers.py",
+                      "configuration_partial.py", "modeling_partial.py", "architectures.py", "partial_layer.py",
+                      "configuration_partial_encoders.py",
                       "modeling_partial_encoders.py", "partial_places.py", "attention_backward.py"}, bundle
     assert "partial_implementation" not in json.loads((tmp_path / "config.json").read_text())
 
@@ -61,9 +62,9 @@ GOLDEN = os.path.join(os.path.dirname(__file__), "data", "golden")
 def test_checkpoints_of_earlier_versions_load_bit_exactly(version, mode):
     """Tiny checkpoints written by hf-partial-attention 0.1.0 and 0.2.0 (tests/data/golden/make_golden.py, run with
     that release's code: format 1) and of format 2 (length buckets, one k; make_golden_buckets.py at 538ce26, a batch
-    with a sequence in every bucket): P and R bit-exact, logits to float32 rounding. The logits were bit-exact on the machine
-    that wrote them, but a CPU of another kind takes other MKL kernel paths and rounds differently (seen: 4.5e-8 on
-    logits of size 0.25). The tolerance sits between that and the smallest change of behaviour tried: these tiny
+    with a sequence in every bucket): P and R bit-exact, logits to float32 rounding. The logits were bit-exact on the
+    machine that wrote them, but a CPU of another kind takes other MKL kernel paths and rounds differently (seen: 4.5e-8
+    on logits of size 0.25). The tolerance sits between that and the smallest change of behaviour tried: these tiny
     random models are weakly sensitive, and zeroing R moves their logits by 3.9e-7 (its break, which this fails)."""
     folder = os.path.join(GOLDEN, f"{version}-{mode}")
     model = AutoModelForMaskedLM.from_pretrained(folder).eval()
@@ -165,7 +166,8 @@ def test_config_records_and_checks_the_checkpoint_format(tmp_path):
 
     PartialBertModel(PartialBertConfig(**TINY)).save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    assert config["partial_format_version"] == 2 and config["partial_plugin_version"] == hf_partial_attention.__version__
+    assert config["partial_format_version"] == 2
+    assert config["partial_plugin_version"] == hf_partial_attention.__version__
     assert config["partial_lengths"] == [config["partial_seq_len"]]  # one bucket by default
     (tmp_path / "config.json").write_text(json.dumps({**config, "partial_format_version": CHECKPOINT_FORMAT_VERSION + 1,
                                                       "partial_plugin_version": "9.0.0"}))

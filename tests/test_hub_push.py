@@ -10,13 +10,14 @@ import torch
 from huggingface_hub import HfApi, ModelCard
 from huggingface_hub.hf_api import RepoUrl
 
-from hf_partial_attention import AttentionPattern, PartialBertConfig, PartialBertForMaskedLM
+from hf_partial_attention import AttentionPattern, PartialBertForMaskedLM
 
 TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37,
             partial_seq_len=16, partial_k=4)
 BUNDLE = {"modeling_partial_bert.py", "configuration_partial_bert.py", "pattern.py", "reconstruction.py",
           "cost.py", "conversion.py", "partial_pattern.py", "attention_common.py",
-          "attention_gather.py", "attention_fused.py", "attention_tiled.py", "attention_triton.py", "attention_dispatch.py"}
+          "attention_gather.py", "attention_fused.py", "attention_tiled.py", "attention_triton.py",
+          "attention_dispatch.py"}
 
 
 @pytest.fixture

@@ -29,7 +29,8 @@ def _pattern(structured: bool) -> AttentionPattern:
     return AttentionPattern(idx, torch.randn(N, N - K, K, generator=g), torch.randn(N, N - K, generator=g) * 0.1)
 
 
-def _outputs(model: torch.nn.Module, key_module: torch.nn.Module, j: int, run=None) -> tuple[torch.Tensor, torch.Tensor]:
+def _outputs(model: torch.nn.Module, key_module: torch.nn.Module, j: int, run=None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """The last hidden state as it is, and with position j's key moved (B, T, hidden) each."""
     ids = torch.randint(1, 99, (2, N), generator=torch.Generator().manual_seed(1))
     run = model if run is None else run

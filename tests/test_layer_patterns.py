@@ -367,7 +367,7 @@ def test_memory_of_r_per_head_is_stated_before_it_is_built():
 
 
 @pytest.mark.slow
-def test_length_buckets_per_head_through_the_cli(encoders, tmp_path, capsys):
+def test_length_buckets_per_head_through_the_cli(encoders, tmp_path, capsys):  # noqa: F811
     """``analyze --inputs sentences --lengths 12 24 --granularity head`` → ``derive --granularity head --bucket-k``
     → ``convert``: every head of every partial layer holds its own P per bucket, and a short input runs bucket 12's
     P and R of each head: head h of layer 0 attends as a pooled model holding head h's buckets does."""

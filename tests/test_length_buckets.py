@@ -118,7 +118,8 @@ def test_gradients_flow_to_each_sequences_bucket_only(ks):
     out = model(input_ids=ids[keep], attention_mask=mask[keep]).last_hidden_state
     loss = sum((out[i, :lengths[i]] ** 2).sum() for i in range(len(keep)))
     loss.backward()
-    assert model.encoder.partial_pattern.reconstruction.grad is None or not model.encoder.partial_pattern.reconstruction.grad.any()
+    grad = model.encoder.partial_pattern.reconstruction.grad
+    assert grad is None or not grad.any()
     for row, bucket in [(1, 8), (2, 16)]:
         ref = _one_bucket_reference(model, bucket).train()
         ref.set_partial_implementation("gather")
@@ -145,7 +146,8 @@ def test_output_attentions_are_each_buckets_maps_padded():
 @pytest.mark.parametrize("ks, version", [("uniform", 2), ("per_bucket", 3)])
 @pytest.mark.parametrize("mode", MODES)
 def test_checkpoint_keeps_every_bucket_and_refuses_missing_or_misshaped_ones(tmp_path, mode, ks, version):
-    """Every bucket's P and R come back; format 3 only where the buckets differ in k (format 2 readers read the rest)."""
+    """Every bucket's P and R come back; format 3 only where the buckets differ in k (format 2 readers read the
+    rest)."""
     model = _model(mode, cls=PartialBertForMaskedLM, dtype=torch.float32, ks=ks)
     model.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
@@ -167,7 +169,8 @@ def test_checkpoint_keeps_every_bucket_and_refuses_missing_or_misshaped_ones(tmp
     save_file(broken, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=f"missing.*{name.removeprefix('bert.')}|missing.*{name}"):
         PartialBertForMaskedLM.from_pretrained(tmp_path)
-    save_file({**broken, name: state[name][:, :-1].contiguous()}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    save_file({**broken, name: state[name][:, :-1].contiguous()}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
     with pytest.raises(ValueError, match="wrong shape"):
         PartialBertForMaskedLM.from_pretrained(tmp_path, ignore_mismatched_sizes=True)
 
@@ -190,7 +193,8 @@ def test_pattern_buckets_file_round_trip_and_single_pattern_files(tmp_path):
     back = PatternBuckets.load(tmp_path / "b.safetensors")
     assert back.lengths == LENGTHS and back.exact_lengths == [4] and back.metadata["source_model"] == "x"
     for b in (8, 16, 32):
-        assert torch.equal(back[b].reconstruction, buckets[b].reconstruction) and torch.equal(back[b].bias, buckets[b].bias)
+        assert torch.equal(back[b].reconstruction, buckets[b].reconstruction)
+        assert torch.equal(back[b].bias, buckets[b].bias)
     assert [back.bucket_for(t) for t in (1, 4, 5, 8, 9, 32)] == [4, 4, 8, 8, 16, 32]
     with pytest.raises(ValueError, match="exceeds the longest length bucket 32"):
         back.bucket_for(33)
@@ -242,6 +246,7 @@ def test_onnx_export_of_a_bucketed_model_runs_its_bucket_in_onnxruntime(ks):
     program = torch.onnx.export(model, (), kwargs={"input_ids": ids, "attention_mask": mask}, dynamo=True)
     with torch.no_grad():
         ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
-        one_bucket = _one_bucket_reference(model, 16, torch.float32)(input_ids=ids, attention_mask=mask).last_hidden_state
+        one_bucket = _one_bucket_reference(model, 16, torch.float32)(input_ids=ids,
+                                                                     attention_mask=mask).last_hidden_state
     torch.testing.assert_close(ref, one_bucket, atol=1e-5, rtol=0)  # eager runs bucket 16 here
     torch.testing.assert_close(program(input_ids=ids, attention_mask=mask)[0], ref, atol=1e-5, rtol=0)

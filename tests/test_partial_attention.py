@@ -298,7 +298,8 @@ def test_frozen_r_builds_w_once_and_notices_changes(monkeypatch):
         assert len(builds) == 2 and not torch.equal(changed, first)
     torch.manual_seed(0)
     fresh = PartialBertModel(config).eval()  # the same weights, its own W built from the changed R
-    fresh.set_pattern(AttentionPattern(model.encoder.partial_pattern.indices, model.encoder.partial_pattern.reconstruction))
+    fresh.set_pattern(AttentionPattern(model.encoder.partial_pattern.indices,
+                                       model.encoder.partial_pattern.reconstruction))
     with torch.no_grad():
         assert torch.equal(fresh(input_ids=ids).last_hidden_state, changed)
     common = PartialBertModel(PartialBertConfig(

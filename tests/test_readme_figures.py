@@ -1,7 +1,7 @@
 """Every figure README.md and docs/ quote is read from a committed results file.
 
-The convention (docs/results.md, the measurements the README's "Results" points to): a measured figure is the text of a Markdown link to the results file
-it comes from, and the link's title says where in that file:
+The convention (docs/results.md, the measurements the README's "Results" points to): a measured figure is the text of
+a Markdown link to the results file it comes from, and the link's title says where in that file:
 
 - a ``.json`` file: one JSON pointer per number in the link text, separated by ``;``. A pointer is ``/``-separated
   keys and list indices, where a segment ``[key=value,key=value]`` selects the one list element whose fields have
@@ -156,7 +156,8 @@ MEASUREMENT = re.compile(
     r"(?<![\w.])\d+(?:\.\d+)?\s?(?:%|x\b|×|ms\b|s\b|min\b|h\b|GiB\b|MiB\b)"
     r"|(?<![\w.])\d*\.\d+(?![\w.]*\d)")
 # Configuration constants and versions the README may state without a results file.
-ALLOWED = re.compile(r"Python \d+\.\d+|arXiv:\d+\.\d+|arxiv\.org/abs/\d+\.\d+|torch \d+\.\d+(?:\.\d+)?|by more than \d+ %")
+ALLOWED = re.compile(r"Python \d+\.\d+|arXiv:\d+\.\d+|arxiv\.org/abs/\d+\.\d+"
+                     r"|torch \d+\.\d+(?:\.\d+)?|by more than \d+ %")
 
 
 @pytest.mark.parametrize("path", [README, RESULTS], ids=lambda p: p.relative_to(ROOT).as_posix())

@@ -10,7 +10,8 @@ import torch
 
 from experiments.recall import RecallArguments, run_recall
 from experiments.recall.report import _verdicts, mean_se
-from experiments.recall.run import _claim, sweep
+from experiments.recall.run import _claim
+from experiments.recall.study import sweep
 from experiments.recall.spec import parse_recall_arm
 from experiments.recall.tasks import FIRST_SYMBOL, RecallTask, task_tensors
 

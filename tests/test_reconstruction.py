@@ -1,7 +1,5 @@
 """Reconstruction math: complements, optimal R and its error, the default prior."""
 
-import itertools
-
 import numpy as np
 import pytest
 import torch
@@ -24,7 +22,8 @@ def random_cov(l, rank=None, seed=0, batch=()):
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.integers(2, 20).flatmap(lambda l: st.tuples(st.just(l), st.sets(st.integers(0, l - 1), min_size=1, max_size=l))))
+@given(st.integers(2, 20).flatmap(
+    lambda l: st.tuples(st.just(l), st.sets(st.integers(0, l - 1), min_size=1, max_size=l))))
 def test_complement_and_inverse_permutation(case):
     l, chosen = case
     idx = torch.tensor(sorted(chosen)).unsqueeze(0)

@@ -17,12 +17,12 @@ ARMS = "exact,k8_fixed,k8_per_layer,k8_head_budget,k8_p_only,k8_convert,k8_conve
 
 
 def tiny_args(tmp_path, **overrides):
-    fields = dict(output_dir=str(tmp_path / "results"), run_dir=str(tmp_path / "run"), cards_dir=str(tmp_path / "cards"),
-                  corpus="pydoc", max_seq_length=32, num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
-                  intermediate_size=37, arms=ARMS, pretrain_steps=20, pretrain_batch_size=8, eval_every=10,
-                  covariance_windows=128, test_windows=32, curve_windows=16, test_pairs=64, finetune_steps=4,
-                  finetune_batch_size=8, seeds="0,1", timing_repeats=2, timing_batch_size=4, max_train_windows=400,
-                  progress=False)
+    fields = dict(output_dir=str(tmp_path / "results"), run_dir=str(tmp_path / "run"),
+                  cards_dir=str(tmp_path / "cards"), corpus="pydoc", max_seq_length=32, num_hidden_layers=2,
+                  hidden_size=32, num_attention_heads=2, intermediate_size=37, arms=ARMS, pretrain_steps=20,
+                  pretrain_batch_size=8, eval_every=10, covariance_windows=128, test_windows=32, curve_windows=16,
+                  test_pairs=64, finetune_steps=4, finetune_batch_size=8, seeds="0,1", timing_repeats=2,
+                  timing_batch_size=4, max_train_windows=400, progress=False)
     return ScratchArguments(**{**fields, **overrides})
 
 

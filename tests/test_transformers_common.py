@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import sys
 import unittest
-from pathlib import Path
 
 from transformers.models.auto import modeling_auto
 

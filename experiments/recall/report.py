@@ -15,7 +15,7 @@ import os
 
 from ..store import JobStore, write_study
 from .spec import RecallArguments
-from .study import job_name
+from .study import chosen, job_name, sweep
 
 __all__ = ["write_recall_report", "mean_se"]
 
@@ -29,8 +29,6 @@ def mean_se(values: list[float]) -> dict:
 
 
 def _row(store: JobStore, a: RecallArguments, arm, task) -> dict | None:
-    from .run import chosen, sweep
-
     seeds = a.seed_list()
     if not all(store.done(job_name(arm, task, lr, ratio, seeds[0])) for lr, ratio in sweep(a, arm)):
         return None
@@ -96,8 +94,6 @@ def _cell(row: dict | None) -> str:
 
 def write_recall_report(a: RecallArguments, store: JobStore, command: str) -> dict:
     """Write ``recall.json`` and ``recall.md`` (and the figure) from the finished jobs; returns the result."""
-    from .run import estimate_seconds, sweep
-
     arms, tasks = a.arm_list(), a.task_list()
     rows = {arm.name: {task.name: _row(store, a, arm, task) for task in tasks} for arm in arms}
     solved = {t.name: bool(rows["exact"][t.name]) and rows["exact"][t.name]["validation"]["mean"] >= a.solved_accuracy

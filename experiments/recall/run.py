@@ -13,17 +13,11 @@ from tqdm.auto import tqdm
 from ..store import JobStore
 from .report import write_recall_report
 from .spec import COMMAND, RecallArguments
-from .study import RecallStudy, job_name
+from .study import RecallStudy, chosen, job_name, sweep
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["run_recall", "sweep", "estimate_seconds"]
-
-
-def sweep(a: RecallArguments, arm) -> list[tuple[float, float | None]]:
-    """The (learning rate, R's ratio) pairs an arm's first seed tries: R's ratio only where R is trained."""
-    ratios = a.ratio_list() if arm.kind == "trained" else [None]
-    return [(lr, ratio) for lr in a.lr_list() for ratio in ratios]
+__all__ = ["run_recall", "estimate_seconds"]
 
 
 def estimate_seconds(a: RecallArguments, step_seconds: float) -> float:
@@ -77,10 +71,10 @@ def _claim(path: str) -> bool:
 def run_recall(a: RecallArguments, argv: list[str] | None = None) -> dict:
     """Run (or resume) the study and write ``recall.md`` and ``recall.json`` into ``a.output_dir``.
 
-    Jobs run in phases (the exact arm's sweep, then P and R and its other seeds, then every other arm's sweep,
-    then their other seeds; the band's arms before the greedy's), each phase's jobs by arm, then task. Several processes may run the same command on
-    one ``run_dir`` (``make recall`` starts one per core): each takes the jobs no other holds, and waits at a
-    phase's end for the jobs the next phase needs.
+    Jobs run in phases: the exact arm's sweep, then P and R and its other seeds, then the other arms two at a
+    time (their sweeps, then their other seeds; the band's arms before the greedy's), each phase's jobs by arm,
+    then task. Several processes may run the same command on one ``run_dir`` (``make recall`` starts one per
+    core): each takes the jobs no other holds, and waits at a phase's end for the jobs the next phase needs.
     """
     command = " ".join([COMMAND, *(shlex.quote(x) for x in (argv or []) if not x.startswith("--threads"))])
     if a.threads:
@@ -147,18 +141,12 @@ def run_recall(a: RecallArguments, argv: list[str] | None = None) -> dict:
             job(f"patterns/{task.name}", lambda task=task, exact_dir=exact_dir: study.patterns(task, exact_dir))
         wait([f"patterns/{task.name}" for task in tasks])
     names = other_seeds([exact])
-    for group in ([arm for arm in others if not arm.greedy], [arm for arm in others if arm.greedy]):
-        sweeps(group)  # the band's arms, seeds included, before the greedy's P: the verdicts' arms come first
-        names += other_seeds(group)
+    # two arms at a time, each pair finished (sweeps and seeds) before the next: a run stopped early has whole rows
+    # of the first arms (the verdicts' come first in DEFAULT_ARMS), the band's arms before the greedy's P
+    ordered = [arm for arm in others if not arm.greedy] + [arm for arm in others if arm.greedy]
+    for start in range(0, len(ordered), 2):
+        sweeps(ordered[start:start + 2])
+        names += other_seeds(ordered[start:start + 2])
     wait(names)
     bar.close()
     return write_recall_report(a, store, command)
-
-
-def chosen(store: JobStore, arm, task, a: RecallArguments) -> tuple[float, float | None]:
-    """The arm's (learning rate, R's ratio) with the best validation accuracy of its first seed's sweep (ties to
-    the first tried)."""
-    seed = a.seed_list()[0]
-    results = [(store.load(job_name(arm, task, lr, ratio, seed))["validation"], -i, (lr, ratio))
-               for i, (lr, ratio) in enumerate(sweep(a, arm))]
-    return max(results)[2]

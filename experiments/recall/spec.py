@@ -67,7 +67,7 @@ class RecallArguments:
     hidden_size: int = 64
     num_attention_heads: int = 2
     intermediate_size: int = 256
-    steps: str = field(default="mqar=2500,far_copy=600,near_copy=300,majority=600,mqar_adjacent=4000",
+    steps: str = field(default="mqar=1500,far_copy=600,near_copy=600,majority=1200,mqar_adjacent=4000",
                        metadata={"help": "training steps per task (task=steps, comma-separated)"})
     batch_size: int = 64
     learning_rates: str = field(default="1e-3,3e-3", metadata={"help": "each arm's rate is chosen among these on "
@@ -128,7 +128,8 @@ class RecallArguments:
         return [int(s) for s in self.seeds.split(",") if s.strip()]
 
     def config_overrides(self, task: RecallTask) -> str:
-        return (f"vocab_size={task.vocab_size},type_vocab_size={task.type_vocab_size},num_hidden_layers={self.num_hidden_layers},hidden_size={self.hidden_size},"
+        return (f"vocab_size={task.vocab_size},type_vocab_size={task.type_vocab_size},"
+                f"num_hidden_layers={self.num_hidden_layers},hidden_size={self.hidden_size},"
                 f"num_attention_heads={self.num_attention_heads},intermediate_size={self.intermediate_size},"
                 f"max_position_embeddings={self.seq_len},hidden_dropout_prob=0.0,"
                 f"attention_probs_dropout_prob=0.0,pad_token_id=0")

@@ -31,7 +31,7 @@ from .tasks import RecallTask, TaskDataset, task_tensors
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RecallStudy", "accuracy", "VALIDATION_SPLIT", "TEST_SPLIT"]
+__all__ = ["RecallStudy", "accuracy", "job_name", "sweep", "chosen", "VALIDATION_SPLIT", "TEST_SPLIT"]
 
 VALIDATION_SPLIT, TEST_SPLIT, TRAIN_SPLIT = 1, 2, 1000  # the seeds of the splits' generators (train: + run seed)
 
@@ -174,3 +174,18 @@ def job_name(arm: RecallArm, task: RecallTask, lr: float | None = None, ratio: f
     """``<arm>/<task>/lr<lr>[_r<ratio>]_s<seed>`` in the sweep, ``<arm>/<task>/s<seed>`` after it."""
     rate = "" if lr is None else f"lr{lr:g}" + ("" if ratio is None else f"_r{ratio:g}") + "_"
     return f"{arm.name}/{task.name}/{rate}s{seed}"
+
+
+def sweep(a: RecallArguments, arm) -> list[tuple[float, float | None]]:
+    """The (learning rate, R's ratio) pairs an arm's first seed tries: R's ratio only where R is trained."""
+    ratios = a.ratio_list() if arm.kind == "trained" else [None]
+    return [(lr, ratio) for lr in a.lr_list() for ratio in ratios]
+
+
+def chosen(store: JobStore, arm, task, a: RecallArguments) -> tuple[float, float | None]:
+    """The arm's (learning rate, R's ratio) with the best validation accuracy of its first seed's sweep (ties to
+    the first tried)."""
+    seed = a.seed_list()[0]
+    results = [(store.load(job_name(arm, task, lr, ratio, seed))["validation"], -i, (lr, ratio))
+               for i, (lr, ratio) in enumerate(sweep(a, arm))]
+    return max(results)[2]

@@ -32,7 +32,8 @@ _GENERATED = {name: getattr(module, name) for module in (_configs, _models) for 
               if name.startswith("Partial")}
 globals().update(_GENERATED)
 
-__all__ = list(dict.fromkeys([  # PartialBert's names first; each name once
+# A literal list, so that linters see the re-exports above as public; the generated names follow, each name once.
+__all__ = [  # PartialBert's names first
     "AttentionPattern",
     "PartialBertConfig",
     "PartialBertModel",
@@ -46,5 +47,5 @@ __all__ = list(dict.fromkeys([  # PartialBert's names first; each name once
     "supported_model_types",
     "UnsupportedModelError",
     "__version__",
-    *_GENERATED,
-]))
+]
+__all__ += [name for name in _GENERATED if name not in __all__]

@@ -135,7 +135,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
         "partial by default (a local layer already attends only to its window); a local layer made partial keeps "
         "its window mask on exact and reconstructed scores")),
     Architecture("nomic_bert", "nomic_bert", "NomicBert", display_name="NomicBERT", layers="layers",
-                 attention="self_attn", owner="", heads=("AutoModel", "AutoModelForMaskedLM", "AutoModelForSequenceClassification",
+                 attention="self_attn", owner="",
+                 heads=("AutoModel", "AutoModelForMaskedLM", "AutoModelForSequenceClassification",
                         "AutoModelForTokenClassification"), note="rotary positions; no layer_idx"),
     Architecture("gte", "gte", "Gte", display_name="GTE", layers="layers", attention="self_attn",
                  owner="", heads=("AutoModel", "AutoModelForMaskedLM", "AutoModelForSequenceClassification",
@@ -179,7 +180,8 @@ def check_supported(config_or_type) -> None:
     if any(model_type == arch.partial_model_type and arch.available() for arch in ARCHITECTURES.values()):
         return  # a partial checkpoint (``partial_roberta``, ...): an encoder made partial already, never a decoder
     if model_type in ARCHITECTURES and ARCHITECTURES[model_type].available():
-        if config is not None and (getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False)):
+        if config is not None and (getattr(config, "is_decoder", False)
+                                   or getattr(config, "add_cross_attention", False)):
             raise UnsupportedModelError(
                 f"model type {model_type!r} is configured as a decoder (is_decoder or add_cross_attention): partial "
                 "attention needs bidirectional (encoder) attention; load it as an encoder.")

@@ -1,4 +1,5 @@
-"""What the hand-written backward passes of `attention_fused` share: R's and the bias's gradient gathered from W's, the softmax backward in place, dropout's kept probabilities.
+"""What the hand-written backward passes of `attention_fused` share: R's and the bias's gradient gathered from W's,
+the softmax backward in place, dropout's kept probabilities.
 
 Part of the remote-code bundle (imports: torch and siblings only).
 """

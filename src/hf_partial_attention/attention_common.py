@@ -24,7 +24,8 @@ from torch import nn
 from .reconstruction import complement_indices, inverse_permutation
 
 __all__ = ["PatternStructure", "MIN_SHARED_ROWS", "TILE_ELEMENTS", "PatternLayout", "PartialTensors", "DerivedState",
-           "block_rows", "shared_rows", "reconstruction_matrix", "bias_in_key_order", "check_length", "full_length", "first_keys", "masked_keys", "masked_out",
+           "block_rows", "shared_rows", "reconstruction_matrix", "bias_in_key_order", "check_length", "full_length",
+           "first_keys", "masked_keys", "masked_out",
            "masked_at_p", "gathered_scores", "structured_scores", "masked_exact_scores", "rows_first", "needs_grad",
            "softmax_in_place", "normalised_in_place", "tile_groups", "broadcast_slice", "tie_rows",
            "STATES"]

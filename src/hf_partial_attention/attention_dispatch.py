@@ -15,8 +15,9 @@ convention and all giving the reference's numbers and gradients:
 Whatever the setting, a call that asks for the attention map runs ``gather`` (as transformers runs eager attention
 for ``output_attentions``), ``tiled`` under autograd runs ``fused``, a dynamic (symbolic) batch or length of
 ``torch.export(..., dynamic_shapes=...)`` runs the reference (its shapes follow the input's, where the fast kernels'
-tile sizes would specialise the length), and under ``torch.export`` with autograd on the reference runs (an exported program keeps a kernel's forward ops, not its autograd Function, and replays them under
-autograd, where the in-place ``out=`` ops refuse to run). Under ``torch.compile`` without autograd, ``fused`` and
+tile sizes would specialise the length), and under ``torch.export`` with autograd on the reference runs (an
+exported program keeps a kernel's forward ops, not its autograd Function, and replays them under autograd, where the
+in-place ``out=`` ops refuse to run). Under ``torch.compile`` without autograd, ``fused`` and
 ``tiled`` (and ``auto`` where it picks one of them) run as one custom op with W and the blocks of rows sharing P and
 R from the owner's cache (the compiled fast path below; ``auto`` is resolved inside it).
 
@@ -96,7 +97,8 @@ def kernel_for(implementation: str, partial: PartialTensors, query: torch.Tensor
         name = auto_kernel(partial.layout, query.device, query.shape[-1], grad, dropout)
     name = "fused" if name == "tiled" and grad else name
     # Compiled with R frozen: the setting runs as one custom op that reads W and the blocks of rows sharing P and R
-    # from the owner's state at run time (the compiled fast path, below); "auto" is resolved there, where they are known.
+    # from the owner's state at run time (the compiled fast path, below); "auto" is resolved there, where they are
+    # known.
     if name in ("fused", "tiled") and applies_compiled(partial, grad, need_weights, dropout):
         return COMPILED_PREFIX + implementation
     return name

@@ -51,7 +51,8 @@ def gather_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     exact, additive = masked_exact_scores(query, key, attention_mask, layout, scaling, structured=False)
     scores = reconstruct_scores(exact, reconstruction.to(exact.dtype), None if bias is None else bias.to(exact.dtype),
                                 layout.inverse_permutation)
-    scores = first_keys(scores, query.shape[2])  # (B, H, T, T): reconstructed scores of keys beyond the input are dropped
+    # (B, H, T, T): reconstructed scores of keys beyond the input are dropped
+    scores = first_keys(scores, query.shape[2])
     return attend(module, scores, additive, value, dropout)
 
 

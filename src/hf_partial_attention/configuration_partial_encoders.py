@@ -2,9 +2,9 @@
 
 Each subclasses its source's config (`RobertaConfig`, ...) and `PartialConfigMixin`, so it has every field of the
 source and the partial fields (documented on `PartialBertConfig`); its ``model_type`` names the source architecture.
-One class per entry of `architectures.ARCHITECTURES` that the installed transformers has, named ``Partial<Prefix>Config``
-with ``model_type = "partial_<source model_type>"``; `config_class_for` finds them. PartialBert's config is
-`configuration_partial_bert.PartialBertConfig` (its entry of the same table).
+One class per entry of `architectures.ARCHITECTURES` that the installed transformers has, named
+``Partial<Prefix>Config`` with ``model_type = "partial_<source model_type>"``; `config_class_for` finds them.
+PartialBert's config is `configuration_partial_bert.PartialBertConfig` (its entry of the same table).
 
 Part of the remote-code bundle (imports: transformers and siblings only).
 """

@@ -147,8 +147,9 @@ def _check_source_type(config, source_class) -> None:
     check_supported(config)  # one line naming the model type and what is supported
     if config.model_type != expected:
         raise ValueError(f"the source is a {config.model_type!r} model, but {source_class.__name__} loads "
-                         f"{expected!r}; convert it with its own partial class (`hf_partial_attention.partial_class_for`"
-                         f"({config.model_type!r})) or `hf-partial-attention convert`, which picks it.")
+                         f"{expected!r}; convert it with its own partial class "
+                         f"(`hf_partial_attention.partial_class_for`({config.model_type!r})) or "
+                         "`hf-partial-attention convert`, which picks it.")
 
 
 def partial_config(source, pattern: AttentionPattern | PatternBuckets | LayerPatterns, overrides: dict[str, Any],

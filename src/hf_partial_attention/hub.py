@@ -1,4 +1,5 @@
-"""Hub packaging of every partial model (PartialBert and the other architectures): Auto-class registration, ``auto_map``, the model card on save and on push.
+"""Hub packaging of every partial model (PartialBert and the other architectures): Auto-class registration,
+``auto_map``, the model card on save and on push.
 
 `register()` (run once by ``import hf_partial_attention``) registers the config and every head with
 ``AutoConfig`` / ``AutoModel*``, marks them for ``trust_remote_code`` (so ``save_pretrained`` copies the modeling

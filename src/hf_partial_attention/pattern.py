@@ -178,7 +178,8 @@ class AttentionPattern:
                 raise ValueError("indices rows must be sorted in increasing order; use torch.sort(indices, dim=-1).")
         want = (*idx.shape[:-1], l - k, k)
         if tuple(self.reconstruction.shape) != want:
-            raise ValueError(f"reconstruction must have shape {want} for indices {tuple(idx.shape)}, got {tuple(self.reconstruction.shape)}.")
+            raise ValueError(f"reconstruction must have shape {want} for indices {tuple(idx.shape)}, "
+                             f"got {tuple(self.reconstruction.shape)}.")
         if not bool(torch.isfinite(self.reconstruction).all()):
             raise ValueError("reconstruction contains NaN or Inf values.")
         if self.bias is not None:

@@ -27,7 +27,7 @@ from typing import Any
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .pattern import AttentionPattern, open_tagged_file
+from .pattern import open_tagged_file
 from .pattern_buckets import PatternBuckets
 
 __all__ = ["LayerPatterns", "PATTERN_LAYERS_FORMAT_VERSION", "is_layer_patterns_file", "load_patterns"]

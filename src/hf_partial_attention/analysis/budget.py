@@ -6,9 +6,9 @@ bucket b is the largest k whose saving at b is at least S (`uniform_k`; a bucket
 exactly); its cost over the partial layers is the budget. The budgeted choice starts every layer at k = 1 and adds one
 exact score per query at a time to the layer whose greedy error (the objective's residual ``Tr(M S)``, summed over the
 layer's heads when P and R are per head) falls most per multiply-add added (`allocate`), while the budget allows: so
-it never costs more than the uniform k, and its saving in every bucket is at least S. That allocation is optimal when the
-curves are convex; where it would predict more error than the uniform k (curves that are not), the bucket keeps the
-uniform k. The greedy is nested, so one run to a large k gives every layer's whole curve (`objective_curve`).
+it never costs more than the uniform k, and its saving in every bucket is at least S. That allocation is optimal when
+the curves are convex; where it would predict more error than the uniform k (curves that are not), the bucket keeps
+the uniform k. The greedy is nested, so one run to a large k gives every layer's whole curve (`objective_curve`).
 
 ``saving`` is a fraction (``0.4``) or ``"k16"``: the saving of k = 16 in every bucket (``min(16, b)``: buckets b <= 16
 run exactly), so that the budgeted file compares with ``derive --k 16`` at its cost.
@@ -247,9 +247,10 @@ def _plan(out, saving, granularity, layers, layer_weights, exact_layers, name) -
     if name == "uniform" or not re.fullmatch(r"[A-Za-z0-9]+", name):
         raise ValueError(f"name must be letters and digits, not 'uniform' (the baseline's file), got {name!r}.")
     if uniform_k(n, d_head, saving) >= n:
-        raise ValueError(f"saving={saving} leaves the longest bucket ({n}) exact: nothing to derive; ask for a k below n.")
-    return _Plan(bucket_cov, granularity, windows, longest, list(longest.heads) if granularity == "head" else [None], d_head,
-                 model_layers, budget_layers, exact_layers, layer_weights, name)
+        raise ValueError(f"saving={saving} leaves the longest bucket ({n}) exact: nothing to derive; "
+                         "ask for a k below n.")
+    return _Plan(bucket_cov, granularity, windows, longest, list(longest.heads) if granularity == "head" else [None],
+                 d_head, model_layers, budget_layers, exact_layers, layer_weights, name)
 
 
 def _allocate_bucket(plan: _Plan, b: int, saving, kwargs, runs: dict, chosen: dict) -> dict[str, Any]:

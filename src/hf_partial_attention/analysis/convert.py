@@ -31,8 +31,8 @@ def convert(pattern_path: str, out_dir: str, model: Any = None, *, reconstructio
     (`PatternBuckets`, ``patterns/buckets_k<k>.safetensors`` of `derive.derive_lengths`: passed whole to
     ``from_source``); the checks, the card's pattern facts and n are those of its longest bucket. A per-layer file
     (`LayerPatterns`, ``derive --granularity layer`` or ``head``) gives each partial layer (or head) its own P and
-    R (the first group's stand for the set in the checks and the card). ``reconstruction``: ``"common"`` by default, ``"per_layer"``
-    for a per-layer file (``"fixed"`` for either).
+    R (the first group's stand for the set in the checks and the card). ``reconstruction``: ``"common"`` by default,
+    ``"per_layer"`` for a per-layer file (``"fixed"`` for either).
 
     The tokenizer is saved with ``model_max_length = n`` (pipelines with ``truncation=True`` then cut inputs to n);
     a sentence-transformers source also gets its modules, pooling and ``max_seq_length ≤ n`` (`sentence_folder`),

@@ -138,7 +138,8 @@ def _window_heldout(cov, groups, sets, built, fitted, rows, held_path, batch_siz
         row["heldout_pooled_pattern"] = measured["pooled"][f"pooled k={k}"]
         for g in groups:
             built[s.name].group(*g)[n].metadata.update(
-                heldout_normalized_error=float(row["heldout_per_group"][_name(*g)]), heldout_windows=int(windows.shape[0]))
+                heldout_normalized_error=float(row["heldout_per_group"][_name(*g)]),
+                heldout_windows=int(windows.shape[0]))
         built[s.name].metadata.update(heldout_normalized_error=float(row["heldout"]),
                                       heldout_pooled_pattern=float(row["heldout_pooled_pattern"]))
     return int(windows.shape[0])

@@ -7,8 +7,8 @@ and its scores enter that bucket's per-query covariance with its rows i >= T lef
 
 `derive.derive_lengths` fits, for each k, the greedy P and optimal R of every bucket with b > k (buckets with b <= k
 run exactly) into one `PatternBuckets` file, and `record_buckets` measures each bucket on its held-out inputs at real
-positions beside two other treatments of the same inputs: the zero fill of a fixed-window pattern of n (what a single-bucket model
-runs) and the conditional R (`conditional`) of the n-window covariance and of the bucket's own.
+positions beside two other treatments of the same inputs: the zero fill of a fixed-window pattern of n (what a
+single-bucket model runs) and the conditional R (`conditional`) of the n-window covariance and of the bucket's own.
 
 Folder layout (beside `workflow`'s): ``covariance_len{b}.safetensors``, ``heldout_inputs.safetensors``,
 ``patterns/buckets_k{k}.safetensors``, ``figures/input_lengths.png``; results in ``results.json``

@@ -40,9 +40,9 @@ from .spectra import eigh_desc, top_eigh
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FAMILIES", "FAMILY_STRUCTURE", "DEFAULT_BLOCK_ROWS", "OBJECTIVES", "covariance_for", "greedy_select", "family_constraint", "window_indices",
-           "objective_metric", "fit_pattern", "select_pattern", "select_patterns", "greedy_order",
-           "error_curve"]
+__all__ = ["FAMILIES", "FAMILY_STRUCTURE", "DEFAULT_BLOCK_ROWS", "OBJECTIVES", "covariance_for", "greedy_select",
+           "family_constraint", "window_indices", "objective_metric", "fit_pattern", "select_pattern",
+           "select_patterns", "greedy_order", "error_curve"]
 
 FAMILIES = ("per_query", "columns", "blocks", "bands", "windows", "shared_blocks")
 # The structure each family's patterns have (what the kernels and `auto` read from a pattern's layout, where it is

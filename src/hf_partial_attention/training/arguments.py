@@ -130,8 +130,8 @@ class ModelArguments:
     pattern: str | None = field(
         default=None,
         metadata={"help": "An AttentionPattern file (P and initial R). Without it: the checkpoint's own P and R, "
-                          "or the local default pattern (k nearest keys) for source checkpoints and new models. Any file "
-                          "`derive` writes: one pattern, length buckets, P and R per layer or head."},
+                          "or the local default pattern (k nearest keys) for source checkpoints and new models. Any "
+                          "file `derive` writes: one pattern, length buckets, P and R per layer or head."},
     )
     reconstruction: str | None = field(
         default=None,

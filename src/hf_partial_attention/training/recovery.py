@@ -113,7 +113,8 @@ def parse_recovery_objective(objective: str, weights: str | None = None, has_mlm
             out[name] = weight
     if "distill_kl" in out and not has_mlm_head:
         raise ValueError("recovery_objective has distill_kl, which needs an MLM head (*ForMaskedLM: "
-                         "BertForMaskedLM, PartialRobertaForMaskedLM, ...); use distill_hidden or embedding for this model.")
+                         "BertForMaskedLM, PartialRobertaForMaskedLM, ...); use distill_hidden or embedding for this "
+                         "model.")
     return RecoveryObjective(out)
 
 
@@ -326,7 +327,8 @@ def recovery_losses(student: nn.Module, teacher: nn.Module | None, inputs: dict,
                         return_dict=True)
         if "mlm" in objective.terms:
             if s_out.get("loss") is None:
-                raise ValueError("recovery_objective has mlm but the model returned no loss; pass labels (MlmCollator).")
+                raise ValueError("recovery_objective has mlm but the model returned no loss; "
+                                 "pass labels (MlmCollator).")
             terms["mlm"] = s_out["loss"]
         if "distill_kl" in objective.terms:
             tau = temperature

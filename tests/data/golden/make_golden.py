@@ -2,9 +2,10 @@
 
 v0.1.0-*: written by 0.1.0; v0.2.0-*: by 0.2.0 (commit 4085891), before the attention path became one package.
 Only config.json, model.safetensors and reference.pt are kept (the copied modeling code is not)."""
-import sys, torch, json
+import sys
+import torch
 import hf_partial_attention as hpa
-from hf_partial_attention import PartialBertConfig, PartialBertForMaskedLM, PartialBertModel
+from hf_partial_attention import PartialBertConfig, PartialBertForMaskedLM
 out = sys.argv[1]
 for mode in ("fixed", "common", "per_layer"):
     torch.manual_seed(0)

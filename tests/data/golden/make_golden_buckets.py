@@ -3,7 +3,8 @@
 format2-*: written at commit 538ce26 (format 2, one k for every bucket), before per-bucket k (format 3). Buckets
 [2, 4, 8] at k = 3: 2 runs exactly, 4 and 8 hold their own P and R. The reference batch has one sequence in each
 bucket. Only config.json, model.safetensors and reference.pt are kept (the copied modeling code is not)."""
-import sys, torch
+import sys
+import torch
 import hf_partial_attention as hpa
 from hf_partial_attention import PartialBertConfig, PartialBertForMaskedLM
 from hf_partial_attention.pattern_buckets import PatternBuckets
