@@ -16,6 +16,7 @@ Part of the remote-code bundle (imports: transformers and siblings only).
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +52,12 @@ class Architecture:
         module: transformers' module of the architecture (``"roberta"`` for ``transformers.models.roberta``).
         prefix: the class-name prefix (``"Roberta"``: ``RobertaConfig``, ``RobertaModel``, ...).
         layers: path from the base model to its list of layers; attention: path from a layer to its attention
-            module (for ALBERT, a callable of the base model giving ``(layer, module)`` pairs).
+            module.
+        attention_of: where one attention module serves several layers (ALBERT): a function of the base model
+            giving ``(layer, module)`` for every layer, used instead of ``layers`` and ``attention``.
+        config_methods: methods of the partial config class particular to this architecture, ``(name,
+            function)`` pairs: ``shared_layer_groups`` (the layers that share one attention module) and
+            ``default_partial_layers`` (the layers made partial when ``partial_layers`` is not given).
         owner: path from the base model to the module that owns the pattern modules ("" for the base model).
         heads: the Auto classes this architecture has a class for (of `HEAD_SUFFIXES`).
         note: what is particular about it, for the docs and errors.
@@ -70,6 +76,8 @@ class Architecture:
     note: str = ""
     files: str = "encoders"
     display_name: str = ""
+    attention_of: Callable[[Any], list[tuple[int, Any]]] | None = None
+    config_methods: tuple[tuple[str, Callable], ...] = ()
 
     @property
     def partial_model_type(self) -> str:
@@ -86,6 +94,11 @@ class Architecture:
     def transformers_module(self):
         return importlib.import_module(f"transformers.models.{self.module}.modeling_{self.module}")
 
+    def eager_attention(self) -> Callable:
+        """The architecture's own eager attention function (``eager_attention_forward`` of its modeling file): what
+        an exact bucket runs when the attention map is asked for."""
+        return self.transformers_module().eager_attention_forward
+
     def available(self) -> bool:
         """Whether the installed transformers has this architecture."""
         try:
@@ -97,8 +110,8 @@ class Architecture:
 
     def attention_modules(self, base_model) -> list[tuple[int, Any]]:
         """``(layer index, attention module)`` for every layer of ``base_model``, in layer order."""
-        if self.model_type == "albert":
-            return _albert_attention(base_model)
+        if self.attention_of is not None:
+            return self.attention_of(base_model)
         return [(index, _nested(layer, self.attention)) for index, layer in
                 enumerate(_nested(base_model, self.layers))]
 
@@ -117,6 +130,28 @@ def _albert_attention(base_model) -> list[tuple[int, Any]]:
             for layer in groups[int(i / per_group)].albert_layers]
 
 
+def _albert_groups(config) -> list[list[int]]:
+    """The layers of each ALBERT layer group (they share its attention module)."""
+    per_group = config.num_hidden_layers / config.num_hidden_groups
+    groups: dict[int, list[int]] = {}
+    for layer in range(config.num_hidden_layers):
+        groups.setdefault(int(layer / per_group), []).append(layer)
+    return list(groups.values())
+
+
+def _every_layer(config) -> list[int]:
+    # One module serves every layer of its group, so "all but the last layer" is not possible with one group: every
+    # layer is partial (the paper's last exact layer does not exist in ALBERT).
+    return list(range(config.num_hidden_layers))
+
+
+def _global_layers_but_the_last(config) -> list[int]:
+    # ModernBERT: the global (full-attention) layers but the last: a local layer scores only its window already,
+    # and the paper keeps the last layer exact.
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    return [i for i, kind in enumerate(types) if kind == "full_attention" and i < config.num_hidden_layers - 1]
+
+
 _BERT_LIKE = "BERT's layout: encoder.layer.{i}.attention.self"
 ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
     Architecture("bert", "bert", "Bert", note=_BERT_LIKE + " (PartialBert)", files="bert", display_name="BERT"),
@@ -126,11 +161,13 @@ ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
     Architecture("electra", "electra", "Electra", display_name="ELECTRA", note=_BERT_LIKE),
     Architecture("distilbert", "distilbert", "DistilBert", display_name="DistilBERT", layers="transformer.layer",
                  attention="attention", owner="transformer", note="no layer_idx on its attention modules"),
-    Architecture("albert", "albert", "Albert", display_name="ALBERT", attention="", note=(
+    Architecture("albert", "albert", "Albert", display_name="ALBERT", attention="", attention_of=_albert_attention,
+                 config_methods=(("shared_layer_groups", _albert_groups), ("default_partial_layers", _every_layer)),
+                 note=(
         "one attention module serves every layer of a layer group: all of a group's layers are partial or none, "
         "and R cannot be per layer; every layer is partial by default")),
     Architecture("modernbert", "modernbert", "ModernBert", display_name="ModernBERT", layers="layers", attention="attn",
-                 owner="", note=(
+                 owner="", config_methods=(("default_partial_layers", _global_layers_but_the_last),), note=(
         "rotary positions; alternating global and local (sliding-window) layers: the global layers but the last are "
         "partial by default (a local layer already attends only to its window); a local layer made partial keeps "
         "its window mask on exact and reconstructed scores")),

@@ -21,8 +21,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.models.bert.modeling_bert import eager_attention_forward
 
+from .architectures import architecture_for
 from .attention_common import masked_keys, masked_out
 from .pattern_buckets import bucket_for
 
@@ -66,7 +66,8 @@ def exact_attention(module: nn.Module, query, key, value, attention_mask, scalin
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=False)
     additive, _ = masked_keys(attention_mask, query.shape[2], query.dtype)  # eager adds the mask
-    return eager_attention_forward(module, query, key, value, additive, scaling=scaling, dropout=dropout)
+    eager = architecture_for(module.config).eager_attention()  # the architecture's own
+    return eager(module, query, key, value, additive, scaling=scaling, dropout=dropout)
 
 
 def _rows(tensor: torch.Tensor | None, rows: torch.Tensor | None, t: int, square: bool = False):

@@ -19,27 +19,6 @@ from .configuration_partial import PartialConfigMixin
 __all__ = ["config_class_for", "PARTIAL_CONFIG_CLASSES"]
 
 
-def _albert_groups(self) -> list[list[int]]:
-    per_group = self.num_hidden_layers / self.num_hidden_groups
-    groups: dict[int, list[int]] = {}
-    for layer in range(self.num_hidden_layers):
-        groups.setdefault(int(layer / per_group), []).append(layer)
-    return list(groups.values())
-
-
-def _albert_default_layers(self) -> list[int]:
-    # One module serves every layer of its group, so "all but the last layer" is not possible with one group: every
-    # layer is partial (the paper's last exact layer does not exist in ALBERT).
-    return list(range(self.num_hidden_layers))
-
-
-def _modernbert_default_layers(self) -> list[int]:
-    # The global (full-attention) layers but the last: a local layer scores only its window already, and the paper
-    # keeps the last layer exact.
-    types = getattr(self, "layer_types", None) or ["full_attention"] * self.num_hidden_layers
-    return [i for i, kind in enumerate(types) if kind == "full_attention" and i < self.num_hidden_layers - 1]
-
-
 _DOC = r"""
     Configuration of [`Partial%PREFIX%Model`] and its heads: every field of [`%PREFIX%Config`] plus the partial
     attention of Bhojanapalli et al. (2021), "Eigen Analysis of Self-Attention and its Reconstruction from
@@ -119,12 +98,6 @@ _DOC = r"""
     >>> model = Partial%PREFIX%Model(config)
     ```"""
 
-_OVERRIDES = {
-    "albert": {"shared_layer_groups": _albert_groups, "default_partial_layers": _albert_default_layers},
-    "modernbert": {"default_partial_layers": _modernbert_default_layers},
-}
-
-
 def file_module(arch: Architecture, kind: str) -> str:
     """The module name the ``kind`` (``"configuration"`` or ``"modeling"``) classes of ``arch`` are written under:
     a sibling of this module (in the package, or in a remote-code bundle)."""
@@ -135,7 +108,7 @@ def _config_class(arch: Architecture):
     name = f"Partial{arch.prefix}Config"
     doc = _DOC.replace("%PREFIX%", arch.prefix).replace("%NAME%", arch.display_name or arch.prefix)
     namespace = {"model_type": arch.partial_model_type, "__module__": file_module(arch, "configuration"),
-                 "__qualname__": name, "__doc__": doc, **_OVERRIDES.get(arch.model_type, {})}
+                 "__qualname__": name, "__doc__": doc, **dict(arch.config_methods)}
     return strict(type(name, (PartialConfigMixin, arch.config_class()), namespace))
 
 

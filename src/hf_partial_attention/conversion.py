@@ -17,7 +17,7 @@ from typing import Any
 
 from transformers import PreTrainedModel
 
-from .architectures import check_supported
+from .architectures import ARCHITECTURES, check_supported
 from .configuration_partial import PartialConfigMixin
 from .pattern import AttentionPattern
 from .pattern_buckets import PatternBuckets
@@ -142,7 +142,7 @@ def _check_source_type(config, source_class) -> None:
     """Refuse a source of another architecture than ``source_class``'s (a RoBERTa into PartialBert, ...): loading it
     would map its weights onto the wrong modules, or start them afresh."""
     expected = source_class.config_class.model_type
-    if config.model_type == "partial_" + expected.replace("-", "_"):  # a partial checkpoint of this architecture
+    if config.model_type == ARCHITECTURES[expected].partial_model_type:  # a partial checkpoint of this architecture
         return
     check_supported(config)  # one line naming the model type and what is supported
     if config.model_type != expected:
