@@ -1,10 +1,11 @@
 """Command line: ``python -m experiments {demo,paper,objectives,lengths,recover,granularity,granularity-lengths,\
-granularity-recover,granularity-layers,granularity-refit,table1,table1-scratch} ...`` (the Makefile's targets).
+granularity-recover,granularity-layers,granularity-refit,table1,table1-scratch,recall} ...`` (the Makefile's targets).
 
 Errors a user can cause (`hf_partial_attention.cli.USER_ERRORS`: a wrong value, a missing file) print as one line,
 ``error: <what and the fix>``, on stderr and exit with 2; ``-v`` shows the traceback instead. The flags of
-``table1`` and ``table1-scratch`` are dataclasses (`table1_spec.StudyArguments`,
-`table1_scratch_spec.ScratchArguments`) parsed by transformers' `HfArgumentParser` (``table1 -h`` lists them).
+``table1``, ``table1-scratch`` and ``recall`` are dataclasses (`table1_spec.StudyArguments`,
+`table1_scratch_spec.ScratchArguments`, `recall.RecallArguments`) parsed by transformers' `HfArgumentParser`
+(``table1 -h`` lists them).
 """
 
 from __future__ import annotations
