@@ -1,36 +1,9 @@
 """Table 1 of Bhojanapalli et al. (2021) on a real pretrained model, v2 (issue 24): does converting an exactly trained
 model to partial attention lose accuracy, at the inputs' own lengths, and does training with partial attention built
-in (MLM, or attention transfer + distillation from the exact model) recover it?
-
-Protocol (every number is a flag of `StudyArguments`; ``python -m experiments table1 --help``):
-
-1. **Phase 1, exact** (job ``phase1``). The pretrained encoder (default: the real all-MiniLM-L6-v2, 6 layers, 12
-   heads, d_h = 32) gets an MLM head, and the whole model is trained with exact attention on the training windows.
-2. **P and R** (``patterns``) from that model's per-query score statistics, pooled over all layers and heads, for
-   each k: the *zero-fill* pattern from n-token training windows (greedy P, optimal R: the paper's protocol; shorter
-   inputs use it with zero scores for their missing keys), and *length buckets* (`analysis.lengths`: P and R per
-   bucket, Fisher objective) from the training documents' sentences and paragraphs at their own lengths.
-3. **R's learning rate** (``rlr``): the ``--rlr_arm`` (k = 16, common R, distill) is trained once per candidate of
-   ``--reconstruction_learning_rates`` and scored by its MLM loss on the *selection* split (training documents used
-   for nothing else); the lowest wins, and is used for every trained R after. This job runs before any job that
-   reads the test split, and its winner's model is reused as that arm's phase 2 (the same training).
-4. **Phase 2, one arm per (k, R mode, recovery)** at equal budgets (``arm_steps`` at one batch size, the same
-   data order and masks; measured wall-clock recorded beside): the phase-1 weights converted with the buckets and
-   trained with MLM (``mlm_<arm>``) or with ``--distill_objective`` against the frozen phase-1 model (every weight
-   trains), R fixed, common or per layer; the exact arm continues MLM as long. Every converted arm's held-out MLM
-   loss is recorded on test windows and on the test pairs at their own lengths before (the paper's "performs
-   poorly") and after; arms with recovery ``none`` get only the first (``conv_<arm>``, which also scores the
-   zero-fill conversion of its k). One zero-fill arm (``--zero_fill_control``) is the control of the buckets.
-5. **Fine-tuning** (``ft_<arm>_s<seed>``) of every arm on a sentence-pair task at the pairs' own lengths (each
-   partial arm with its buckets, the control with its zero fill), several seeds; test accuracy per seed and per
-   example.
-6. **Cost** (``timing``): each configuration's measured inference / training-step time beside the exact model
-   (eager and SDPA) at n.
-
-Every job's result is a JSON file under ``run_dir/jobs``: a killed run started again continues where it stopped.
-`table1_report` turns the jobs into ``table1.md``, ``table1.json``, the verdicts, the gap decomposition
-(`table1_gaps`) and the arms' model cards; the arms are `table1_spec.Arm` values, which all modules take from
-`table1_spec`. `table1_budget` estimates the wall time of a set of arguments (the defaults: about 2.4 h on 2 cores).
+in (MLM, or attention transfer + distillation from the exact model) recover it? ``python -m experiments table1``
+(`make table1`); the protocol is `run_table1`'s docstring, the arms `table1_spec`'s, the report `table1_report`'s,
+the wall-time estimate `table1_budget`'s (the defaults: about 2.4 h on 2 cores). Resumable: every job's result is a
+JSON file under ``run_dir/jobs``.
 """
 
 from __future__ import annotations
@@ -129,7 +102,38 @@ class _Study:
 
 
 def run_table1(a: StudyArguments, argv: list[str] | None = None) -> dict:
-    """Run (or resume) the study and write its report; returns the report dict (see `table1_report`)."""
+    """Run (or resume) the study and write its report; returns the report dict (see `table1_report`).
+
+    Protocol (every number is a flag of `StudyArguments`; ``python -m experiments table1 --help``):
+
+    1. **Phase 1, exact** (job ``phase1``). The pretrained encoder (default: the real all-MiniLM-L6-v2, 6 layers, 12
+       heads, d_h = 32) gets an MLM head, and the whole model is trained with exact attention on the training windows.
+    2. **P and R** (``patterns``) from that model's per-query score statistics, pooled over all layers and heads, for
+       each k: the *zero-fill* pattern from n-token training windows (greedy P, optimal R: the paper's protocol; shorter
+       inputs use it with zero scores for their missing keys), and *length buckets* (`analysis.lengths`: P and R per
+       bucket, Fisher objective) from the training documents' sentences and paragraphs at their own lengths.
+    3. **R's learning rate** (``rlr``): the ``--rlr_arm`` (k = 16, common R, distill) is trained once per candidate of
+       ``--reconstruction_learning_rates`` and scored by its MLM loss on the *selection* split (training documents used
+       for nothing else); the lowest wins, and is used for every trained R after. This job runs before any job that
+       reads the test split, and its winner's model is reused as that arm's phase 2 (the same training).
+    4. **Phase 2, one arm per (k, R mode, recovery)** at equal budgets (``arm_steps`` at one batch size, the same
+       data order and masks; measured wall-clock recorded beside): the phase-1 weights converted with the buckets and
+       trained with MLM (``mlm_<arm>``) or with ``--distill_objective`` against the frozen phase-1 model (every weight
+       trains), R fixed, common or per layer; the exact arm continues MLM as long. Every converted arm's held-out MLM
+       loss is recorded on test windows and on the test pairs at their own lengths before (the paper's "performs
+       poorly") and after; arms with recovery ``none`` get only the first (``conv_<arm>``, which also scores the
+       zero-fill conversion of its k). One zero-fill arm (``--zero_fill_control``) is the control of the buckets.
+    5. **Fine-tuning** (``ft_<arm>_s<seed>``) of every arm on a sentence-pair task at the pairs' own lengths (each
+       partial arm with its buckets, the control with its zero fill), several seeds; test accuracy per seed and per
+       example.
+    6. **Cost** (``timing``): each configuration's measured inference / training-step time beside the exact model
+       (eager and SDPA) at n.
+
+    Every job's result is a JSON file under ``run_dir/jobs``: a killed run started again continues where it stopped.
+    `table1_report` turns the jobs into ``table1.md``, ``table1.json``, the verdicts, the gap decomposition
+    (`table1_gaps`) and the arms' model cards; the arms are `table1_spec.Arm` values, which all modules take from
+    `table1_spec`. `table1_budget` estimates the wall time of a set of arguments (the defaults: about 2.4 h on 2 cores).
+    """
     command = " ".join([COMMAND, *(shlex.quote(x) for x in (argv or []))])
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -1,30 +1,11 @@
 """The per-call path of a partial model: the attention functions transformers calls (registered with its
 ``AttentionInterface`` as ``partial_<setting>`` and ``partial_exact``), each sequence's length bucket, P and R per
-head, and which kernel runs.
+head, and which kernel runs (`kernel_for`, `auto_kernel`): ``gather`` (the reference, the only one that returns
+the attention map), ``fused``, ``tiled`` (inference, rows sharing P and R) and ``triton`` (GPU), all with the
+reference's numbers and gradients. Under ``torch.compile`` without autograd, ``fused`` and ``tiled`` run as one
+custom op (`compiled_attention`). The rules, and the benchmarks behind ``auto``: docs/method.md#kernels.
 
 Part of the remote-code bundle (imports: torch, transformers and siblings).
-
-The kernels (`configuration_partial_bert.KERNEL_NAMES`), one function each, all in transformers' calling
-convention and all giving the reference's numbers and gradients:
-
-- ``gather`` (`attention_gather`): the reference; the only one that returns the attention map.
-- ``fused`` (`attention_fused`): full rows by one batched matmul with W = [I | R], a hand-written backward.
-- ``tiled`` (`attention_tiled`): inference in cache-sized tiles, for rows sharing P and R.
-- ``triton`` (`attention_triton`): one GPU kernel, the n×n scores never in memory.
-
-Whatever the setting, a call that asks for the attention map runs ``gather`` (as transformers runs eager attention
-for ``output_attentions``), ``tiled`` under autograd runs ``fused``, a dynamic (symbolic) batch or length of
-``torch.export(..., dynamic_shapes=...)`` runs the reference (its shapes follow the input's, where the fast kernels'
-tile sizes would specialise the length), and under ``torch.export`` with autograd on the reference runs (an
-exported program keeps a kernel's forward ops, not its autograd Function, and replays them under autograd, where the
-in-place ``out=`` ops refuse to run). Under ``torch.compile`` without autograd, ``fused`` and
-``tiled`` (and ``auto`` where it picks one of them) run as one custom op with W and the blocks of rows sharing P and
-R from the owner's cache (the compiled fast path below; ``auto`` is resolved inside it).
-
-``"auto"`` (`auto_kernel`): ``triton`` on a CUDA device when triton is installed (head size a power of two >= 16,
-no attention dropout); otherwise ``tiled`` in inference at n >= 256 for rows sharing P and R; otherwise ``fused``.
-docs/method.md#kernels names the committed benchmark results behind it; ``make bench`` prints a "rule miss" for any
-case where another kernel beats its choice by more than 10 %.
 """
 
 from __future__ import annotations

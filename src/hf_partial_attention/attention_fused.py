@@ -1,34 +1,12 @@
 """The ``fused`` kernel: full rows of scores by one batched matmul with ``W_i = [I at P_i | R_iᵀ at P̄_i]`` (no
 scatter), then mask, softmax, dropout and ·V, with a backward written out by hand; without autograd the same in one
 n×n buffer per group of (batch, head) pairs, worked in place. Returns no attention map (like SDPA): the dispatcher
-runs the reference kernel when the map is asked for.
+runs the reference kernel when the map is asked for. Per-query patterns run `_ScoresFused`; blocks of rows sharing
+keys get their exact scores from block GEMMs, then `_RowsFused`; P and R per head run `_ScoresFused` head by head
+(`all_heads_attention`). Why by hand, and why head by head: docs/method.md, "The fused kernel". Its numbers and
+gradients are the reference's (tested in float64 against ``gather``).
 
 Part of the remote-code bundle (imports: torch and siblings only).
-
-Why by hand rather than autograd through the ops (the committed ``make bench`` results in benchmarks/results/
-show the difference):
-
-- the scores are reconstructed rows first, ``(T, B·H, T)``, and the gradient of the probabilities would reach the
-  softmax backward as ``(B·H, T, T)``, copied once more (an n×n pass) and worked on in mixed layouts. Here the
-  gradient of the probabilities is written straight into the rows-first layout.
-- every step would allocate its own n×n tensor; under glibc's default malloc each one above the mmap threshold
-  costs fresh pages. Here the forward and the backward each allocate one and work in it in place:
-  reconstruction into QKᵀ's memory, softmax and its backward in place, and the gradient of QKᵀ (``gather``'s
-  backward, a zero n×n tensor) in the memory of the scores' gradient.
-- W = [I | Rᵀ] would be rebuilt under autograd, its backward scattering into another (n, k, n) zero tensor; here
-  it is built without autograd and R's gradient is gathered from W's.
-
-Per-query patterns run `_ScoresFused`, exact scores included. Patterns whose blocks of rows share keys get their
-exact scores from block GEMMs under autograd (small tensors), then `_RowsFused`. The numbers and gradients are the
-reference kernel's (tested in float64 against ``gather``).
-
-P and R per head (``partial_granularity="head"``) under autograd run `_ScoresFused` too, with a group of heads per
-P (`all_heads_attention`): one autograd node works head by head (its QKᵀ, its exact scores gathered at its own P,
-its rows by its own ``W_h``, softmax and ·V in its slice of the saved probabilities; the backward the same way in one
-reused scratch buffer), so each step's tensors stay in cache. One ``fused`` call per head would cost H autograd
-nodes with their own small products and allocations; every head in one batched pass would sweep tensors far larger
-than the cache at every step (`benchmarks/results/granularity/` has the timings). Any P (per query or blocks) runs
-there: the exact scores are read from QKᵀ.
 """
 
 from __future__ import annotations

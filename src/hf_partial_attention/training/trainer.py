@@ -1,33 +1,6 @@
-"""`PartialAttentionTrainer`: `transformers.Trainer` for models with partial attention.
-
-See docs/method.md#training-with-partial-attention-built-in.
-
-What it adds to `Trainer`:
-
-- R's parameters in their own optimizer group (`reconstruction_learning_rate`, `reconstruction_weight_decay`).
-- R statistics in the training logs: ``reconstruction_drift/<name>`` = ‖R − R₀‖_F / ‖R₀‖_F against R at the
-  start of the run (R₀ travels with each checkpoint in ``reconstruction_initial.safetensors``), and R's learning rate.
-- A loss that is the same number in one process and in N: each process returns its summed loss divided by the
-  number of labelled items in the whole (all processes, all accumulation steps) batch. BERT's heads return a
-  mean and ignore ``num_items_in_batch``; the stock Trainer then multiplies their loss by the world size
-  (transformers5 notes, section 3). Here the mean is turned back into a sum first, so the scaling is right.
-- Deterministic MLM masks across resumes: sets `MlmCollator.epoch` each epoch, and `None` while evaluating.
-- Length-grouped batches (``--train_sampling_strategy group_by_length``) whose order is a function of the seed and
-  the epoch, so a resumed run sees the uninterrupted run's batches (`sampling.EpochLengthGroupedSampler`), with
-  lengths read from the length column or the input ids in one Arrow pass (`sampling.example_lengths`).
-- An evaluation loss weighted by labelled items: ``eval_loss`` is the cross-entropy summed over every labelled item
-  (masked token) of the evaluation set, each example once, divided by their number, so it is the same for any
-  eval batch size and process count. The stock loop averages per-batch means weighted by the batch size, lets
-  the training normaliser ``num_items_in_batch`` rescale them, and counts the examples accelerate repeats to even
-  out the last batch across processes.
-- Recovery objectives beside the model's own loss (``--recovery_objective``, `recovery`): attention transfer,
-  distillation and embedding matching against a frozen exact teacher (``teacher_model``, default the model's
-  exact twin taken at construction), each term logged as ``recovery/<term>``.
-- This project's model card (P, R, cost, base model, training details) from `create_model_card`, so
-  ``trainer.push_to_hub()`` uploads it instead of the Trainer's template.
-
-P is a persistent buffer and R a buffer or parameters, so both are in every checkpoint's ``model.safetensors``
-and R's AdamW moments in ``optimizer.pt``; ``resume_from_checkpoint`` restores them like any weight.
+"""`PartialAttentionTrainer`: `transformers.Trainer` for models with partial attention (R in its own optimizer group,
+R's drift logged, losses that are the same in one process and in N, recovery objectives, this project's model card;
+the class docstring lists what it adds). See docs/method.md#training-with-partial-attention-built-in.
 """
 
 from __future__ import annotations
@@ -69,6 +42,34 @@ class _CollatorEpoch(TrainerCallback):
 
 class PartialAttentionTrainer(Trainer):
     """`Trainer` for partial models of every architecture (works for any model; the R features switch off without R).
+
+    What it adds to `Trainer`:
+
+    - R's parameters in their own optimizer group (`reconstruction_learning_rate`, `reconstruction_weight_decay`).
+    - R statistics in the training logs: ``reconstruction_drift/<name>`` = ‖R − R₀‖_F / ‖R₀‖_F against R at the
+      start of the run (R₀ travels with each checkpoint in ``reconstruction_initial.safetensors``), and R's
+      learning rate.
+    - A loss that is the same number in one process and in N: each process returns its summed loss divided by the
+      number of labelled items in the whole (all processes, all accumulation steps) batch. BERT's heads return a
+      mean and ignore ``num_items_in_batch``; the stock Trainer then multiplies their loss by the world size
+      (transformers5 notes, section 3). Here the mean is turned back into a sum first, so the scaling is right.
+    - Deterministic MLM masks across resumes: sets `MlmCollator.epoch` each epoch, and `None` while evaluating.
+    - Length-grouped batches (``--train_sampling_strategy group_by_length``) whose order is a function of the seed and
+      the epoch, so a resumed run sees the uninterrupted run's batches (`sampling.EpochLengthGroupedSampler`), with
+      lengths read from the length column or the input ids in one Arrow pass (`sampling.example_lengths`).
+    - An evaluation loss weighted by labelled items: ``eval_loss`` is the cross-entropy summed over every labelled item
+      (masked token) of the evaluation set, each example once, divided by their number, so it is the same for any
+      eval batch size and process count. The stock loop averages per-batch means weighted by the batch size, lets
+      the training normaliser ``num_items_in_batch`` rescale them, and counts the examples accelerate repeats to even
+      out the last batch across processes.
+    - Recovery objectives beside the model's own loss (``--recovery_objective``, `recovery`): attention transfer,
+      distillation and embedding matching against a frozen exact teacher (``teacher_model``, default the model's
+      exact twin taken at construction), each term logged as ``recovery/<term>``.
+    - This project's model card (P, R, cost, base model, training details) from `create_model_card`, so
+      ``trainer.push_to_hub()`` uploads it instead of the Trainer's template.
+
+    P is a persistent buffer and R a buffer or parameters, so both are in every checkpoint's ``model.safetensors``
+    and R's AdamW moments in ``optimizer.pt``; ``resume_from_checkpoint`` restores them like any weight.
 
     Use it with `PartialAttentionTrainingArguments`; plain `TrainingArguments` also work (R then shares the
     main learning rate, with no weight decay, and statistics are logged).
