@@ -25,7 +25,11 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ScratchData", "load_scratch_data", "python_docs_documents", "DOCS_DIR", "unigram_cross_entropy"]
+__all__ = ["ScratchData", "load_scratch_data", "python_docs_documents", "DOCS_DIR", "unigram_cross_entropy",
+           "train_wordpiece", "WORDPIECE", "window_passes"]
+
+# ``tokenizer_name`` that trains a WordPiece vocabulary on the study's own training documents (`train_wordpiece`)
+WORDPIECE = "wordpiece"
 
 DOCS_DIR = "/usr/share/doc/python3.11/html"
 _SKIP_PAGES = ("genindex", "modindex", "search.html", "contents.html", "copyright.html", "license.html",
@@ -111,6 +115,57 @@ def _documents(corpus: str, docs_dir: str) -> tuple[list[list[str]], str]:
     raise ValueError(f"corpus must be 'python-docs' or 'pydoc', got {corpus!r}.")
 
 
+def train_wordpiece(documents: list[list[str]], vocab_size: int, folder: str | None = None):
+    """A lower-cased BERT WordPiece tokenizer (``[PAD] [UNK] [CLS] [SEP] [MASK]``) with a ``vocab_size`` vocabulary
+    trained by `tokenizers` on ``documents``' paragraphs (the training split only: held-out text must not shape the
+    vocabulary), as a transformers fast tokenizer; saved into ``folder`` when given."""
+    from tokenizers import BertWordPieceTokenizer
+    from tokenizers.models import WordPiece
+    from tokenizers.processors import BertProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < 100:
+        raise ValueError(f"vocab_size={vocab_size} is too small for a WordPiece vocabulary; give 4000-8000.")
+    trainer = BertWordPieceTokenizer(lowercase=True)
+    trainer.train_from_iterator((p for doc in documents for p in doc), vocab_size=vocab_size, min_frequency=2,
+                                special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"], show_progress=False)
+    # `tokenizers` numbers the vocabulary in hash order (and breaks ties between equally frequent merges so too:
+    # two trainings on the same text can keep a few different tokens of thousands): number it in sorted order, so
+    # one set of tokens gives one numbering. The study trains once per run directory and reuses the saved files.
+    vocab = trainer._tokenizer.get_vocab()
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    ordered = specials + sorted(t for t in vocab if t not in specials)
+    trainer._tokenizer.model = WordPiece({t: i for i, t in enumerate(ordered)}, unk_token="[UNK]")
+    trainer._tokenizer.post_processor = BertProcessing(("[SEP]", 3), ("[CLS]", 2))  # [CLS] text [SEP], as BERT's
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=trainer._tokenizer, pad_token="[PAD]", unk_token="[UNK]",
+                                        cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
+                                        model_max_length=512)
+    if folder:
+        tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def window_passes(train, tokenizer, window: int, passes: int, seed: int, max_windows: int = 0):
+    """``passes`` cuts of the training texts (a `datasets.Dataset` with a ``text`` column) into ``window``-token
+    windows, concatenated; pass 0 cuts the token stream from its start, each later pass from a random token offset
+    (1 to window − 3, drawn with ``seed``), so a run that reads the windows more than once sees other window
+    boundaries each time instead of the same windows again. ``max_windows``: the first so many of each pass (0:
+    all)."""
+    import random
+
+    from datasets import DatasetDict, concatenate_datasets
+
+    from hf_partial_attention.training import group_into_windows
+
+    if passes < 1:
+        raise ValueError(f"window_passes must be >= 1, got {passes}.")
+    rng = random.Random(seed)
+    offsets = [0] + [rng.randrange(1, window - 2) for _ in range(passes - 1)]
+    cuts = [group_into_windows(DatasetDict(train=train), tokenizer, window, offset=offset)["train"]
+            for offset in offsets]
+    return concatenate_datasets([c.select(range(min(max_windows, len(c)))) if max_windows else c for c in cuts])
+
+
 def load_scratch_data(a) -> ScratchData:
     """Windows and pairs of the study's corpus (`ScratchArguments`: corpus, docs_dir, test_every, max_seq_length,
     max_train_windows, test_windows, test_pairs, seed)."""
@@ -121,17 +176,25 @@ def load_scratch_data(a) -> ScratchData:
     from hf_partial_attention.training import group_into_windows, tokenize_pairs
     from hf_partial_attention.training.pair_task import PAIR_LABELS, sentence_order_examples
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(a.tokenizer_name)[0])
     documents, corpus = _documents(a.corpus, a.docs_dir)
     if a.test_every < 2:
         raise ValueError(f"test_every must be >= 2 (every test_every-th document is held out), got {a.test_every}.")
     test_docs = documents[::a.test_every]
     train_docs = [d for i, d in enumerate(documents) if i % a.test_every]
+    if a.tokenizer_name == WORDPIECE:  # trained once per run directory, on the training documents only
+        folder = os.path.join(a.run_dir, "tokenizer")
+        tokenizer = (AutoTokenizer.from_pretrained(folder) if os.path.isdir(folder)
+                     else train_wordpiece(train_docs, a.vocab_size, folder))
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model(a.tokenizer_name)[0])
     raw = DatasetDict(train=Dataset.from_dict({"text": [" ".join(d) for d in train_docs]}),
                       test=Dataset.from_dict({"text": [" ".join(d) for d in test_docs]}))
     windows = group_into_windows(raw, tokenizer, a.max_seq_length)
     if a.max_train_windows and len(windows["train"]) > a.max_train_windows:
         windows["train"] = windows["train"].select(range(a.max_train_windows))
+    if a.window_passes > 1:  # max_train_windows of each pass
+        windows["train"] = window_passes(raw["train"], tokenizer, a.max_seq_length, a.window_passes, a.seed,
+                                         a.max_train_windows)
     windows["test"] = windows["test"].shuffle(seed=a.seed).select(range(min(a.test_windows, len(windows["test"]))))
     for split in ("train", "test"):
         if not len(windows[split]):

@@ -75,9 +75,15 @@ class ScratchArguments:
     corpus: str = field(default="python-docs", metadata={"help": "python-docs (make python-docs) or pydoc",
                                                          "choices": ("python-docs", "pydoc")})
     docs_dir: str = field(default=DOCS_DIR, metadata={"help": "CPython's HTML documentation"})
-    tokenizer_name: str | None = field(default=None, metadata={"help": "default: the MiniLM's (BERT uncased)"})
+    tokenizer_name: str | None = field(default=None, metadata={
+        "help": "default: the MiniLM's (BERT uncased); 'wordpiece': a WordPiece vocabulary of vocab_size trained on "
+                "the training documents"})
+    vocab_size: int = field(default=6000, metadata={"help": "the trained WordPiece vocabulary's size"})
+    window_passes: int = field(default=1, metadata={
+        "help": "cuts of the training text into windows, each at its own offset (scratch_data.window_passes)"})
+    dropout: float = field(default=0.1, metadata={"help": "hidden and attention dropout of the pretrained model"})
     test_every: int = field(default=8, metadata={"help": "every test_every-th document is held out"})
-    max_train_windows: int = field(default=0, metadata={"help": "cap on training windows (0: all)"})
+    max_train_windows: int = field(default=0, metadata={"help": "cap on training windows, of each pass (0: all)"})
     test_windows: int = field(default=1024, metadata={"help": "held-out windows of the final MLM losses"})
     curve_windows: int = field(default=256, metadata={"help": "held-out windows of the losses against steps"})
     test_pairs: int = field(default=4000, metadata={"help": "held-out pairs of the pair task"})
@@ -137,7 +143,7 @@ class ScratchArguments:
     def config_overrides(self) -> str:
         return (f"num_hidden_layers={self.num_hidden_layers},hidden_size={self.hidden_size},num_attention_heads="
                 f"{self.num_attention_heads},intermediate_size={self.intermediate_size},max_position_embeddings="
-                f"{self.max_seq_length}")
+                f"{self.max_seq_length},hidden_dropout_prob={self.dropout},attention_probs_dropout_prob={self.dropout}")
 
     def convert_train_steps(self) -> int:
         return max(1, round(self.pretrain_steps * self.convert_train_fraction))

@@ -160,3 +160,59 @@ def test_arguments_refuse_and_estimate(tmp_path):
     # convert-train arm 10; curves 6 arms × 2 points × 8/8 batches / 3; fine-tuning 7 × 10 × 0.35
     expected = 1.1 * 0.5 * (500 + 10 + 6 * 2 * 8 / 8 / 3 + 7 * 10 * 0.35)
     assert estimate_seconds(a, 0.5) == pytest.approx(expected)
+
+
+def test_a_wordpiece_vocabulary_is_trained_on_the_given_documents(tmp_path):
+    from transformers import AutoTokenizer
+
+    from experiments.scratch_data import train_wordpiece
+
+    docs = [["The quick brown fox jumps over the lazy dog.", "Attention scores lie in a low-dimensional space."],
+            ["Partial attention computes k scores per query and reconstructs the rest."]] * 20
+    tok = train_wordpiece(docs, vocab_size=200, folder=str(tmp_path / "tok"))
+    assert [tok.convert_ids_to_tokens(i) for i in range(5)] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    assert 100 < len(tok) <= 200
+    ids = tok("Partial attention reconstructs scores.")["input_ids"]
+    assert ids[0] == tok.cls_token_id and ids[-1] == tok.sep_token_id and tok.unk_token_id not in ids
+    assert tok.decode(ids, skip_special_tokens=True) == "partial attention reconstructs scores."
+    again = AutoTokenizer.from_pretrained(tmp_path / "tok")  # saved: a resumed run reads the same vocabulary
+    assert again("the lazy fox")["input_ids"] == tok("the lazy fox")["input_ids"]
+    with pytest.raises(ValueError, match="vocab_size"):
+        train_wordpiece(docs, vocab_size=50)
+
+
+def test_each_pass_cuts_the_windows_at_its_own_offset():
+    from datasets import Dataset, DatasetDict
+    from transformers import AutoTokenizer
+
+    from experiments.scratch_data import window_passes
+    from hf_partial_attention.analysis.defaults import resolve_model
+    from hf_partial_attention.training import group_into_windows
+
+    tok = AutoTokenizer.from_pretrained(resolve_model(None)[0])
+    words = [f"token{i}" for i in range(600)]  # no window of text repeats
+    train = Dataset.from_dict({"text": [" ".join(words[:300]), " ".join(words[300:])]})
+    once = group_into_windows(DatasetDict(train=train), tok, 16)["train"]
+    three = window_passes(train, tok, 16, passes=3, seed=0)
+    assert 2.5 * len(once) < len(three) <= 3 * len(once)  # a later pass loses the words it skips
+    assert three[: len(once)]["input_ids"] == once["input_ids"]  # pass 0: the windows of one cut
+    firsts = {tuple(three[i]["input_ids"]) for i in (0, len(once), len(three) - 1)}
+    assert len(firsts) == 3 and all(len(w) == 16 for w in three["input_ids"])
+    # another pass starts inside the text, not at a window boundary of pass 0
+    assert three[len(once)]["input_ids"] not in once["input_ids"]
+
+
+@pytest.mark.slow
+def test_the_study_data_with_its_own_vocabulary_and_two_cuts(tmp_path):
+    from experiments.scratch_data import load_scratch_data
+
+    one = load_scratch_data(tiny_args(tmp_path / "a", tokenizer_name="wordpiece", vocab_size=500))
+    two = load_scratch_data(tiny_args(tmp_path / "b", tokenizer_name="wordpiece", vocab_size=500, window_passes=2))
+    assert len(one.tokenizer) <= 500 and (tmp_path / "a" / "run" / "tokenizer" / "tokenizer.json").exists()
+    # the same training documents: the same tokens (at this size; ties at the cutoff can differ at thousands), numbered
+    # alike (sorted), so the same ids
+    assert one.tokenizer.get_vocab() == two.tokenizer.get_vocab()
+    assert len(one.windows["train"]) == 400 and len(two.windows["train"]) == 800  # max_train_windows per pass
+    assert two.windows["train"][400]["input_ids"] not in one.windows["train"]["input_ids"]  # pass 1: other cuts
+    again = load_scratch_data(tiny_args(tmp_path / "a", tokenizer_name="wordpiece", vocab_size=500))
+    assert again.windows["train"]["input_ids"] == one.windows["train"]["input_ids"]  # the saved vocabulary reused

@@ -111,11 +111,12 @@ def _map_splits(raw, function, **kwargs):
 
 
 def group_into_windows(raw, tokenizer, window: int, text_column: str | None = None, num_proc: int | None = None,
-                       load_from_cache_file: bool = True):
+                       load_from_cache_file: bool = True, offset: int = 0):
     """Tokenize every split and cut the token stream into windows of exactly `window` tokens.
 
     Each window is ``[CLS] + window−2 tokens + [SEP]`` when the tokenizer has both special tokens, else
-    `window` plain tokens. The tail of each map batch (1000 texts) shorter than a window is dropped.
+    `window` plain tokens. The tail of each map batch (1000 texts) shorter than a window is dropped; ``offset``:
+    tokens of each batch's stream left out before the first window (another cut of the same text).
     """
     first, column, cls, sep, wrap, body = _text_setup(raw, tokenizer, window, text_column, "window")
 
@@ -123,7 +124,7 @@ def group_into_windows(raw, tokenizer, window: int, text_column: str | None = No
         texts = [t for t in batch[column] if isinstance(t, str) and t.strip()]
         ids = tokenizer(texts, add_special_tokens=False, return_attention_mask=False,
                         return_token_type_ids=False, verbose=False)["input_ids"]
-        stream = [tok for seq in ids for tok in seq]
+        stream = [tok for seq in ids for tok in seq][offset:]
         chunks = [stream[i: i + body] for i in range(0, len(stream) - body + 1, body)]
         input_ids = [[cls, *c, sep] if wrap else c for c in chunks]
         special = [[1, *([0] * body), 1] if wrap else [0] * body for _ in chunks]
