@@ -9,9 +9,10 @@ Corpora (``--corpus``):
 - ``pydoc``: ``pydoc_data.topics`` and the standard library's docstrings (what the other studies use; small, for the
   tiny run of the tests).
 
-Every ``test_every``-th document is held out (the test split: MLM losses, the pair task's test pairs); the others
-train (MLM windows, the covariance for P and R, the pair task's training pairs). Splits: ``windows`` train / test
-(n-token MLM windows), ``pairs`` train / test (sentence order at the pairs' own lengths).
+Every ``test_every``-th document is held out (the test split: MLM losses, the pair task's test pairs); with
+``validation_every``, every so many of the others too (the validation split: MLM losses that choose between arms);
+the rest train (MLM windows, the covariance for P and R, the pair task's training pairs). Splits: ``windows`` train
+/ test (/ validation) (n-token MLM windows), ``pairs`` train / test (sentence order at the pairs' own lengths).
 """
 
 from __future__ import annotations
@@ -181,6 +182,12 @@ def load_scratch_data(a) -> ScratchData:
         raise ValueError(f"test_every must be >= 2 (every test_every-th document is held out), got {a.test_every}.")
     test_docs = documents[::a.test_every]
     train_docs = [d for i, d in enumerate(documents) if i % a.test_every]
+    validation_docs = []
+    if a.validation_every:  # every validation_every-th training document chooses between arms, never trains
+        if a.validation_every < 2:
+            raise ValueError(f"validation_every must be 0 (none) or >= 2, got {a.validation_every}.")
+        validation_docs = train_docs[::a.validation_every]
+        train_docs = [d for i, d in enumerate(train_docs) if i % a.validation_every]
     if a.tokenizer_name == WORDPIECE:  # trained once per run directory, on the training documents only
         folder = os.path.join(a.run_dir, "tokenizer")
         tokenizer = (AutoTokenizer.from_pretrained(folder) if os.path.isdir(folder)
@@ -196,7 +203,11 @@ def load_scratch_data(a) -> ScratchData:
         windows["train"] = window_passes(raw["train"], tokenizer, a.max_seq_length, a.window_passes, a.seed,
                                          a.max_train_windows)
     windows["test"] = windows["test"].shuffle(seed=a.seed).select(range(min(a.test_windows, len(windows["test"]))))
-    for split in ("train", "test"):
+    if validation_docs:
+        held = group_into_windows(DatasetDict(validation=Dataset.from_dict(
+            {"text": [" ".join(d) for d in validation_docs]})), tokenizer, a.max_seq_length)["validation"]
+        windows["validation"] = held.shuffle(seed=a.seed).select(range(min(a.test_windows, len(held))))
+    for split in windows:
         if not len(windows[split]):
             raise ValueError(f"The {split} split has no window of max_seq_length={a.max_seq_length} tokens; give "
                              "more text or a smaller --max_seq_length.")

@@ -111,6 +111,12 @@ class _Study:
     def test_losses(self, model) -> dict:
         return steps.mlm_window_losses(model, self.data.tokenizer, self.data.windows["test"], self.a.seed)
 
+    def validation_losses(self, model) -> dict | None:
+        """MLM losses on the validation windows (None without a validation split)."""
+        if "validation" not in self.data.windows:
+            return None
+        return steps.mlm_window_losses(model, self.data.tokenizer, self.data.windows["validation"], self.a.seed)
+
     # ------------------------------------------------------------------ jobs
     def pretrain(self, arm: ScratchArm) -> dict:
         """Pretraining of a from-scratch arm, or the training of a ``convert_train`` arm; test losses after."""
@@ -136,7 +142,8 @@ class _Study:
         stats = trainer.reconstruction_stats() if arm.reconstruction else {}
         drift = {k.split("/", 1)[1]: v for k, v in stats.items() if k.startswith("reconstruction_drift/")}
         return {"steps": count, "train_seconds": seconds - curve.eval_seconds, "curve": curve.points,
-                "train_losses": losses, "r_drift": drift, "test": self.test_losses(model)}
+                "train_losses": losses, "r_drift": drift, "test": self.test_losses(model),
+                "validation": self.validation_losses(model)}
 
     def patterns(self) -> dict:
         """Pooled P and R per k (`analyze` + `derive`), and per head at each head arm's saving (`derive_budget`)."""
@@ -279,7 +286,8 @@ def run_table1_scratch(a: ScratchArguments, argv: list[str] | None = None) -> di
     job("patterns", study.patterns)
     for arm in arms[1:]:
         if arm.kind == "convert":
-            job(f"convert_{arm.name}", lambda arm=arm: {"test": study.test_losses(study.converted(arm))})
+            job(f"convert_{arm.name}", lambda arm=arm: {"test": study.test_losses(m := study.converted(arm)),
+                                                         "validation": study.validation_losses(m)})
         else:
             job(f"pretrain_{arm.name}", lambda arm=arm: study.pretrain(arm))
     for arm in arms:

@@ -4,7 +4,9 @@ to exact, ``accuracy`` (``mean``, ``sd``, per seed) and its difference to exact,
 verdicts on the paper's claims (a)–(d) and ours (e), the goals, a figure and the trained-in arms' model cards.
 
 A difference counts when it exceeds twice its standard error (MLM: paired over the same test windows and masks;
-accuracy: seeds and examples, `table1_stats.accuracy_difference`).
+accuracy: seeds and examples, `table1_stats.accuracy_difference`); no other floor. The "best R mode" of a k is
+chosen on the validation windows where the study has them (``--validation_every``), else on the test windows, and
+the report says which.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ def _saving(a: ScratchArguments, arm: ScratchArm, patterns: dict) -> float | Non
     """QKᵀ multiply-adds saved over the whole model (every layer; the last is exact) at n."""
     from hf_partial_attention.cost import score_cost
 
-    if arm.kind in ("exact", "p_only"):
-        return None if arm.kind == "p_only" else 0.0
     n, layers = a.max_seq_length, a.num_hidden_layers
+    if arm.kind == "exact":
+        return 0.0
+    if arm.kind == "p_only":  # k exact scores a query and nothing to reconstruct: 1 − k/n in each partial layer
+        return (1 - arm.k / n) * (layers - 1) / layers
     if arm.kind == "head_budget":
         ks = [row[-1]
               for layer, row in sorted(patterns["head"][str(arm.k)]["layers_k"].items(), key=lambda x: int(x[0]))
@@ -36,9 +40,9 @@ def _saving(a: ScratchArguments, arm: ScratchArm, patterns: dict) -> float | Non
     return sum(score_cost(n, k, a.d_head).saving for k in ks) / layers
 
 
-def _verdict(diff: float, se: float, floor: float) -> str:
-    """'below' / 'above' / 'not distinguishable' (|diff| within twice its se, or under ``floor``)."""
-    if abs(diff) <= max(2 * se, floor):
+def _verdict(diff: float, se: float) -> str:
+    """'below' / 'above' / 'not distinguishable' (|diff| within twice its se)."""
+    if abs(diff) <= 2 * se:
         return "not distinguishable"
     return "below" if diff < 0 else "above"
 
@@ -62,30 +66,36 @@ def collect_scratch(a: ScratchArguments, store, data, command: str) -> dict[str,
             "mlm_windows": mlm_loss(job["test"]), "mlm_vs_exact": list(mlm_diff),
             "accuracy": accuracy_summary(runs[arm.name]), "accuracy_vs_exact": list(acc_diff),
             "curve": job.get("curve"), "train_seconds": job.get("train_seconds"), "steps": job.get("steps"),
-            "r_drift": job.get("r_drift")}
+            "r_drift": job.get("r_drift"),
+            "mlm_validation": mlm_loss(job["validation"]) if job.get("validation") else None}
     jobs = [f[:-5] for f in os.listdir(store.jobs_dir) if f.endswith(".json")]
     seconds = sum(store.load(name).get("seconds", 0.0) for name in jobs)  # every job's wall time, this run or before
     report = {"command": command, "arguments": a.result_fields(), "corpus": data.corpus, "sizes": data.sizes,
               "d_head": a.d_head, "tokenizer": "bert-base-uncased vocabulary (sentence-transformers/all-MiniLM-L6-v2)",
               "patterns": patterns, "rows": rows, "estimate": store.load("estimate"),
               "timing": store.load("timing"), "seconds": seconds,
-              "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}}
+              "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+              "selection_split": "validation" if all(r["mlm_validation"] is not None for r in rows.values()
+                                                      if r["kind"] in ("fixed", "common", "per_layer")) and
+              any(r["mlm_validation"] is not None for r in rows.values()) else "test"}
     report["verdicts"] = _verdicts(report, arms, runs, test)
     report["goals"] = _goals(report, arms)
     return report
 
 
 def _best_trained(report: dict, arms, k: int) -> str | None:
-    """The trained-in arm of pooled P at ``k`` with the lowest held-out MLM loss (the paper's 'best R mode')."""
+    """The trained-in arm of pooled P at ``k`` with the lowest MLM loss on the selection split (the paper's 'best R
+    mode'): the validation windows where the study has them, else the test windows (`selection_split`)."""
     names = [arm.name for arm in arms if arm.k == k and arm.kind in ("fixed", "common", "per_layer")]
-    return min(names, key=lambda name: report["rows"][name]["mlm_windows"]) if names else None
+    key = "mlm_validation" if report["selection_split"] == "validation" else "mlm_windows"
+    return min(names, key=lambda name: report["rows"][name][key]) if names else None
 
 
 def _pair(test, runs, a_name: str, b_name: str) -> dict:
     mlm = paired_loss_difference(test[a_name]["test"], test[b_name]["test"])
     acc = accuracy_difference(runs[a_name], runs[b_name])
-    return {"arms": [a_name, b_name], "mlm": list(mlm), "mlm_verdict": _verdict(*mlm, 0.01),
-            "accuracy": list(acc), "accuracy_verdict": _verdict(*acc, 0.0)}
+    return {"arms": [a_name, b_name], "mlm": list(mlm), "mlm_verdict": _verdict(*mlm),
+            "accuracy": list(acc), "accuracy_verdict": _verdict(*acc)}
 
 
 def _verdicts(report: dict, arms, runs, test) -> dict:
@@ -153,7 +163,7 @@ def _goals(report: dict, arms) -> list[dict]:
 
 _CLAIMS = {
     "a": "(a) conversion alone loses: the exact model converted at the end, against exact and the trained-in arm",
-    "b": "(b) trained in, the best R mode loses little against exact",
+    "b": "(b) trained in, the best R mode (chosen on the selection split) loses little against exact",
     "c": "(c) trained R beats fixed R",
     "d": "(d) common R helps at smaller k, per-layer R at larger k (common − per layer)",
     "e": "(e, ours) P with R beats P alone (sparse attention, the same P)",
@@ -188,7 +198,12 @@ def render_scratch(report: dict) -> str:
         f"- `*_convert`: the exact model converted after pretraining, untrained; `*_convert_train`: then "
         f"{round(a['pretrain_steps'] * a['convert_train_fraction'])} more MLM steps with P and R built in (per-layer "
         "R trained), so it has seen more batches than exact, and its lead over exact is that extra training; "
-        "`*_p_only`: the same P with no R (masked attention, sparse like the paper's alternative).", "",
+        "`*_p_only`: the same P with no R (masked attention, sparse like the paper's alternative); its QKᵀ saving is "
+        "1 − k/n in each partial layer (nothing to reconstruct).",
+        f"- Rules: a difference counts when it exceeds twice its standard error, with no other floor; the best R mode "
+        f"of a k is chosen on the {report.get('selection_split', 'test')} windows"
+        + ("" if report.get("selection_split") == "validation" else
+           " (the study had no validation split: run it with --validation_every)") + ".", "",
         "| arm | k | R | QKᵀ saving | held-out MLM (nats) | vs exact | accuracy (mean ± sd) | vs exact |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -246,7 +261,7 @@ def _figures(report: dict, folder: str) -> dict[str, str]:
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(6, 4))
     groups = {"trained in": ("fixed", "common", "per_layer", "head_budget"), "converted": ("convert",),
-              "converted + trained": ("convert_train",)}
+              "converted + trained": ("convert_train",), "P alone": ("p_only",)}
     for label, kinds in groups.items():
         points = [(r["qk_saving"], r["accuracy"]["mean"], name) for name, r in rows.items() if r["kind"] in kinds]
         if points:

@@ -83,6 +83,9 @@ class ScratchArguments:
         "help": "cuts of the training text into windows, each at its own offset (scratch_data.window_passes)"})
     dropout: float = field(default=0.1, metadata={"help": "hidden and attention dropout of the pretrained model"})
     test_every: int = field(default=8, metadata={"help": "every test_every-th document is held out"})
+    validation_every: int = field(default=0, metadata={
+        "help": "every validation_every-th training document is held out to choose the best R mode (0: none; the "
+                "choice is then made on the test windows, and the report says so)"})
     max_train_windows: int = field(default=0, metadata={"help": "cap on training windows, of each pass (0: all)"})
     test_windows: int = field(default=1024, metadata={"help": "held-out windows of the final MLM losses"})
     curve_windows: int = field(default=256, metadata={"help": "held-out windows of the losses against steps"})

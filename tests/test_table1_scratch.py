@@ -22,7 +22,7 @@ def tiny_args(tmp_path, **overrides):
                   hidden_size=32, num_attention_heads=2, intermediate_size=37, arms=ARMS, pretrain_steps=20,
                   pretrain_batch_size=8, eval_every=10, covariance_windows=128, test_windows=32, curve_windows=16,
                   test_pairs=64, finetune_steps=4, finetune_batch_size=8, seeds="0,1", timing_repeats=2,
-                  timing_batch_size=4, max_train_windows=400, progress=False)
+                  timing_batch_size=4, max_train_windows=400, validation_every=4, progress=False)
     return ScratchArguments(**{**fields, **overrides})
 
 
@@ -54,6 +54,12 @@ def test_tiny_study_end_to_end(tiny_run):
     assert max(rows["k8_fixed"]["r_drift"].values(), default=0.0) == 0.0
     # the saving of a pooled k = 8 at n = 32, d_h = 16 in 1 of 2 layers: (1 - (8·16 + 24·8) / (32·16)) / 2
     assert rows["k8_fixed"]["qk_saving"] == pytest.approx((1 - (8 * 16 + 24 * 8) / (32 * 16)) / 2)
+    # P alone: k exact scores a query, nothing to reconstruct: (1 − 8/32) in 1 of 2 layers
+    assert rows["k8_p_only"]["qk_saving"] == pytest.approx((1 - 8 / 32) / 2)
+    # the best R mode is chosen on the validation windows (training documents held out), never on test
+    assert saved["selection_split"] == "validation" and all(
+        row["mlm_validation"] > 0 for row in rows.values())
+    assert "chosen on the validation windows" in open(os.path.join(a.output_dir, "table1.md")).read()
     assert {v for pairs in saved["verdicts"].values() for p in pairs for v in (p["mlm_verdict"],)} <= {
         "below", "above", "not distinguishable"}
     learned, convert = saved["goals"][:2]
@@ -62,7 +68,7 @@ def test_tiny_study_end_to_end(tiny_run):
     assert saved["sizes"]["unigram_nats"] - rows["exact"]["mlm_windows"] < 1.5 and learned["met"] is False
     with open(os.path.join(a.output_dir, "table1.md")) as f:
         text = f.read()
-    assert "| k8_p_only | 8 | — | — |" in text and "(e, ours)" in text
+    assert "| k8_p_only | 8 | — | 37.5 % |" in text and "(e, ours)" in text  # P alone: its saving shown
     for figure in saved["figures"].values():
         assert os.path.getsize(os.path.join(a.output_dir, figure)) > 1000
     for arm in ("k8_fixed", "k8_per_layer", "k8_head_budget"):
