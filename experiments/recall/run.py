@@ -71,10 +71,10 @@ def _claim(path: str) -> bool:
 def run_recall(a: RecallArguments, argv: list[str] | None = None) -> dict:
     """Run (or resume) the study and write ``recall.md`` and ``recall.json`` into ``a.output_dir``.
 
-    Jobs run in phases: the exact arm's sweep, then P and R and its other seeds, then the other arms two at a
-    time (their sweeps, then their other seeds; the band's arms before the greedy's), each phase's jobs by arm,
-    then task. Several processes may run the same command on one ``run_dir`` (``make recall`` starts one per
-    core): each takes the jobs no other holds, and waits at a phase's end for the jobs the next phase needs.
+    Jobs run in phases: the exact arm's sweep, then P and R and its other seeds, then the other arms two at a time
+    and task by task (their sweeps, then their other seeds; the band's arms before the greedy's). Several processes
+    may run the same command on one ``run_dir`` (``make recall`` starts one per core): each takes the jobs no other
+    holds, and waits at a phase's end for the jobs the next phase needs.
     """
     command = " ".join([COMMAND, *(shlex.quote(x) for x in (argv or []) if not x.startswith("--threads"))])
     if a.threads:
@@ -103,10 +103,10 @@ def run_recall(a: RecallArguments, argv: list[str] | None = None) -> dict:
         while not all(store.done(n) for n in names):
             time.sleep(5)
 
-    def sweeps(arm_list):
+    def sweeps(arm_list, task_list):
         names = []
         for arm in arm_list:
-            for task in tasks:
+            for task in task_list:
                 for lr, ratio in sweep(a, arm):
                     name = job_name(arm, task, lr, ratio, seeds[0])
                     save = store.model_dir(name) if arm.kind == "exact" else None
@@ -115,10 +115,10 @@ def run_recall(a: RecallArguments, argv: list[str] | None = None) -> dict:
                     names.append(name)
         wait(names)
 
-    def other_seeds(arm_list):
+    def other_seeds(arm_list, task_list):
         names = []
         for arm in arm_list:
-            for task in tasks:
+            for task in task_list:
                 lr, ratio = chosen(store, arm, task, a)
                 for seed in seeds[1:]:
                     name = job_name(arm, task, seed=seed)
@@ -133,20 +133,22 @@ def run_recall(a: RecallArguments, argv: list[str] | None = None) -> dict:
     estimate = store.load("estimate")
     logger.warning("recall: estimated %.1f h for the whole study in one process on this machine (%.3f s a step); "
                    "it resumes after a kill.", estimate["estimate_seconds"] / 3600, estimate["step_seconds"])
-    sweeps([exact])
+    sweeps([exact], tasks)
     if others:
         for task in tasks:
             lr, ratio = chosen(store, exact, task, a)
             exact_dir = store.model_dir(job_name(exact, task, lr, ratio, seeds[0]))
             job(f"patterns/{task.name}", lambda task=task, exact_dir=exact_dir: study.patterns(task, exact_dir))
         wait([f"patterns/{task.name}" for task in tasks])
-    names = other_seeds([exact])
-    # two arms at a time, each pair finished (sweeps and seeds) before the next: a run stopped early has whole rows
-    # of the first arms (the verdicts' come first in DEFAULT_ARMS), the band's arms before the greedy's P
+    names = other_seeds([exact], tasks)
+    # two arms at a time, task by task, each (pair, task) finished (sweeps and seeds) before the next: a run stopped
+    # early has whole cells of the first arms on the first tasks (the verdicts' arms and tasks come first), the
+    # band's arms before the greedy's P
     ordered = [arm for arm in others if not arm.greedy] + [arm for arm in others if arm.greedy]
     for start in range(0, len(ordered), 2):
-        sweeps(ordered[start:start + 2])
-        names += other_seeds(ordered[start:start + 2])
+        for task in tasks:
+            sweeps(ordered[start:start + 2], [task])
+            names += other_seeds(ordered[start:start + 2], [task])
     wait(names)
     bar.close()
     return write_recall_report(a, store, command)
