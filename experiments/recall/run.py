@@ -17,7 +17,9 @@ from .study import RecallStudy, chosen, job_name, sweep
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["run_recall", "estimate_seconds"]
+__all__ = ["run_recall", "estimate_seconds", "VERDICT_TASKS"]
+
+VERDICT_TASKS = ("mqar", "far_copy")  # the tasks the verdicts read: their cells run first
 
 
 def estimate_seconds(a: RecallArguments, step_seconds: float) -> float:
@@ -71,8 +73,8 @@ def _claim(path: str) -> bool:
 def run_recall(a: RecallArguments, argv: list[str] | None = None) -> dict:
     """Run (or resume) the study and write ``recall.md`` and ``recall.json`` into ``a.output_dir``.
 
-    Jobs run in phases: the exact arm's sweep, then P and R and its other seeds, then the other arms two at a time
-    and task by task (their sweeps, then their other seeds; the band's arms before the greedy's). Several processes
+    Jobs run in phases: the exact arm's sweep, then P and R and its other seeds, then the other arms in cells of two
+    arms and one task (their sweeps, then their other seeds), the verdicts' cells first. Several processes
     may run the same command on one ``run_dir`` (``make recall`` starts one per core): each takes the jobs no other
     holds, and waits at a phase's end for the jobs the next phase needs.
     """
@@ -141,14 +143,17 @@ def run_recall(a: RecallArguments, argv: list[str] | None = None) -> dict:
             job(f"patterns/{task.name}", lambda task=task, exact_dir=exact_dir: study.patterns(task, exact_dir))
         wait([f"patterns/{task.name}" for task in tasks])
     names = other_seeds([exact], tasks)
-    # two arms at a time, task by task, each (pair, task) finished (sweeps and seeds) before the next: a run stopped
-    # early has whole cells of the first arms on the first tasks (the verdicts' arms and tasks come first), the
-    # band's arms before the greedy's P
+    # Cells of (two arms, one task), each finished (sweeps and seeds) before the next, so a run stopped early has
+    # whole cells: first the verdicts' (MQAR, then far copy, for the first four arms: P + R trained and P alone,
+    # every layer partial and the last exact), then the rest two arms at a time, the band's arms before the greedy's.
     ordered = [arm for arm in others if not arm.greedy] + [arm for arm in others if arm.greedy]
-    for start in range(0, len(ordered), 2):
-        for task in tasks:
-            sweeps(ordered[start:start + 2], [task])
-            names += other_seeds(ordered[start:start + 2], [task])
+    pairs = [ordered[i:i + 2] for i in range(0, len(ordered), 2)]
+    first = [(pair, task) for task in tasks if task.name in VERDICT_TASKS for pair in pairs[:2]]
+    cells = first + [(pair, task) for pair in pairs for task in tasks
+                     if not any(pair is p and task is t for p, t in first)]
+    for pair, task in cells:
+        sweeps(pair, [task])
+        names += other_seeds(pair, [task])
     wait(names)
     bar.close()
     return write_recall_report(a, store, command)
