@@ -152,3 +152,10 @@ def test_tiny_study_end_to_end_and_resumed(tmp_path):
     run_recall(a, ["--tiny"])
     assert {p: os.path.getmtime(p) for p in run.rglob("*.json")} == stamps
     assert result["rows"].keys() == saved["rows"].keys()
+
+
+def test_the_recorded_command_leaves_out_what_does_not_shape_results():
+    from experiments.recall.run import _result_flags
+
+    assert _result_flags(["--threads", "1", "--seeds", "0,1", "--progress", "false", "--report_only=true",
+                          "--steps", "mqar=5"]) == ["--seeds", "0,1", "--steps", "mqar=5"]

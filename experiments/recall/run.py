@@ -70,6 +70,22 @@ def _claim(path: str) -> bool:
     return False
 
 
+def _result_flags(argv: list[str]) -> list[str]:
+    """The command line without the flags that do not shape results (--threads, --report_only, --progress) and
+    their values."""
+    out, skip = [], False
+    for x in argv:
+        if skip:
+            skip = False
+            continue
+        name = x.split("=", 1)[0]
+        if name in ("--threads", "--report_only", "--progress"):
+            skip = "=" not in x
+            continue
+        out.append(x)
+    return out
+
+
 def run_recall(a: RecallArguments, argv: list[str] | None = None) -> dict:
     """Run (or resume) the study and write ``recall.md`` and ``recall.json`` into ``a.output_dir``.
 
@@ -78,10 +94,12 @@ def run_recall(a: RecallArguments, argv: list[str] | None = None) -> dict:
     may run the same command on one ``run_dir`` (``make recall`` starts one per core): each takes the jobs no other
     holds, and waits at a phase's end for the jobs the next phase needs.
     """
-    command = " ".join([COMMAND, *(shlex.quote(x) for x in (argv or []) if not x.startswith("--threads"))])
+    command = " ".join([COMMAND, *(shlex.quote(x) for x in _result_flags(argv or []))])
     if a.threads:
         torch.set_num_threads(a.threads)
     store = JobStore(a.run_dir, a.result_fields())
+    if a.report_only:
+        return write_recall_report(a, store, command)
     study = RecallStudy(a, store)
     arms, tasks, seeds = list(study.arms.values()), list(study.tasks.values()), a.seed_list()
     exact, others = arms[0], arms[1:]

@@ -24,7 +24,7 @@ _ARM = re.compile(r"^k(\d+)_(fixed|trained|p_only)(_last_exact)?(_greedy)?$")
 # The verdicts' arms first: a run stopped early can already answer (e1)-(e3) at the smaller k.
 DEFAULT_ARMS = ("exact,k8_trained,k8_p_only,k8_trained_last_exact,k8_p_only_last_exact,k8_fixed,k16_trained,"
                 "k16_p_only,k8_trained_greedy,k8_p_only_greedy")
-_NOT_RESULTS = ("output_dir", "run_dir", "threads", "progress")
+_NOT_RESULTS = ("output_dir", "run_dir", "threads", "progress", "report_only")
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,7 @@ class RecallArguments:
                                                                      "task's verdicts to count"})
     threads: int = 0
     progress: bool = True
+    report_only: bool = field(default=False, metadata={"help": "write the report from the finished jobs, run none"})
 
     def __post_init__(self):
         self.arm_list()
