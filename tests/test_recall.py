@@ -102,6 +102,10 @@ def test_verdicts_follow_their_stated_rules(tmp_path):
     v = _verdicts(rows, {"far_copy": True, "mqar": True}, a)
     assert not v["e1"]["holds"] and not v["e2"]["holds"] and not v["e3"]["holds"]
     assert _verdicts(rows, {"far_copy": False, "mqar": False}, a) == {}  # void where exact does not solve
+    rows["k8_p_only"]["far_copy"] = _cell(0.1, None)  # one seed finished: no standard error yet
+    del rows["k8_trained_last_exact"]
+    v = _verdicts(rows, {"far_copy": True, "mqar": True}, a)
+    assert v["e1"]["holds"] is None and v["e3"]["holds"] is None  # undecided, not "does not hold"
 
 
 def test_a_job_held_by_a_live_process_is_left_and_a_dead_ones_taken_over(tmp_path):

@@ -52,6 +52,14 @@ def _difference(x: dict, y: dict) -> dict | None:
     return {"difference": d, "se": se, "distinct": abs(d) > 2 * se}
 
 
+def _holds(comparisons: dict, rule) -> bool | None:
+    """Whether ``rule(name, comparison)`` holds for every comparison; None (undecided) while any has no standard
+    error yet (one seed finished) or there is none."""
+    if not comparisons or any(c is None or c["se"] is None for c in comparisons.values()):
+        return None
+    return all(rule(n, c) for n, c in comparisons.items())
+
+
 def _verdicts(rows: dict, solved: dict, a: RecallArguments) -> dict:
     arms = {arm.name: arm for arm in a.arm_list()}
     out = {}
@@ -66,22 +74,22 @@ def _verdicts(rows: dict, solved: dict, a: RecallArguments) -> dict:
             n: _difference(rows[n]["far_copy"], rows[p]["far_copy"])
             for n, p in pairs("far_copy", lambda arm: arm.name.replace(f"_{arm.kind}", "_p_only", 1))
             if arms[n].kind != "p_only"}}
-        out["e1"]["holds"] = bool(out["e1"]["comparisons"]) and all(
-            c["distinct"] and c["difference"] > 0 for c in out["e1"]["comparisons"].values())
+        out["e1"]["holds"] = _holds(out["e1"]["comparisons"],
+                                    lambda n, c: c["distinct"] and c["difference"] > 0)
     # (e2) recall by content beyond P: exact only, every layer partial below exact
     if solved.get("mqar") and rows.get("exact", {}).get("mqar"):
         every = {n: _difference(rows["exact"]["mqar"], rows[n]["mqar"]) for n, arm in arms.items()
                  if arm.k and not arm.last_exact and rows.get(n, {}).get("mqar")}
         out["e2"] = {"task": "mqar", "rule": "exact ahead of every arm whose layers are all partial by more than "
                      "2 se", "comparisons": every,
-                     "holds": bool(every) and all(c["distinct"] and c["difference"] > 0 for c in every.values())}
+                     "holds": _holds(every, lambda n, c: c["distinct"] and c["difference"] > 0)}
     # (e3) one exact layer restores it: the _last_exact arms within 2 se of exact
         last = {n: _difference(rows["exact"]["mqar"], rows[n]["mqar"]) for n, arm in arms.items()
                 if arm.k and arm.last_exact and rows.get(n, {}).get("mqar")}
         out["e3"] = {"task": "mqar", "rule": "every arm with the last layer exact within 2 se of exact (or its "
                      "mean at least solved_accuracy)", "comparisons": last,
-                     "holds": bool(last) and all(not c["distinct"] or rows[n]["mqar"]["accuracy"]["mean"]
-                                                 >= a.solved_accuracy for n, c in last.items())}
+                     "holds": _holds(last, lambda n, c: not c["distinct"] or rows[n]["mqar"]["accuracy"]["mean"]
+                                     >= a.solved_accuracy)}
     return out
 
 
@@ -143,8 +151,8 @@ def write_recall_report(a: RecallArguments, store: JobStore, command: str) -> di
             continue
         parts = [f"{n}: {100 * c['difference']:+.1f}" + (f" ± {100 * c['se']:.1f}" if c["se"] is not None else "")
                  for n, c in v["comparisons"].items() if c]
-        lines.append(f"- {text}: **{'holds' if v['holds'] else 'does not hold'}** ({v['rule']}; points: "
-                     + ", ".join(parts) + ").")
+        state = {True: "holds", False: "does not hold", None: "undecided: its runs have not all finished"}[v["holds"]]
+        lines.append(f"- {text}: **{state}** ({v['rule']}; points: " + (", ".join(parts) or "none yet") + ").")
     if patterns:
         lines += ["", "## P and R from the exact model", "",
                   "Predicted normalised error of R on the exact model's scores, and P's mean key distance |i − j|:", ""]
