@@ -20,6 +20,7 @@ Every job's result is a JSON under ``run_dir/jobs``: a killed run started again 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shlex
@@ -63,8 +64,12 @@ class _Curve(TrainerCallback):
 
 
 class _Study:
-    def __init__(self, a: ScratchArguments, store: JobStore, data):
+    """One pretraining seed's jobs (``a.seed``: initial weights, data order, masks; ``a.run_dir``: its store). The
+    held-out losses use ``eval_seed``'s masks, the same for every pretraining seed, so arms compare paired."""
+
+    def __init__(self, a: ScratchArguments, store: JobStore, data, eval_seed: int | None = None):
         self.a, self.store, self.data = a, store, data
+        self.eval_seed = a.seed if eval_seed is None else eval_seed
         self.arms = {arm.name: arm for arm in a.arm_list()}
 
     # ------------------------------------------------------------------ models
@@ -109,13 +114,13 @@ class _Study:
         return model
 
     def test_losses(self, model) -> dict:
-        return steps.mlm_window_losses(model, self.data.tokenizer, self.data.windows["test"], self.a.seed)
+        return steps.mlm_window_losses(model, self.data.tokenizer, self.data.windows["test"], self.eval_seed)
 
     def validation_losses(self, model) -> dict | None:
         """MLM losses on the validation windows (None without a validation split)."""
         if "validation" not in self.data.windows:
             return None
-        return steps.mlm_window_losses(model, self.data.tokenizer, self.data.windows["validation"], self.a.seed)
+        return steps.mlm_window_losses(model, self.data.tokenizer, self.data.windows["validation"], self.eval_seed)
 
     # ------------------------------------------------------------------ jobs
     def pretrain(self, arm: ScratchArm) -> dict:
@@ -126,7 +131,7 @@ class _Study:
         args = steps.train_args(self.store.model_dir("tmp"), count, a.pretrain_batch_size, a.pretrain_learning_rate,
                                 a.seed, a.seed, mlm=True)
         curve_windows = data.windows["test"].select(range(min(a.curve_windows, len(data.windows["test"]))))
-        curve = _Curve(curve_windows, data.tokenizer, a.seed, a.eval_every)
+        curve = _Curve(curve_windows, data.tokenizer, self.eval_seed, a.eval_every)
         from hf_partial_attention.training import MlmCollator, PartialAttentionTrainer
 
         collator = MlmCollator(data.tokenizer, a.mlm_probability, seed=a.seed)
@@ -219,7 +224,8 @@ class _Study:
 def estimate_seconds(a: ScratchArguments, step_seconds: float, pair_fraction: float = 0.35) -> float:
     """The study's wall time from one measured pretraining step: every from-scratch arm's steps, the convert-train
     arms' tenth, the curves' evaluations (a forward is about a third of a step), the fine-tuning runs (pairs are
-    about ``pair_fraction`` of n long) and a tenth more for the analysis, the evaluations and the timing."""
+    about ``pair_fraction`` of n long) and a tenth more for the analysis, the evaluations and the timing; all of it
+    once per pretraining seed."""
     arms = a.arm_list()
     pretrain = sum(a.pretrain_steps for arm in arms if arm.from_scratch)
     pretrain += sum(a.convert_train_steps() for arm in arms if arm.kind == "convert_train")
@@ -227,7 +233,7 @@ def estimate_seconds(a: ScratchArguments, step_seconds: float, pair_fraction: fl
     curve = len([arm for arm in arms if arm.from_scratch or arm.kind == "convert_train"]) * \
         (a.pretrain_steps // a.eval_every + 1) * a.curve_windows / batches / 3
     finetune = len(arms) * len(a.seed_list()) * a.finetune_steps * a.finetune_batch_size / batches * pair_fraction
-    return 1.1 * step_seconds * (pretrain + curve + finetune)
+    return 1.1 * step_seconds * (pretrain + curve + finetune) * len(a.pretrain_seed_list())
 
 
 def _step_seconds(study: _Study) -> float:
@@ -250,49 +256,65 @@ def _step_seconds(study: _Study) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def seed_studies(a: ScratchArguments, data) -> list["_Study"]:
+    """One `_Study` per pretraining seed: the first in ``a.run_dir`` (the study's own seed), every other in
+    ``<run_dir>/pretrain_seed<seed>`` with that seed; all on the same data and held-out masks."""
+    studies = []
+    for i, seed in enumerate(a.pretrain_seed_list()):
+        sub = a if i == 0 else dataclasses.replace(a, seed=seed, pretrain_seeds="",  # this seed alone
+                                                   run_dir=os.path.join(a.run_dir, f"pretrain_seed{seed}"))
+        studies.append(_Study(sub, JobStore(sub.run_dir, sub.result_fields()), data, eval_seed=a.seed))
+    return studies
+
+
 def run_table1_scratch(a: ScratchArguments, argv: list[str] | None = None) -> dict:
-    """Run (or resume) the study and write its report (`table1_scratch_report.write_scratch_report`)."""
+    """Run (or resume) the study and write its report (`table1_scratch_report.write_scratch_report`): every
+    pretraining seed's jobs (`seed_studies`), the first seed's in full, the others' without the timing."""
     from .table1_scratch_report import write_scratch_report
 
     command = " ".join([COMMAND, *(shlex.quote(x) for x in (argv or []))])
     if a.threads:
         torch.set_num_threads(a.threads)
-    store = JobStore(a.run_dir, a.result_fields())
-    study = _Study(a, store, load_scratch_data(a))
+    studies = seed_studies(a, load_scratch_data(a))
+    study, store = studies[0], studies[0].store
     arms = list(study.arms.values())
-    jobs = (["estimate", "pretrain_exact", "patterns"] + [f"pretrain_{arm.name}" for arm in arms[1:]
-                                                          if arm.kind != "convert"]
-            + [f"convert_{arm.name}" for arm in arms if arm.kind == "convert"]
-            + [f"ft_{arm.name}_s{seed}" for arm in arms for seed in a.seed_list()] + ["timing"])
-    bar = tqdm(total=len(jobs), desc="table1-scratch jobs", disable=not a.progress)
-    bar.update(sum(store.done(j) for j in jobs))
+    per_seed = ([f"pretrain_{arm.name}" for arm in arms if arm.kind != "convert"] + ["patterns"]
+                + [f"convert_{arm.name}" for arm in arms if arm.kind == "convert"]
+                + [f"ft_{arm.name}_s{seed}" for arm in arms for seed in a.seed_list()])
+    bar = tqdm(total=len(per_seed) * len(studies) + 2, desc="table1-scratch jobs", disable=not a.progress)
+    bar.update(sum(s.store.done(j) for s in studies for j in per_seed) + store.done("estimate")
+               + store.done("timing"))
 
-    def job(name, fn):
-        if not store.done(name):
+    def job(name, fn, where: JobStore = store):
+        if not where.done(name):
             t0 = time.time()
             bar.set_postfix_str(name)
             result = fn()
             result["seconds"] = time.time() - t0
-            store.save(name, result)
+            where.save(name, result)
             logger.info("table1-scratch job %s done in %.0f s", name, result["seconds"])
             bar.update(1)
-        return store.load(name)
+        return where.load(name)
 
     estimate = job("estimate", lambda: {"step_seconds": (s := _step_seconds(study)),
                                         "estimate_seconds": estimate_seconds(a, s)})
     logger.warning("table1-scratch: estimated %.1f h for the whole study on this machine (%.2f s a pretraining "
                    "step); it resumes after a kill.", estimate["estimate_seconds"] / 3600, estimate["step_seconds"])
-    job("pretrain_exact", lambda: study.pretrain(study.arms["exact"]))
-    job("patterns", study.patterns)
-    for arm in arms[1:]:
-        if arm.kind == "convert":
-            job(f"convert_{arm.name}", lambda arm=arm: {"test": study.test_losses(m := study.converted(arm)),
-                                                         "validation": study.validation_losses(m)})
-        else:
-            job(f"pretrain_{arm.name}", lambda arm=arm: study.pretrain(arm))
-    for arm in arms:
-        for seed in a.seed_list():
-            job(f"ft_{arm.name}_s{seed}", lambda arm=arm, seed=seed: study.finetune(arm, seed))
+    for one in studies:
+        def run(name, fn, one=one):
+            return job(name, fn, one.store)
+
+        run("pretrain_exact", lambda: one.pretrain(one.arms["exact"]))
+        run("patterns", one.patterns)
+        for arm in arms[1:]:
+            if arm.kind == "convert":
+                run(f"convert_{arm.name}", lambda arm=arm: {"test": one.test_losses(m := one.converted(arm)),
+                                                             "validation": one.validation_losses(m)})
+            else:
+                run(f"pretrain_{arm.name}", lambda arm=arm: one.pretrain(arm))
+        for arm in arms:
+            for seed in a.seed_list():
+                run(f"ft_{arm.name}_s{seed}", lambda arm=arm, seed=seed: one.finetune(arm, seed))
     job("timing", study.timing)
     bar.close()
-    return write_scratch_report(a, store, study.data, command)
+    return write_scratch_report(a, [one.store for one in studies], study.data, command)

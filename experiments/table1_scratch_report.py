@@ -17,7 +17,7 @@ from typing import Any
 
 from .store import write_study
 from .table1_scratch_spec import ScratchArm, ScratchArguments
-from .table1_stats import accuracy_difference, accuracy_summary, fmt_difference, mlm_loss, paired_loss_difference
+from .table1_stats import accuracy_difference, accuracy_summary, fmt_difference, mlm_loss, seeds_loss_difference
 
 __all__ = ["collect_scratch", "render_scratch", "write_scratch_report"]
 
@@ -47,31 +47,43 @@ def _verdict(diff: float, se: float) -> str:
     return "below" if diff < 0 else "above"
 
 
-def collect_scratch(a: ScratchArguments, store, data, command: str) -> dict[str, Any]:
+def collect_scratch(a: ScratchArguments, stores, data, command: str) -> dict[str, Any]:
+    """The report's numbers from the job stores of every pretraining seed (the first: the study's own seed)."""
+    stores = list(stores) if isinstance(stores, (list, tuple)) else [stores]
+    store = stores[0]
     arms = a.arm_list()
     seeds = a.seed_list()
     patterns = store.load("patterns")
-    test = {}
+    test = {}  # arm -> its test job of every pretraining seed
     for arm in arms:
         job = f"convert_{arm.name}" if arm.kind == "convert" else f"pretrain_{arm.name}"
-        test[arm.name] = store.load(job)
-    runs = {arm.name: [store.load(f"ft_{arm.name}_s{s}") for s in seeds] for arm in arms}
+        test[arm.name] = [s.load(job) for s in stores]
+    runs = {arm.name: [s.load(f"ft_{arm.name}_s{seed}") for s in stores for seed in seeds] for arm in arms}
     rows = {}
     for arm in arms:
-        job = test[arm.name]
-        mlm_diff = paired_loss_difference(job["test"], test["exact"]["test"])
+        jobs = test[arm.name]
+        job = jobs[0]
+        mlm_diff = seeds_loss_difference(jobs, test["exact"])
         acc_diff = accuracy_difference(runs[arm.name], runs["exact"])
+        validation = [mlm_loss(j["validation"]) for j in jobs if j.get("validation")]
         rows[arm.name] = {
             "k": arm.k, "kind": arm.kind, "reconstruction": arm.reconstruction, "qk_saving": _saving(a, arm, patterns),
-            "mlm_windows": mlm_loss(job["test"]), "mlm_vs_exact": list(mlm_diff),
+            "mlm_windows": sum(mlm_loss(j["test"]) for j in jobs) / len(jobs),
+            "mlm_windows_per_seed": [mlm_loss(j["test"]) for j in jobs], "mlm_vs_exact": list(mlm_diff),
             "accuracy": accuracy_summary(runs[arm.name]), "accuracy_vs_exact": list(acc_diff),
             "curve": job.get("curve"), "train_seconds": job.get("train_seconds"), "steps": job.get("steps"),
             "r_drift": job.get("r_drift"),
-            "mlm_validation": mlm_loss(job["validation"]) if job.get("validation") else None}
-    jobs = [f[:-5] for f in os.listdir(store.jobs_dir) if f.endswith(".json")]
-    seconds = sum(store.load(name).get("seconds", 0.0) for name in jobs)  # every job's wall time, this run or before
+            "mlm_validation": sum(validation) / len(validation) if len(validation) == len(jobs) else None}
+    # every job's wall time, of every pretraining seed, this run or before
+    seconds = sum(s.load(f[:-5]).get("seconds", 0.0) for s in stores for f in os.listdir(s.jobs_dir)
+                  if f.endswith(".json"))
     report = {"command": command, "arguments": a.result_fields(), "corpus": data.corpus, "sizes": data.sizes,
-              "d_head": a.d_head, "tokenizer": "bert-base-uncased vocabulary (sentence-transformers/all-MiniLM-L6-v2)",
+              "pretrain_seeds": a.pretrain_seed_list(),
+              "d_head": a.d_head,
+              "tokenizer": (f"a WordPiece vocabulary of {len(data.tokenizer)} tokens trained on the training documents"
+                            if a.tokenizer_name == "wordpiece" else
+                            "bert-base-uncased vocabulary (sentence-transformers/all-MiniLM-L6-v2)"
+                            if a.tokenizer_name is None else f"the tokenizer of {a.tokenizer_name}"),
               "patterns": patterns, "rows": rows, "estimate": store.load("estimate"),
               "timing": store.load("timing"), "seconds": seconds,
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
@@ -92,7 +104,7 @@ def _best_trained(report: dict, arms, k: int) -> str | None:
 
 
 def _pair(test, runs, a_name: str, b_name: str) -> dict:
-    mlm = paired_loss_difference(test[a_name]["test"], test[b_name]["test"])
+    mlm = seeds_loss_difference(test[a_name], test[b_name])
     acc = accuracy_difference(runs[a_name], runs[b_name])
     return {"arms": [a_name, b_name], "mlm": list(mlm), "mlm_verdict": _verdict(*mlm),
             "accuracy": list(acc), "accuracy_verdict": _verdict(*acc)}
@@ -182,9 +194,11 @@ def render_scratch(report: dict) -> str:
         f"Command: `{report['command']}`; wall time {report['seconds'] / 3600:.2f} h on {report['machine']['cpus']} "
         f"CPUs (estimated before it started: {report['estimate']['estimate_seconds'] / 3600:.2f} h).", "",
         f"- Model: BERT, {a['num_hidden_layers']} layers, hidden {a['hidden_size']}, {a['num_attention_heads']} heads "
-        f"(d_h = {report['d_head']}), n = {a['max_seq_length']}, {report['tokenizer']}; every arm starts from the same "
-        f"initial weights (seed {a['seed']}) and sees the same {a['pretrain_steps']} batches of "
-        f"{a['pretrain_batch_size']} windows with the same masks.",
+        f"(d_h = {report['d_head']}), n = {a['max_seq_length']}, {report['tokenizer']}; for each pretraining seed "
+        f"({', '.join(map(str, report.get('pretrain_seeds', [a['seed']])))}) every arm starts from the same initial "
+        f"weights and sees the same {a['pretrain_steps']} batches of {a['pretrain_batch_size']} windows with the "
+        "same masks; with several seeds, MLM differences are the mean over seeds of each seed's paired difference, "
+        "their standard error the seeds' spread plus their own.",
         f"- Text: {report['corpus']}: {sizes['words']:,} words in {sum(sizes['documents'].values())} documents, every "
         f"{a['test_every']}th held out; {sizes['windows']['train']:,} training windows ({sizes['train_tokens']:,} "
         f"tokens: pretraining reads {a['pretrain_steps'] * a['pretrain_batch_size'] / sizes['windows']['train']:.1f} "
@@ -301,8 +315,10 @@ def _cards(a: ScratchArguments, store, report: dict) -> list[str]:
     return written
 
 
-def write_scratch_report(a: ScratchArguments, store, data, command: str) -> dict:
-    report = collect_scratch(a, store, data, command)
+def write_scratch_report(a: ScratchArguments, stores, data, command: str) -> dict:
+    """``table1.md``, ``table1.json``, the figures and the cards, from every pretraining seed's job store."""
+    report = collect_scratch(a, stores, data, command)
+    store = stores[0] if isinstance(stores, (list, tuple)) else stores
     report["figures"] = {k: os.path.relpath(v, a.output_dir) for k, v in
                          _figures(report, os.path.join(a.output_dir, "figures")).items()}
     if a.cards_dir:

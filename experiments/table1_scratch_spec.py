@@ -109,6 +109,9 @@ class ScratchArguments:
     finetune_learning_rate: float = 2e-4
     seeds: str = "0,1,2"
     seed: int = field(default=0, metadata={"help": "initialisation, data order and masks of pretraining"})
+    pretrain_seeds: str = field(default="", metadata={
+        "help": "pretraining seeds (comma-separated; default: seed alone): each pretrains every arm from its own "
+                "initialisation, data order and masks, so standard errors include run-to-run variance"})
     timing_repeats: int = 20
     timing_batch_size: int = 16
     threads: int = 0
@@ -116,6 +119,7 @@ class ScratchArguments:
 
     def __post_init__(self):
         self.arm_list()  # a ValueError naming a malformed arm
+        self.pretrain_seed_list()
         for name in ("pretrain_steps", "finetune_steps", "eval_every", "covariance_windows", "test_windows",
                      "test_pairs", "curve_windows"):
             if getattr(self, name) < 1:
@@ -135,6 +139,14 @@ class ScratchArguments:
         if len({a.name for a in arms}) < len(arms):
             raise ValueError(f"arms lists an arm twice: {self.arms!r}.")
         return arms
+
+    def pretrain_seed_list(self) -> list[int]:
+        """The pretraining seeds, ``seed`` first (the default: ``seed`` alone)."""
+        seeds = [int(x) for x in self.pretrain_seeds.split(",") if x.strip()] or [self.seed]
+        if seeds[0] != self.seed or len(set(seeds)) < len(seeds):
+            raise ValueError(f"pretrain_seeds={self.pretrain_seeds!r} must start with seed={self.seed} and list each "
+                             "seed once.")
+        return seeds
 
     def seed_list(self) -> list[int]:
         return [int(s) for s in self.seeds.split(",") if s.strip()]

@@ -43,6 +43,21 @@ def paired_loss_difference(a: dict, b: dict) -> tuple[float, float]:
     return diff, se
 
 
+def seeds_loss_difference(a_jobs: list[dict], b_jobs: list[dict]) -> tuple[float, float]:
+    """(loss(a) − loss(b), its standard error) over pretraining seeds, each seed's pair of jobs (``{"test": ...}``)
+    evaluated on the same windows and masks: one seed, its paired difference; several, the mean of their paired
+    differences with a standard error that adds the seeds' spread (run-to-run variance) to their own paired errors
+    (conservative: the spread already holds some of those)."""
+    pairs = [paired_loss_difference(x["test"], y["test"]) for x, y in zip(a_jobs, b_jobs, strict=True)]
+    if len(pairs) == 1:
+        return pairs[0]
+    n = len(pairs)
+    diffs = [d for d, _ in pairs]
+    mean = sum(diffs) / n
+    spread = sum((d - mean) ** 2 for d in diffs) / (n - 1)
+    return mean, math.sqrt(spread / n + sum(se ** 2 for _, se in pairs) / n ** 2)
+
+
 def accuracy_summary(runs: list[dict]) -> dict[str, Any]:
     """Mean, sample sd over seeds, the per-seed values and one run's binomial standard error."""
     values = [r["accuracy"] for r in runs]

@@ -21,8 +21,8 @@ def tiny_args(tmp_path, **overrides):
                   cards_dir=str(tmp_path / "cards"), corpus="pydoc", max_seq_length=32, num_hidden_layers=2,
                   hidden_size=32, num_attention_heads=2, intermediate_size=37, arms=ARMS, pretrain_steps=20,
                   pretrain_batch_size=8, eval_every=10, covariance_windows=128, test_windows=32, curve_windows=16,
-                  test_pairs=64, finetune_steps=4, finetune_batch_size=8, seeds="0,1", timing_repeats=2,
-                  timing_batch_size=4, max_train_windows=400, validation_every=4, progress=False)
+                  test_pairs=64, finetune_steps=4, finetune_batch_size=8, seeds="0", pretrain_seeds="0,1",
+                  timing_repeats=2, timing_batch_size=4, max_train_windows=400, validation_every=4, progress=False)
     return ScratchArguments(**{**fields, **overrides})
 
 
@@ -42,7 +42,8 @@ def test_tiny_study_end_to_end(tiny_run):
     assert list(rows) == ARMS.split(",")
     assert saved["command"] == "python -m experiments table1-scratch --tiny" and saved["seconds"] > 0
     for name, row in rows.items():
-        assert 0.0 <= row["accuracy"]["mean"] <= 1.0 and len(row["accuracy"]["values"]) == 2
+        assert 0.0 <= row["accuracy"]["mean"] <= 1.0 and len(row["accuracy"]["values"]) == 2  # 2 pretraining seeds
+        assert len(row["mlm_windows_per_seed"]) == 2
         assert row["mlm_windows"] > 0
         assert row["k"] == (None if name == "exact" else 8)
     # the losses against steps: every eval_every steps and the last, for the arms that train from scratch
@@ -108,16 +109,32 @@ def test_arms_run_what_they_name(tiny_run):
 @pytest.mark.slow
 def test_resume_runs_only_missing_jobs(tiny_run):
     a, report = tiny_run
-    jobs = os.path.join(a.run_dir, "jobs")
-    stamps = {name: os.path.getmtime(os.path.join(jobs, name)) for name in os.listdir(jobs)}
-    os.remove(os.path.join(jobs, "ft_k8_p_only_s1.json"))  # as if killed in that job
+    paths = list(pathlib.Path(a.run_dir).rglob("jobs/*.json"))  # both pretraining seeds' stores
+    assert len([p for p in paths if "pretrain_seed1" in str(p)]) == 7 + 1 + 7  # pretraining / convert, P, R, ft
+    stamps = {p: os.path.getmtime(p) for p in paths}
+    killed = pathlib.Path(a.run_dir) / "pretrain_seed1" / "jobs" / "ft_k8_p_only_s0.json"
+    os.remove(killed)  # as if killed in that job
     again = run_table1_scratch(a, ["--tiny"])
-    for name, stamp in stamps.items():
-        if name != "ft_k8_p_only_s1.json":
-            assert os.path.getmtime(os.path.join(jobs, name)) == stamp, name
+    for path, stamp in stamps.items():
+        if path != killed:
+            assert os.path.getmtime(path) == stamp, path
     assert again["rows"]["k8_p_only"]["accuracy"]["values"] == report["rows"]["k8_p_only"]["accuracy"]["values"]
     with pytest.raises(ValueError, match="other arguments"):
         run_table1_scratch(tiny_args(pathlib.Path(a.run_dir).parent, pretrain_steps=30), [])
+
+
+def test_a_difference_over_pretraining_seeds_adds_their_spread():
+    from experiments.table1_stats import paired_loss_difference, seeds_loss_difference
+
+    def job(sums):
+        return {"test": {"loss_sums": sums, "token_counts": [10, 10, 10]}}
+
+    a, b = [job([30.0, 31.0, 29.0]), job([33.0, 34.0, 32.0])], [job([29.0, 30.0, 28.0]), job([30.0, 31.0, 29.0])]
+    one = paired_loss_difference(a[0]["test"], b[0]["test"])
+    assert seeds_loss_difference(a[:1], b[:1]) == one  # one seed: its paired difference
+    mean, se = seeds_loss_difference(a, b)
+    assert mean == pytest.approx((0.1 + 0.3) / 2)  # each seed's paired difference, averaged
+    assert se >= 0.1 / 2 ** 0.5 * 0.99  # at least the seeds' spread (sd 0.1414 / √2), whatever their own errors
 
 
 def test_p_only_attention_is_masked_attention():
@@ -165,7 +182,11 @@ def test_arguments_refuse_and_estimate(tmp_path):
     # 6 pretraining runs from scratch... of which exact, fixed, per_layer, head_budget, p_only: 5 × 100 steps; the
     # convert-train arm 10; curves 6 arms × 2 points × 8/8 batches / 3; fine-tuning 7 × 10 × 0.35
     expected = 1.1 * 0.5 * (500 + 10 + 6 * 2 * 8 / 8 / 3 + 7 * 10 * 0.35)
-    assert estimate_seconds(a, 0.5) == pytest.approx(expected)
+    assert estimate_seconds(a, 0.5) == pytest.approx(2 * expected)  # twice: two pretraining seeds
+    assert estimate_seconds(tiny_args(tmp_path, pretrain_steps=100, eval_every=100, curve_windows=8,
+                                      finetune_steps=10, seeds="0", pretrain_seeds=""), 0.5) == pytest.approx(expected)
+    with pytest.raises(ValueError, match="must start with seed=0"):
+        tiny_args(tmp_path, pretrain_seeds="1,0")
 
 
 def test_a_wordpiece_vocabulary_is_trained_on_the_given_documents(tmp_path):
