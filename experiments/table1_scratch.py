@@ -31,6 +31,7 @@ from transformers import TrainerCallback, set_seed
 from tqdm.auto import tqdm
 
 from . import table1_steps as steps
+from .table1_stats import mlm_loss
 from .scratch_data import load_scratch_data
 from .scratch_p_only import P_ONLY, install_p_only
 from .store import JobStore
@@ -123,13 +124,15 @@ class _Study:
         return steps.mlm_window_losses(model, self.data.tokenizer, self.data.windows["validation"], self.eval_seed)
 
     # ------------------------------------------------------------------ jobs
-    def pretrain(self, arm: ScratchArm) -> dict:
-        """Pretraining of a from-scratch arm, or the training of a ``convert_train`` arm; test losses after."""
+    def pretrain(self, arm: ScratchArm, r_lr: float | None = None, folder: str | None = None) -> dict:
+        """Pretraining of a from-scratch arm, or the training of a ``convert_train`` arm; test (and validation)
+        losses after. ``r_lr``: R's own learning rate (None: the body's); ``folder``: where the model is saved
+        (default: the arm's model folder)."""
         a, data = self.a, self.data
         model = self.converted(arm) if arm.kind == "convert_train" else self.new_model(arm)
         count = a.convert_train_steps() if arm.kind == "convert_train" else a.pretrain_steps
         args = steps.train_args(self.store.model_dir("tmp"), count, a.pretrain_batch_size, a.pretrain_learning_rate,
-                                a.seed, a.seed, mlm=True)
+                                a.seed, a.seed, mlm=True, reconstruction_learning_rate=r_lr)
         curve_windows = data.windows["test"].select(range(min(a.curve_windows, len(data.windows["test"]))))
         curve = _Curve(curve_windows, data.tokenizer, self.eval_seed, a.eval_every)
         from hf_partial_attention.training import MlmCollator, PartialAttentionTrainer
@@ -141,12 +144,14 @@ class _Study:
         trainer.train()
         seconds = time.perf_counter() - t0
         model = trainer.model
-        model.save_pretrained(self.store.model_dir(arm.name))
-        data.tokenizer.save_pretrained(self.store.model_dir(arm.name))
+        folder = folder or self.store.model_dir(arm.name)
+        model.save_pretrained(folder)
+        data.tokenizer.save_pretrained(folder)
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         stats = trainer.reconstruction_stats() if arm.reconstruction else {}
         drift = {k.split("/", 1)[1]: v for k, v in stats.items() if k.startswith("reconstruction_drift/")}
-        return {"steps": count, "train_seconds": seconds - curve.eval_seconds, "curve": curve.points,
+        return {"steps": count, "reconstruction_learning_rate": r_lr,
+                "train_seconds": seconds - curve.eval_seconds, "curve": curve.points,
                 "train_losses": losses, "r_drift": drift, "test": self.test_losses(model),
                 "validation": self.validation_losses(model)}
 
@@ -225,7 +230,7 @@ def estimate_seconds(a: ScratchArguments, step_seconds: float, pair_fraction: fl
     """The study's wall time from one measured pretraining step: every from-scratch arm's steps, the convert-train
     arms' tenth, the curves' evaluations (a forward is about a third of a step), the fine-tuning runs (pairs are
     about ``pair_fraction`` of n long) and a tenth more for the analysis, the evaluations and the timing; all of it
-    once per pretraining seed."""
+    once per pretraining seed, and the trained-R arms once more per further candidate of R's own rate."""
     arms = a.arm_list()
     pretrain = sum(a.pretrain_steps for arm in arms if arm.from_scratch)
     pretrain += sum(a.convert_train_steps() for arm in arms if arm.kind == "convert_train")
@@ -233,7 +238,12 @@ def estimate_seconds(a: ScratchArguments, step_seconds: float, pair_fraction: fl
     curve = len([arm for arm in arms if arm.from_scratch or arm.kind == "convert_train"]) * \
         (a.pretrain_steps // a.eval_every + 1) * a.curve_windows / batches / 3
     finetune = len(arms) * len(a.seed_list()) * a.finetune_steps * a.finetune_batch_size / batches * pair_fraction
-    return 1.1 * step_seconds * (pretrain + curve + finetune) * len(a.pretrain_seed_list())
+    # R's own rate chosen on the first seed: its trained-R arms run once per candidate rate, not once
+    rates = len(a.reconstruction_lr_list())
+    extra = 0 if rates < 2 else (rates - 1) * sum(
+        (a.convert_train_steps() if arm.kind == "convert_train" else a.pretrain_steps) + curve / len(arms)
+        for arm in arms if arm.trains_r)
+    return 1.1 * step_seconds * ((pretrain + curve + finetune) * len(a.pretrain_seed_list()) + extra)
 
 
 def _step_seconds(study: _Study) -> float:
@@ -254,6 +264,29 @@ def _step_seconds(study: _Study) -> float:
         optimizer.zero_grad()
         times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
+
+
+def _chosen_r_lr(one: "_Study", first: "_Study", arm: ScratchArm, run_first) -> dict:
+    """An arm with trained R at R's own learning rate, chosen among ``reconstruction_learning_rates`` by the
+    validation MLM loss of the first pretraining seed's runs (jobs ``pretrain_<arm>_rlr<rate>``, each model in
+    its own folder); the first seed's result is its run at the chosen rate (the model copied to the arm's folder),
+    every other seed's is trained at that rate."""
+    import shutil
+
+    tried = {}
+    for r_lr in first.a.reconstruction_lr_list():
+        name = f"{arm.name}_rlr{r_lr:g}"
+        tried[r_lr] = run_first(f"pretrain_{name}",
+                                lambda r_lr=r_lr, name=name: first.pretrain(arm, r_lr, first.store.model_dir(name)))
+    if any(not r.get("validation") for r in tried.values()):
+        raise ValueError("reconstruction_learning_rates are chosen on the validation split: pass --validation_every.")
+    best = min(tried, key=lambda r_lr: mlm_loss(tried[r_lr]["validation"]))
+    choice = {"reconstruction_learning_rates": {f"{r:g}": mlm_loss(t["validation"]) for r, t in tried.items()}}
+    if one is first:
+        shutil.copytree(first.store.model_dir(f"{arm.name}_rlr{best:g}"), first.store.model_dir(arm.name),
+                        dirs_exist_ok=True)
+        return {**tried[best], **choice}
+    return {**one.pretrain(arm, best), **choice}
 
 
 def seed_studies(a: ScratchArguments, data) -> list["_Study"]:
@@ -300,6 +333,9 @@ def run_table1_scratch(a: ScratchArguments, argv: list[str] | None = None) -> di
                                         "estimate_seconds": estimate_seconds(a, s)})
     logger.warning("table1-scratch: estimated %.1f h for the whole study on this machine (%.2f s a pretraining "
                    "step); it resumes after a kill.", estimate["estimate_seconds"] / 3600, estimate["step_seconds"])
+    def run_first(name, fn):
+        return job(name, fn, store)
+
     for one in studies:
         def run(name, fn, one=one):
             return job(name, fn, one.store)
@@ -310,6 +346,8 @@ def run_table1_scratch(a: ScratchArguments, argv: list[str] | None = None) -> di
             if arm.kind == "convert":
                 run(f"convert_{arm.name}", lambda arm=arm: {"test": one.test_losses(m := one.converted(arm)),
                                                              "validation": one.validation_losses(m)})
+            elif arm.trains_r and a.reconstruction_lr_list():
+                run(f"pretrain_{arm.name}", lambda arm=arm, one=one: _chosen_r_lr(one, studies[0], arm, run_first))
             else:
                 run(f"pretrain_{arm.name}", lambda arm=arm: one.pretrain(arm))
         for arm in arms:

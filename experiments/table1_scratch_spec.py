@@ -49,6 +49,11 @@ class ScratchArm:
         return self.kind in ("exact", "fixed", "common", "per_layer", "head_budget", "p_only")
 
     @property
+    def trains_r(self) -> bool:
+        """R trained (common, per layer, per head budget, converted and trained)."""
+        return self.kind in ("common", "per_layer", "head_budget", "convert_train")
+
+    @property
     def trained_in(self) -> bool:
         """P and R built in from the first step."""
         return self.kind in ("fixed", "common", "per_layer", "head_budget")
@@ -99,6 +104,9 @@ class ScratchArguments:
     pretrain_steps: int = 2500
     pretrain_batch_size: int = 32
     pretrain_learning_rate: float = 1e-3
+    reconstruction_learning_rates: str = field(default="", metadata={
+        "help": "R's own learning rates to choose from (comma-separated) on the validation split, for each arm with "
+                "trained R, on the first pretraining seed (default: R at the body's rate; needs --validation_every)"})
     mlm_probability: float = field(default=0.15, metadata={
         "help": "fraction of tokens masked and predicted in pretraining (held-out losses always mask 0.15)"})
     eval_every: int = field(default=250, metadata={"help": "steps between held-out losses of the curves"})
@@ -120,6 +128,9 @@ class ScratchArguments:
     def __post_init__(self):
         self.arm_list()  # a ValueError naming a malformed arm
         self.pretrain_seed_list()
+        if self.reconstruction_lr_list() and not self.validation_every:
+            raise ValueError("reconstruction_learning_rates are chosen on the validation split: pass "
+                             "--validation_every (e.g. 8).")
         for name in ("pretrain_steps", "finetune_steps", "eval_every", "covariance_windows", "test_windows",
                      "test_pairs", "curve_windows"):
             if getattr(self, name) < 1:
@@ -139,6 +150,9 @@ class ScratchArguments:
         if len({a.name for a in arms}) < len(arms):
             raise ValueError(f"arms lists an arm twice: {self.arms!r}.")
         return arms
+
+    def reconstruction_lr_list(self) -> list[float]:
+        return [float(x) for x in self.reconstruction_learning_rates.split(",") if x.strip()]
 
     def pretrain_seed_list(self) -> list[int]:
         """The pretraining seeds, ``seed`` first (the default: ``seed`` alone)."""

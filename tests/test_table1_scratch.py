@@ -12,6 +12,7 @@ from transformers import BertConfig, BertModel
 from experiments.scratch_p_only import allowed_keys, install_p_only
 from experiments.table1_scratch import ScratchArguments, estimate_seconds, run_table1_scratch
 from experiments.table1_scratch_spec import parse_scratch_arm
+from experiments.table1_stats import mlm_loss
 
 ARMS = "exact,k8_fixed,k8_per_layer,k8_head_budget,k8_p_only,k8_convert,k8_convert_train"
 
@@ -22,7 +23,8 @@ def tiny_args(tmp_path, **overrides):
                   hidden_size=32, num_attention_heads=2, intermediate_size=37, arms=ARMS, pretrain_steps=20,
                   pretrain_batch_size=8, eval_every=10, covariance_windows=128, test_windows=32, curve_windows=16,
                   test_pairs=64, finetune_steps=4, finetune_batch_size=8, seeds="0", pretrain_seeds="0,1",
-                  timing_repeats=2, timing_batch_size=4, max_train_windows=400, validation_every=4, progress=False)
+                  timing_repeats=2, timing_batch_size=4, max_train_windows=400, validation_every=4,
+                  reconstruction_learning_rates="1e-3,1e-4", progress=False)
     return ScratchArguments(**{**fields, **overrides})
 
 
@@ -58,6 +60,15 @@ def test_tiny_study_end_to_end(tiny_run):
     # P alone: k exact scores a query, nothing to reconstruct: (1 − 8/32) in 1 of 2 layers
     assert rows["k8_p_only"]["qk_saving"] == pytest.approx((1 - 8 / 32) / 2)
     # the best R mode is chosen on the validation windows (training documents held out), never on test
+    # R's own rate, chosen on validation on the first pretraining seed, used by every seed
+    jobs = pathlib.Path(a.run_dir) / "jobs"
+    tried = {r: json.loads((jobs / f"pretrain_k8_per_layer_rlr{r}.json").read_text()) for r in ("0.001", "0.0001")}
+    best = min(tried, key=lambda r: mlm_loss(tried[r]["validation"]))
+    for seed_jobs in (jobs, pathlib.Path(a.run_dir) / "pretrain_seed1" / "jobs"):
+        chosen = json.loads((seed_jobs / "pretrain_k8_per_layer.json").read_text())
+        assert chosen["reconstruction_learning_rate"] == float(best)
+        assert chosen["reconstruction_learning_rates"] == {r: mlm_loss(t["validation"]) for r, t in tried.items()}
+    assert not (jobs / "pretrain_k8_fixed_rlr0.001.json").exists()  # R fixed: nothing to choose
     assert saved["selection_split"] == "validation" and all(
         row["mlm_validation"] > 0 for row in rows.values())
     assert "chosen on the validation windows" in open(os.path.join(a.output_dir, "table1.md")).read()
@@ -178,13 +189,17 @@ def test_arguments_refuse_and_estimate(tmp_path):
     for p in (0.0, 1.0):
         with pytest.raises(ValueError, match="mlm_probability"):
             tiny_args(tmp_path, mlm_probability=p)
-    a = tiny_args(tmp_path, pretrain_steps=100, eval_every=100, curve_windows=8, finetune_steps=10, seeds="0")
+    a = tiny_args(tmp_path, pretrain_steps=100, eval_every=100, curve_windows=8, finetune_steps=10, seeds="0",
+                  reconstruction_learning_rates="")
     # 6 pretraining runs from scratch... of which exact, fixed, per_layer, head_budget, p_only: 5 × 100 steps; the
     # convert-train arm 10; curves 6 arms × 2 points × 8/8 batches / 3; fine-tuning 7 × 10 × 0.35
     expected = 1.1 * 0.5 * (500 + 10 + 6 * 2 * 8 / 8 / 3 + 7 * 10 * 0.35)
     assert estimate_seconds(a, 0.5) == pytest.approx(2 * expected)  # twice: two pretraining seeds
-    assert estimate_seconds(tiny_args(tmp_path, pretrain_steps=100, eval_every=100, curve_windows=8,
-                                      finetune_steps=10, seeds="0", pretrain_seeds=""), 0.5) == pytest.approx(expected)
+    one_seed = tiny_args(tmp_path, pretrain_steps=100, eval_every=100, curve_windows=8, finetune_steps=10, seeds="0",
+                         pretrain_seeds="", reconstruction_learning_rates="")
+    assert estimate_seconds(one_seed, 0.5) == pytest.approx(expected)
+    with pytest.raises(ValueError, match="validation_every"):
+        tiny_args(tmp_path, validation_every=0)  # R's rates are chosen on validation
     with pytest.raises(ValueError, match="must start with seed=0"):
         tiny_args(tmp_path, pretrain_seeds="1,0")
 
