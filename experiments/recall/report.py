@@ -173,17 +173,21 @@ def _figure(result: dict, tasks, arms, path: str) -> str | None:
     rows = result["rows"]
     if not any(rows[arm.name][t.name] for arm in arms for t in tasks):
         return None
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(tasks) * len(arms) / 4), 4))
+    fig, ax = plt.subplots(figsize=(max(7, 0.35 * len(tasks) * len(arms)), 4))
     width = 0.8 / len(arms)
     for i, arm in enumerate(arms):
         cells = [rows[arm.name][t.name] for t in tasks]
         xs = [j + i * width for j, c in enumerate(cells) if c]
+        if not xs:  # not run yet: no bar, no legend entry
+            continue
         ys = [100 * c["accuracy"]["mean"] for c in cells if c]
         errs = [100 * (c["accuracy"]["se"] or 0) for c in cells if c]
-        ax.bar(xs, ys, width, yerr=errs, label=arm.name)
+        ax.bar(xs, ys, width, yerr=errs, label=arm.name, color=plt.cm.tab20(i % 20))
+    for j, t in enumerate(tasks):  # chance, across each task's group of bars
+        ax.hlines(100 * result["chance"][t.name], j - width / 2, j + 0.8 - width / 2, colors="k", linestyles=":")
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tasks))], [t.name for t in tasks])
-    ax.set_ylabel("test accuracy (%)")
-    ax.legend(fontsize=6, ncol=2)
+    ax.set_ylabel("test accuracy (%); dotted: chance")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
