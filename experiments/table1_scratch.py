@@ -42,9 +42,35 @@ logger = logging.getLogger(__name__)
 __all__ = ["run_table1_scratch", "ScratchArguments"]
 
 
+@torch.no_grad()
+def attention_diagnostics(model, windows, batch: int = 8) -> dict:
+    """What a diverging arm would show: the largest |R| (``max_abs_r``, None without R), and per layer the mean
+    entropy of the attention rows (``entropy``, nats) and of each row's largest probability (``max_prob``), on the first
+    ``batch`` windows; none for P alone, whose attention function returns no map."""
+    r = model.reconstruction_tensors() if hasattr(model, "reconstruction_tensors") else {}
+    ids = torch.tensor(windows[:batch]["input_ids"], device=next(model.parameters()).device)  # (b, n)
+    was_training, implementation = model.training, model.config._attn_implementation
+    # the exact model under SDPA: eager gives the same attention and returns its maps (a partial model returns
+    # them itself; P alone's function has none)
+    eager = not r and implementation == "sdpa"
+    model.eval()
+    if eager:
+        model.set_attn_implementation("eager")
+    try:
+        maps = () if implementation == P_ONLY else model(
+            input_ids=ids, attention_mask=torch.ones_like(ids), output_attentions=True).attentions or ()
+    finally:
+        model.train(was_training)
+        if eager:
+            model.set_attn_implementation("sdpa")
+    entropy = [None if p is None else float(-(p * p.clamp_min(1e-12).log()).sum(-1).mean()) for p in maps]
+    return {"max_abs_r": max((float(t.abs().max()) for t in r.values()), default=None), "entropy": entropy,
+            "max_prob": [None if p is None else float(p.amax(-1).mean()) for p in maps]}
+
+
 class _Curve(TrainerCallback):
     """The held-out MLM loss every ``every`` steps and at the end, with the training seconds to that step (the
-    evaluation's own time left out)."""
+    evaluation's own time left out) and `attention_diagnostics`."""
 
     def __init__(self, windows, tokenizer, seed: int, every: int):
         self.windows, self.tokenizer, self.seed, self.every = windows, tokenizer, seed, every
@@ -60,7 +86,8 @@ class _Curve(TrainerCallback):
         result = steps.mlm_window_losses(model, self.tokenizer, self.windows, self.seed)
         model.train()
         self.points.append({"step": state.global_step, "loss": sum(result["loss_sums"]) / sum(result["token_counts"]),
-                            "train_seconds": t0 - self.start - self.eval_seconds})
+                            "train_seconds": t0 - self.start - self.eval_seconds,
+                            **attention_diagnostics(model, self.windows)})
         self.eval_seconds += time.perf_counter() - t0
 
 

@@ -2,6 +2,7 @@
 resume, the P-alone control against a hand-computed masked attention, and the study's arguments."""
 
 import json
+import math
 import os
 import pathlib
 
@@ -52,6 +53,10 @@ def test_tiny_study_end_to_end(tiny_run):
     assert [p["step"] for p in rows["k8_per_layer"]["curve"]] == [10, 20]
     assert [p["step"] for p in rows["k8_convert_train"]["curve"]] == [2]  # a tenth of the steps
     assert rows["k8_convert"]["curve"] is None
+    # the diagnostics of a diverging arm at every point: largest |R| (None without R), entropy per layer
+    point = rows["k8_per_layer"]["curve"][-1]
+    assert point["max_abs_r"] > 0 and len(point["entropy"]) == 2 and 0 < point["entropy"][0] < math.log(32)
+    assert rows["exact"]["curve"][-1]["max_abs_r"] is None
     # trained R moved, fixed R did not
     assert max(rows["k8_per_layer"]["r_drift"].values()) > 0
     assert max(rows["k8_fixed"]["r_drift"].values(), default=0.0) == 0.0
