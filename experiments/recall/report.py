@@ -35,7 +35,11 @@ def _row(store: JobStore, a: RecallArguments, arm, task) -> dict | None:
     lr, ratio = chosen(store, arm, task, a)
     runs = [store.load(job_name(arm, task, lr, ratio, seeds[0]))]
     runs += [store.load(job_name(arm, task, seed=s)) for s in seeds[1:] if store.done(job_name(arm, task, seed=s))]
+    # every candidate's validation accuracy on the first seed, the rates it chose among
+    tried = {f"lr{lr_:g}" + ("" if r is None else f"_r{r:g}"): store.load(job_name(arm, task, lr_, r, seeds[0]))[
+        "validation"] for lr_, r in sweep(a, arm)}
     return {"accuracy": mean_se([r["test"] for r in runs]), "validation": mean_se([r["validation"] for r in runs]),
+            "sweep_validation": tried,
             "lr": lr, "r_lr": runs[0]["r_lr"], "seeds": [r["seed"] for r in runs],
             "train_seconds": sum(r["train_seconds"] for r in runs)}
 
