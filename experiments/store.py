@@ -9,10 +9,14 @@ checked on resume: continuing a run with different arguments would mix two studi
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
 from typing import Any
 
 __all__ = ["JobStore", "write_study"]
+
+logger = logging.getLogger(__name__)
 
 
 def write_study(folder: str | os.PathLike, stem: str, result: dict[str, Any], markdown: str) -> None:
@@ -65,6 +69,21 @@ class JobStore:
         os.makedirs(os.path.dirname(self._path(name)), exist_ok=True)
         self._write(self._path(name), result)
         return result
+
+    def run(self, name: str, fn, bar=None, study: str = "study") -> dict[str, Any]:
+        """Job ``name``'s result: loaded when done, else ``fn()`` run, timed (``seconds``), saved and logged; ``bar``
+        (tqdm) shows the job and counts it."""
+        if not self.done(name):
+            t0 = time.time()
+            if bar is not None:
+                bar.set_postfix_str(name)
+            result = fn()
+            result["seconds"] = time.time() - t0
+            self.save(name, result)
+            logger.info("%s job %s done in %.0f s", study, name, result["seconds"])
+            if bar is not None:
+                bar.update(1)
+        return self.load(name)
 
     def model_dir(self, name: str) -> str:
         return os.path.join(self.run_dir, "models", name)

@@ -146,15 +146,7 @@ def run_table1(a: StudyArguments, argv: list[str] | None = None) -> dict:
     bar.update(sum(store.done(j) for j in jobs))
 
     def job(name, fn):
-        if not store.done(name):
-            t0 = time.time()
-            bar.set_postfix_str(name)
-            result = fn()
-            result["seconds"] = time.time() - t0
-            store.save(name, result)
-            logger.info("table1 job %s done in %.0f s", name, result["seconds"])
-            bar.update(1)
-        return store.load(name)
+        return store.run(name, fn, bar, "table1")
 
     job("phase1", lambda: _phase1(study))
     job("patterns", lambda: _patterns(study))

@@ -346,15 +346,7 @@ def run_table1_scratch(a: ScratchArguments, argv: list[str] | None = None) -> di
                + store.done("timing"))
 
     def job(name, fn, where: JobStore = store):
-        if not where.done(name):
-            t0 = time.time()
-            bar.set_postfix_str(name)
-            result = fn()
-            result["seconds"] = time.time() - t0
-            where.save(name, result)
-            logger.info("table1-scratch job %s done in %.0f s", name, result["seconds"])
-            bar.update(1)
-        return where.load(name)
+        return where.run(name, fn, bar, "table1-scratch")
 
     estimate = job("estimate", lambda: {"step_seconds": (s := _step_seconds(study)),
                                         "estimate_seconds": estimate_seconds(a, s)})

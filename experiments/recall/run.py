@@ -109,13 +109,7 @@ def run_recall(a: RecallArguments, argv: list[str] | None = None) -> dict:
         if store.done(name) or not _claim(lock := os.path.join(a.run_dir, "locks", f"{name}.lock")):
             return
         try:
-            t0 = time.time()
-            bar.set_postfix_str(name)
-            result = fn()
-            result["seconds"] = time.time() - t0
-            store.save(name, result)
-            logger.info("recall job %s done in %.0f s", name, result["seconds"])
-            bar.update(1)
+            store.run(name, fn, bar, "recall")
         finally:
             os.remove(lock)
 
