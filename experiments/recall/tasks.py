@@ -11,10 +11,10 @@ attention can express"):
   second half, labelled with its value: the distances from a key to its query spread over (n/4, n), beyond the
   reach of a band of k ≤ n/4 keys even over two layers. Finding the key that matches is one content lookup.
 - ``mqar_adjacent``: Zoology's own layout, ``k v k v ...`` at the start (values as tokens) and the queries in the
-  second half; it needs a previous-token step before the lookup. Not a default task: in a probe before this
-  study (a plain training loop at n = 64, 4 pairs, 16 keys, learning rate 1e-3), exact stayed at 33 % for 4000
-  steps, having learned to name one of the window's values but not the right one, where the one-position form
-  was solved; ``--tasks mqar_adjacent`` runs it through the study.
+  second half; it needs a previous-token step before the lookup. Not a default task: in a throwaway probe before
+  this study (a plain training loop, not in the repository), exact did not leave the level of naming one of the
+  window's values within a few thousand steps, where the one-position form was solved; ``--tasks mqar_adjacent``
+  runs it through the study (not run yet).
 - ``far_copy`` (far, by position): random symbols; position i is labelled with the symbol at i − offset
   (3n/8: 48 at n = 128, 24 at n = 64).
 - ``near_copy`` (local, the control): the same at offset 2.
