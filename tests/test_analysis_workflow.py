@@ -137,7 +137,7 @@ def test_analyze_text_file_holds_out_paragraphs_and_refuses_without_any(tiny_ber
 def test_objectives_comparison_on_a_tiny_model(analysed, tmp_path):
     """The objectives study end to end (what `python -m experiments objectives` runs), tiny."""
     from experiments import cli
-    from experiments.objectives import compare_objectives
+    from experiments.objectives.study import compare_objectives
 
     out, _ = analysed
     result = compare_objectives(out, ks=(4,), out=str(tmp_path), progress=False)

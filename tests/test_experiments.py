@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from experiments import cli as studies_cli
-from experiments.table1_gaps import GOALS_ACCURACY
-from experiments.table1_spec import Arm, StudyArguments, job_names, study_arms
+from experiments.table1.gaps import GOALS_ACCURACY
+from experiments.table1.spec import Arm, StudyArguments, job_names, study_arms
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -195,7 +195,7 @@ def _import_graph(folders: dict[str, str]) -> dict[str, set[str]]:
 def test_no_import_cycle_in_the_repository():
     graph = _import_graph({"src/hf_partial_attention": "src", "experiments": ".", "research": ".",
                            "benchmarks": "."})
-    assert "experiments.table1_spec" in graph.get("experiments.table1_report", set())  # the graph sees imports
+    assert "experiments.table1.spec" in graph.get("experiments.table1.report", set())  # the graph sees imports
 
     def on_a_cycle(module):  # does a path of imports lead from the module back to it?
         seen, todo = set(), list(graph.get(module, ()))
@@ -278,7 +278,7 @@ def test_lengths_small(tmp_path, minilm_path, capsys):
 def test_spearman_matches_scipy():
     from scipy.stats import spearmanr
 
-    from experiments.lengths import spearman
+    from experiments.lengths.study import spearman
 
     g = torch.Generator().manual_seed(0)
     a = torch.randn(200, generator=g, dtype=torch.float64)
@@ -296,8 +296,8 @@ def test_recover_small(tmp_path, minilm_path, capsys):
     from transformers import AutoTokenizer, BertModel
 
     import hf_partial_attention  # noqa: F401  (registers PartialBert with the Auto classes)
-    from experiments.lengths import held_out_inputs
-    from experiments.recover import measure
+    from experiments.lengths.study import held_out_inputs
+    from experiments.lengths.recover import measure
     from hf_partial_attention.modeling_partial_bert import PartialBertModel
 
     out, results = str(tmp_path / "run"), str(tmp_path / "results")
@@ -340,7 +340,7 @@ def test_granularity_small(tmp_path, minilm_path, capsys):
     from safetensors.torch import load_file
     from transformers import AutoModel
 
-    from experiments.objectives import model_outputs
+    from experiments.objectives.study import model_outputs
 
     run, results = str(tmp_path / "run"), str(tmp_path / "results")
     assert studies_cli.main(["granularity", run, "--results", results, "--k", "4", "--objectives", "paper",
@@ -377,8 +377,8 @@ def test_granularity_lengths_small(tmp_path, minilm_path, capsys, monkeypatch):
     from hf_partial_attention.pattern_buckets import PatternBuckets
     from transformers import AutoModel, AutoTokenizer
 
-    from experiments.lengths import held_out_inputs
-    from experiments.recover import measure
+    from experiments.lengths.study import held_out_inputs
+    from experiments.lengths.recover import measure
 
     run, results = str(tmp_path / "run"), str(tmp_path / "results")
     assert studies_cli.main(["granularity-lengths", "--out", run, "--results", results, "--k", "4", "--lengths", "16",
@@ -414,7 +414,7 @@ def test_granularity_lengths_small(tmp_path, minilm_path, capsys, monkeypatch):
     # The tiny version of `make granularity-recover` on this run: two arms converted and recovered (one step), each
     # from its own bucket file (the pooled arm's: the file the pooled row above was measured with), read back when run
     # again with the same settings, not with others.
-    import experiments.recover as recover_module
+    import experiments.lengths.recover as recover_module
     from safetensors.torch import load_file
 
     pooled_file = os.path.join(run, "fit", "patterns", "buckets_per_query_fisher_pooled_k4.safetensors")
@@ -443,7 +443,7 @@ def test_granularity_lengths_small(tmp_path, minilm_path, capsys, monkeypatch):
     monkeypatch.setattr(recover_module, "run_recover", lambda *a, **kw: calls.append(kw["buckets"]) or real(*a, **kw))
     assert studies_cli.main(argv) == 0  # the same settings: both arms read back
     assert calls == []
-    from experiments.granularity_recover import _existing
+    from experiments.granularity.recover import _existing
 
     own = os.path.join(recovered, "head_budget", "recovery.json")
     budget_file = os.path.join(run, "fit", "patterns", "buckets_per_query_fisher_head_savingk4_budget.safetensors")
@@ -488,7 +488,7 @@ def test_granularity_lengths_small(tmp_path, minilm_path, capsys, monkeypatch):
     from hf_partial_attention.analysis.collect import collect_covariance
     from hf_partial_attention.analysis.selection import fit_pattern
 
-    from experiments.granularity_refit import refit_layer
+    from experiments.granularity.refit import refit_layer
 
     refit_results = str(tmp_path / "refit")
     assert studies_cli.main(["granularity-refit", "--lengths-run", run, "--results", refit_results, "--k", "4",
@@ -528,7 +528,7 @@ def test_granularity_lengths_small(tmp_path, minilm_path, capsys, monkeypatch):
     # An exact-layer arm (`--arms head_exact4`, at k = 12's saving: k = 4's cannot pay for a dense layer) on the same
     # fit, converted and recovered: the model leaves layer 4 exact, its saving counts layer 4 as saving nothing, and
     # its held-out windows are those of the file's conversion.
-    from experiments.granularity_lengths import parse_arm
+    from experiments.granularity.lengths import parse_arm
 
     exact_results = str(tmp_path / "exact")
     assert studies_cli.main(["granularity-lengths", "--out", run, "--results", exact_results, "--k", "12", "--lengths",
@@ -571,7 +571,7 @@ def test_demo_derives_only_patterns_that_save_work():
 def test_demo_compares_embeddings_of_64_paragraphs_by_default_and_refuses_fewer_than_two(tmp_path):
     """The smoke test above compares 16 paragraphs' embeddings; `make demo` keeps 64; fewer than two have no pair for
     the reference cosine and are refused in one line before any work (nothing written)."""
-    from experiments.demo import run_demo
+    from experiments.demo.study import run_demo
 
     assert studies_cli.build_parser().parse_args(["demo"]).embedding_paragraphs == 64
     out = tmp_path / "demo"

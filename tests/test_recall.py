@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 
-from experiments.recall import RecallArguments, run_recall
+from experiments.recall.run import run_recall
+from experiments.recall.spec import RecallArguments
 from experiments.recall.report import _verdicts, mean_se
 from experiments.recall.run import _claim
 from experiments.recall.study import sweep

@@ -11,12 +11,12 @@ import torch
 from huggingface_hub import ModelCard
 from transformers import BertConfig, BertForMaskedLM
 
-from experiments import table1, table1_steps
+from experiments.table1 import steps as table1_steps, study as table1
 from experiments.cli import main as cli_main
-from experiments.table1_budget import BUDGET_SECONDS, estimate_seconds
-from experiments.table1_gaps import gap_decomposition
-from experiments.table1_spec import Arm, StudyArguments, job_names, parse_arm, study_arms
-from experiments.table1_stats import (
+from experiments.table1.budget import BUDGET_SECONDS, estimate_seconds
+from experiments.table1.gaps import gap_decomposition
+from experiments.table1.spec import Arm, StudyArguments, job_names, parse_arm, study_arms
+from experiments.table1.stats import (
     ArmLosses, accuracy_difference, accuracy_summary, mlm_loss, paired_loss_difference, verdicts,
 )
 from hf_partial_attention.configuration_partial_bert import PartialBertConfig

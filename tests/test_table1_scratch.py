@@ -1,4 +1,4 @@
-"""The from-scratch Table 1 study (`experiments.table1_scratch`): a tiny run of every kind of arm end to end, its
+"""The from-scratch Table 1 study (`experiments.table1.scratch`): a tiny run of every kind of arm end to end, its
 resume, the P-alone control against a hand-computed masked attention, and the study's arguments."""
 
 import json
@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import BertConfig, BertModel
 
-from experiments.scratch_p_only import allowed_keys, install_p_only
-from experiments.table1_scratch import ScratchArguments, estimate_seconds, run_table1_scratch
-from experiments.table1_scratch_spec import parse_scratch_arm
-from experiments.table1_stats import mlm_loss
+from experiments.table1.p_only import allowed_keys, install_p_only
+from experiments.table1.scratch import ScratchArguments, estimate_seconds, run_table1_scratch
+from experiments.table1.scratch_spec import parse_scratch_arm
+from experiments.table1.stats import mlm_loss
 
 ARMS = "exact,k8_fixed,k8_per_layer,k8_head_budget,k8_p_only,k8_convert,k8_convert_train"
 
@@ -97,7 +97,7 @@ def test_tiny_study_end_to_end(tiny_run):
 def test_arms_run_what_they_name(tiny_run):
     """The saved checkpoints are what each arm says: P and R of the derived files, P alone in a BERT config, the
     per-head arm per head; the exact arm and a trained-in one start from the same weights."""
-    from experiments.table1_scratch import _Study
+    from experiments.table1.scratch import _Study
     from hf_partial_attention.modeling_partial_bert import PartialBertForMaskedLM
     from hf_partial_attention.pattern import AttentionPattern
 
@@ -140,7 +140,7 @@ def test_resume_runs_only_missing_jobs(tiny_run):
 
 
 def test_a_difference_over_pretraining_seeds_adds_their_spread():
-    from experiments.table1_stats import paired_loss_difference, seeds_loss_difference
+    from experiments.table1.stats import paired_loss_difference, seeds_loss_difference
 
     def job(sums):
         return {"test": {"loss_sums": sums, "token_counts": [10, 10, 10]}}
@@ -212,7 +212,7 @@ def test_arguments_refuse_and_estimate(tmp_path):
 def test_a_wordpiece_vocabulary_is_trained_on_the_given_documents(tmp_path):
     from transformers import AutoTokenizer
 
-    from experiments.scratch_data import train_wordpiece
+    from experiments.table1.scratch_data import train_wordpiece
 
     docs = [["The quick brown fox jumps over the lazy dog.", "Attention scores lie in a low-dimensional space."],
             ["Partial attention computes k scores per query and reconstructs the rest."]] * 20
@@ -232,7 +232,7 @@ def test_each_pass_cuts_the_windows_at_its_own_offset():
     from datasets import Dataset, DatasetDict
     from transformers import AutoTokenizer
 
-    from experiments.scratch_data import window_passes
+    from experiments.table1.scratch_data import window_passes
     from hf_partial_attention.analysis.defaults import resolve_model
     from hf_partial_attention.training import group_into_windows
 
@@ -251,7 +251,7 @@ def test_each_pass_cuts_the_windows_at_its_own_offset():
 
 @pytest.mark.slow
 def test_the_study_data_with_its_own_vocabulary_and_two_cuts(tmp_path):
-    from experiments.scratch_data import load_scratch_data
+    from experiments.table1.scratch_data import load_scratch_data
 
     one = load_scratch_data(tiny_args(tmp_path / "a", tokenizer_name="wordpiece", vocab_size=500))
     two = load_scratch_data(tiny_args(tmp_path / "b", tokenizer_name="wordpiece", vocab_size=500, window_passes=2))

@@ -93,7 +93,7 @@ class RecallStudy:
         if arm.kind == "p_only":
             from hf_partial_attention.pattern import AttentionPattern
 
-            from ..scratch_p_only import install_p_only
+            from ..table1.p_only import install_p_only
 
             install_p_only(model, AttentionPattern.load(self.pattern_path(arm, task)).indices, layers)
         elif not exact:
@@ -107,7 +107,7 @@ class RecallStudy:
         test accuracy."""
         from hf_partial_attention.training import PartialAttentionTrainer
 
-        from ..table1_steps import train_args
+        from ..table1.steps import train_args
 
         a = self.a
         steps = a.steps_of()[task.name]

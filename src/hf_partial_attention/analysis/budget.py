@@ -21,7 +21,7 @@ each layer's k per bucket, each bucket's saving and the greedy's predicted error
 query row) out of the same budget, the other layers share the rest, and a conversion leaves them out of
 ``partial_layers``. The greedy's error curves cannot weigh an exact layer against the others (a unit of objective does
 not cost the same embedding error in every layer): which layer to leave exact is measured at the output
-(`experiments.granularity_layers`).
+(`experiments.granularity.layers`).
 """
 
 from __future__ import annotations

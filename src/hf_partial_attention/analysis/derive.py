@@ -136,7 +136,7 @@ def derive_budget(out: str, saving: str | float, *, granularity: str = "layer", 
         layers: the layers the budget is spread over (default: every layer but the last, the default partial
             layers); the others get the uniform k.
         layer_weights: a positive weight per budget layer that multiplies its error curve, e.g. what a unit of the
-            layer's objective costs at the model's output (`experiments.granularity_layers` measures it); default
+            layer's objective costs at the model's output (`experiments.granularity.layers` measures it); default
             equal weights.
         name: the budgeted file's suffix (``..._saving<S>_<name>.safetensors``) and its entry in ``results.json``
             (``<S>`` for ``"budget"``, ``<S>_<name>`` otherwise), so that a weighted budget sits beside the plain one;

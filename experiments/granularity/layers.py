@@ -3,7 +3,7 @@
 
 `derive --saving` spends the budget where each layer's objective (the greedy's Fisher-weighted residual of the
 scores) falls most, as if a unit of objective cost the same embedding error in every layer. This study measures what
-it costs. It starts from the per-head P and R of a `granularity_lengths` run (its fit covariances and its one-k
+it costs. It starts from the per-head P and R of a `granularity-lengths` run (its fit covariances and its one-k
 buckets). With every budget layer partial, then with each layer alone partial, then with each layer left exact and
 the others partial, it measures 1 − cos of the mean-pooled embeddings to the original model's on the calibration
 windows and on held-out windows. The calibration windows are n-token windows of the demo text, the fit's own
@@ -12,7 +12,7 @@ text. The held-out windows are the installed packages' descriptions.
 Weights, from the calibration windows only: ``w_l`` is the error layer l adds in context (all partial minus l exact)
 over its objective at the one k in the longest bucket. The budget spread with them (`derive_budget(layer_weights=w,
 name="calibrated")`, at the same saving) is measured on every held-out kind and bucket beside the one k and the plain
-budget, as `granularity_lengths` measures its arms.
+budget, as `granularity-lengths` measures its arms.
 
 An exact layer, also chosen on the calibration windows only: the layer whose being left exact lowers the error most
 is left exact at the same saving (`derive_budget(exact_layers=[l])`, ``derive --saving k16 --exact-layers l``): it pays
@@ -36,10 +36,10 @@ from hf_partial_attention.analysis.lengths import bucket_covariance_files
 from hf_partial_attention.modeling_partial_bert import PartialBertModel
 from hf_partial_attention.pattern_layers import LayerPatterns
 
-from .granularity_lengths import arm_patterns_file
-from .lengths import held_out_inputs
-from .recover import measure
-from .store import write_study
+from .lengths import arm_patterns_file
+from ..lengths.study import held_out_inputs
+from ..lengths.recover import measure
+from ..store import write_study
 
 __all__ = ["run_granularity_layers", "render", "load_per_head_run"]
 

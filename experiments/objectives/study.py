@@ -23,7 +23,7 @@ from hf_partial_attention.analysis.covariance import ScoreCovariance
 from hf_partial_attention.analysis.embeddings import embedding_cosines, summarize_cosines, window_batches
 from hf_partial_attention.analysis.selection import OBJECTIVES, select_pattern
 
-from .store import write_study
+from ..store import write_study
 
 __all__ = ["compare_objectives", "objectives_markdown", "model_outputs"]
 

@@ -1,6 +1,6 @@
 """What the Table-1 study runs, as types: its flags (`StudyArguments`), its arms (`Arm`) and its jobs.
 
-The runner (`table1`) and the report (`table1_report`) both import this module, and the report never imports
+The runner (`table1`) and the report (`report`) both import this module, and the report never imports
 the runner: the runner builds the arms with `study_arms`, the report reads the same arms back from the same
 arguments. An arm's `name` (``exact``, ``k16_common_mlm``, ``k8_fixed_none``, ``k16_common_distill_zerofill``) is
 only an output, the key of its job files under ``run_dir/jobs`` and of its row in ``table1.json``; nothing parses
@@ -218,7 +218,7 @@ def study_arms(ks, modes, recoveries=RECOVERIES, zero_fill_control: Arm | None =
 
 @dataclass
 class StudyArguments:
-    # Sized for <= 3 h on 2 cores in all (`table1_budget.estimate_seconds`: about 2.4 h for these defaults, from
+    # Sized for <= 3 h on 2 cores in all (`budget.estimate_seconds`: about 2.4 h for these defaults, from
     # step times measured on 2 cores at n = 128: an MLM step 0.095 s per window, attention transfer + distill 0.63 s
     # per window (its KL needs the vocabulary logits at every token, teacher and student), fine-tuning 0.035 s per
     # pair, evaluation 0.022 s per window and 0.009 s per pair). 20 arms x 3 seeds of fine-tuning are more than half

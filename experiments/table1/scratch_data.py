@@ -1,4 +1,4 @@
-"""Data of the from-scratch Table 1 study (`table1_scratch`): real English prose, split by document.
+"""Data of the from-scratch Table 1 study (`scratch`): real English prose, split by document.
 
 Corpora (``--corpus``):
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .table1_spec import Arm, StudyArms
-from .table1_stats import ArmLosses, accuracy_difference, fmt_difference, paired_loss_difference
+from .spec import Arm, StudyArms
+from .stats import ArmLosses, accuracy_difference, fmt_difference, paired_loss_difference
 
 __all__ = ["gap_decomposition", "goals", "render_gaps", "render_goals", "GOALS_ACCURACY", "GOAL_MLM"]
 

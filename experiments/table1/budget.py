@@ -10,7 +10,7 @@ the student's encoder a second time. Window costs scale with n / 128 (the quadra
 
 from __future__ import annotations
 
-from .table1_spec import StudyArguments
+from .spec import StudyArguments
 
 __all__ = ["estimate_seconds", "UNIT_SECONDS", "BUDGET_SECONDS"]
 

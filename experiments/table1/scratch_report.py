@@ -4,7 +4,7 @@ to exact, ``accuracy`` (``mean``, ``sd``, per seed) and its difference to exact,
 verdicts on the paper's claims (a)–(d) and ours (e), the goals, a figure and the trained-in arms' model cards.
 
 A difference counts when it exceeds twice its standard error (MLM: paired over the same test windows and masks;
-accuracy: seeds and examples, `table1_stats.accuracy_difference`); no other floor. The "best R mode" of a k is
+accuracy: seeds and examples, `stats.accuracy_difference`); no other floor. The "best R mode" of a k is
 chosen on the validation windows where the study has them (``--validation_every``), else on the test windows, and
 the report says which.
 """
@@ -15,9 +15,9 @@ import os
 import platform
 from typing import Any
 
-from .store import write_study
-from .table1_scratch_spec import ScratchArm, ScratchArguments
-from .table1_stats import accuracy_difference, accuracy_summary, fmt_difference, mlm_loss, seeds_loss_difference
+from ..store import write_study
+from .scratch_spec import ScratchArm, ScratchArguments
+from .stats import accuracy_difference, accuracy_summary, fmt_difference, mlm_loss, seeds_loss_difference
 
 __all__ = ["collect_scratch", "render_scratch", "write_scratch_report"]
 

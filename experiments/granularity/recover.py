@@ -8,7 +8,7 @@ trained), then measures converted and recovered on the held-out prose `recover` 
 (``<results>/<arm>/recovery.md``, its command in it), and one table of every arm beside the others (this module's
 ``granularity_recover.md``). An arm whose result exists for the same bucket file, steps and held-out size is read
 back, not run again (``--rerun`` runs it again). ``--arms`` takes the five or others of the same run's folder:
-``head_exact4`` is the file `granularity_layers` writes for its exact-layer arm.
+``head_exact4`` is the file `granularity-layers` writes for its exact-layer arm.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import json
 import os
 import time
 
-from .granularity_lengths import ARMS, arm_patterns_file
-from .store import write_study
+from .lengths import ARMS, arm_patterns_file
+from ..store import write_study
 
 __all__ = ["run_granularity_recover", "render", "GOAL"]
 
@@ -47,7 +47,7 @@ def run_granularity_recover(lengths_run: str = "runs/granularity_lengths", out: 
                             train_inputs: int | None = None, max_heldout: int = 150, rerun: bool = False,
                             progress: bool = True, command: str | None = None) -> dict:
     """Recover and measure every arm (module docstring); writes ``results``/granularity_recover.json and .md."""
-    from .recover import run_recover
+    from ..lengths.recover import run_recover
 
     start = time.perf_counter()
     per_arm = {}

@@ -1,7 +1,7 @@
 """Can a better R close the per-head conversion's gap without training? ``python -m experiments granularity-refit``
 (`make granularity-refit`) -> ``results/granularity_refit/``.
 
-It starts from the per-head P and R of a `granularity_lengths` run, one k (its ``head uniform`` arm), keeps every P
+It starts from the per-head P and R of a `granularity-lengths` run, one k (its ``head uniform`` arm), keeps every P
 and refits R and its bias, in the longest bucket, three ways. Each is the least-squares estimator of the fit
 (`reconstruction.solve_reconstruction`, centred, the fit's ridge). Only the data it sees changes:
 
@@ -14,7 +14,7 @@ and refits R and its bias, in the longest bucket, three ways. Each is the least-
   targets at P̄ are the original model's scores there. It asks whether the error that compounds through the layers
   can be taken out by R. Layer 0's inputs are the original's, so its R is the plain refit's.
 
-Each arm is converted without retraining (R fixed) and measured as `granularity_lengths` measures its arms, on the
+Each arm is converted without retraining (R fixed) and measured as `granularity-lengths` measures its arms, on the
 held-out inputs of the longest bucket (the only one refit) and held-out windows.
 """
 
@@ -33,10 +33,10 @@ from hf_partial_attention.pattern_layers import LayerPatterns
 from hf_partial_attention.reconstruction import solve_reconstruction
 from hf_partial_attention.training.pair_task import stdlib_docstring_documents
 
-from .granularity_layers import load_per_head_run
-from .lengths import held_out_inputs
-from .recover import measure
-from .store import write_study
+from .layers import load_per_head_run
+from ..lengths.study import held_out_inputs
+from ..lengths.recover import measure
+from ..store import write_study
 
 __all__ = ["run_granularity_refit", "refit_layer", "render", "ARMS"]
 

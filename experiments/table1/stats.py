@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .table1_spec import Arm, StudyArms
+from .spec import Arm, StudyArms
 
 __all__ = ["mlm_loss", "paired_loss_difference", "accuracy_summary", "accuracy_difference", "verdicts",
            "ArmLosses", "MIN_EFFECT_NATS", "MIN_EFFECT_ACCURACY", "MIN_DRIFT", "fmt_difference"]

@@ -1,4 +1,4 @@
-"""The from-scratch Table 1 study's arguments and arms (`table1_scratch`).
+"""The from-scratch Table 1 study's arguments and arms (`scratch`).
 
 An arm is named ``exact`` or ``k<k>_<kind>``, kind one of:
 

@@ -1,6 +1,6 @@
 """Table 1 as the paper ran it: BERT pretrained *from scratch* with partial attention built in, beside the exact
 model, P alone, and the exact model converted (issue 41). ``python -m experiments table1-scratch`` (``make
-table1-scratch``); the arms are `table1_scratch_spec`'s, the report `table1_scratch_report`'s.
+table1-scratch``); the arms are `scratch_spec`'s, the report `scratch_report`'s.
 
 1. **Exact** (job ``pretrain_exact``): a BERT with BERT-base's head width (d_h = 64) pretrained by MLM from scratch
    on the corpus's training windows through `build_model` and `PartialAttentionTrainer`, the held-out MLM loss
@@ -30,12 +30,12 @@ import torch
 from transformers import TrainerCallback, set_seed
 from tqdm.auto import tqdm
 
-from . import table1_steps as steps
-from .table1_stats import mlm_loss
+from . import steps
+from .stats import mlm_loss
 from .scratch_data import load_scratch_data
-from .scratch_p_only import P_ONLY, install_p_only
-from .store import JobStore
-from .table1_scratch_spec import COMMAND, ScratchArguments, ScratchArm
+from .p_only import P_ONLY, install_p_only
+from ..store import JobStore
+from .scratch_spec import COMMAND, ScratchArguments, ScratchArm
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +234,7 @@ class _Study:
 
     def timing(self) -> dict:
         """Training-step and inference time at the study's size: the exact model (SDPA, eager) beside every
-        trained-in arm's model, interleaved (`table1_steps.time_models`)."""
+        trained-in arm's model, interleaved (`steps.time_models`)."""
         from transformers import BertForMaskedLM
 
         from hf_partial_attention.modeling_partial_bert import PartialBertForMaskedLM
@@ -328,9 +328,9 @@ def seed_studies(a: ScratchArguments, data) -> list["_Study"]:
 
 
 def run_table1_scratch(a: ScratchArguments, argv: list[str] | None = None) -> dict:
-    """Run (or resume) the study and write its report (`table1_scratch_report.write_scratch_report`): every
+    """Run (or resume) the study and write its report (`scratch_report.write_scratch_report`): every
     pretraining seed's jobs (`seed_studies`), the first seed's in full, the others' without the timing."""
-    from .table1_scratch_report import write_scratch_report
+    from .scratch_report import write_scratch_report
 
     command = " ".join([COMMAND, *(shlex.quote(x) for x in (argv or []))])
     if a.threads:

@@ -1,7 +1,7 @@
 """The Table-1 study's report: ``table1.json`` (every number), ``table1.md`` (table, verdicts, gap decomposition,
 goals, cost, command) and a model card per fine-tuned arm with its evaluation in the Hub's ``model-index`` format.
 
-The arms are the `table1_spec.Arm` values of the study's arguments (``table1.json`` stores the arguments, so a
+The arms are the `spec.Arm` values of the study's arguments (``table1.json`` stores the arguments, so a
 report read back has its arms too); this module imports the spec, never the runner (`table1`).
 """
 
@@ -17,11 +17,11 @@ import torch
 
 from hf_partial_attention.cost import distribution_saving, score_cost
 
-from .table1_budget import BUDGET_SECONDS, estimate_seconds
-from .table1_data import TASK_DESCRIPTION
-from .table1_gaps import gap_decomposition, goals, render_gaps, render_goals
-from .table1_spec import BUCKET_OBJECTIVE, COMMAND, Arm, StudyArguments, StudyArms, job_names, layers_key
-from .table1_stats import MIN_EFFECT_NATS, ArmLosses, accuracy_summary, mlm_loss, verdicts
+from .budget import BUDGET_SECONDS, estimate_seconds
+from .data import TASK_DESCRIPTION
+from .gaps import gap_decomposition, goals, render_gaps, render_goals
+from .spec import BUCKET_OBJECTIVE, COMMAND, Arm, StudyArguments, StudyArms, job_names, layers_key
+from .stats import MIN_EFFECT_NATS, ArmLosses, accuracy_summary, mlm_loss, verdicts
 
 __all__ = ["write_report", "render", "report_arms", "collect"]
 
@@ -180,7 +180,7 @@ def render(report: dict) -> str:
         f"{s['finetune']:.0f} s, timing {s['timing']:.0f} s; {m['cpus']} CPUs, {m['threads']} torch threads, torch "
         f"{m['torch']}, Python {m['python']}, {m['platform']}):", "", "```", report["command"], "```", "",
         f"- Budget: issue 24 asks for ≤ {BUDGET_SECONDS / 3600:.0f} h on 2 cores; the estimate for these arguments "
-        f"(`table1_budget`, step times measured on 2 cores at n = 128) is {est['total'] / 3600:.2f} h.",
+        f"(`budget`, step times measured on 2 cores at n = 128) is {est['total'] / 3600:.2f} h.",
         f"- Model: `{report['model']}` ({report['layers']} layers, d_h = {report['d_head']}); n = "
         f"{a['max_seq_length']}; partial in all layers but the last. Zero-fill: greedy P and optimal R (eq. 7) from "
         f"the {a['covariance']} of the phase-1 model's per-query scores on {a['covariance_windows']} training "

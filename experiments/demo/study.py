@@ -42,7 +42,7 @@ from hf_partial_attention.cost import score_cost
 from hf_partial_attention.pattern import AttentionPattern
 from hf_partial_attention.reconstruction import nearest_keys
 
-from .lengths import LENGTHS, fit_documents  # the bucket study's fit inputs: the text's sentences and paragraphs
+from ..lengths.study import LENGTHS, fit_documents  # the bucket study's fit inputs: the text's sentences and paragraphs
 
 logger = logging.getLogger(__name__)
 

@@ -29,9 +29,9 @@ from hf_partial_attention.analysis.selection import select_pattern
 from hf_partial_attention.analysis.workflow import COVARIANCE_FILE, HELDOUT_FILE, analyze
 from hf_partial_attention.pattern_layers import LayerPatterns
 
-from .lengths import spearman
-from .objectives import model_outputs
-from .store import write_study
+from ..lengths.study import spearman
+from ..objectives.study import model_outputs
+from ..store import write_study
 
 __all__ = ["run_granularity", "granularity_markdown", "GRANULARITIES", "GOAL_ONE_MINUS_COS"]
 

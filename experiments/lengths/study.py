@@ -44,8 +44,8 @@ from hf_partial_attention.modeling_partial_bert import PartialBertModel
 from hf_partial_attention.pattern import AttentionPattern
 from hf_partial_attention.pattern_buckets import PatternBuckets, bucket_for
 
-from .lengths_report import plot_against_length, render
-from .store import write_study
+from .report import plot_against_length, render
+from ..store import write_study
 
 logger = logging.getLogger(__name__)
 

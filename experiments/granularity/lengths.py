@@ -39,10 +39,10 @@ from hf_partial_attention.modeling_partial_bert import PartialBertModel
 from hf_partial_attention.pattern_buckets import PatternBuckets
 from hf_partial_attention.pattern_layers import LayerPatterns
 
-from .granularity import patterns_for
-from .lengths import LENGTHS, fit_documents, held_out_inputs
-from .recover import measure
-from .store import write_study
+from .study import patterns_for
+from ..lengths.study import LENGTHS, fit_documents, held_out_inputs
+from ..lengths.recover import measure
+from ..store import write_study
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ def run_granularity_lengths(out: str = "runs/granularity_lengths", results: str 
             if choice != "uniform":
                 raise ValueError(f"arm ({granularity!r}, {choice!r}): one pooled P has one k; use 'uniform'.")
             sets[(granularity, choice)] = _pooled_buckets(paths, lengths, k, objective)
-            # saved for `granularity_recover` (the per-layer and per-head arms' files are derive's)
+            # saved for `granularity-recover` (the per-layer and per-head arms' files are derive's)
             pooled_file = arm_patterns_file(os.path.dirname(paths[lengths[-1]]), granularity, choice, k, objective)
             os.makedirs(os.path.dirname(pooled_file), exist_ok=True)
             sets[(granularity, choice)].save(pooled_file)

@@ -27,8 +27,8 @@ import time
 from hf_partial_attention.analysis.defaults import resolve_model
 from hf_partial_attention.pattern_buckets import bucket_for
 
-from .lengths import LENGTHS, embedding_metrics, fit_documents, held_out_inputs, run_inputs
-from .store import write_study
+from .study import LENGTHS, embedding_metrics, fit_documents, held_out_inputs, run_inputs
+from ..store import write_study
 
 logger = logging.getLogger(__name__)
 

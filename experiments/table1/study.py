@@ -1,8 +1,8 @@
 """Table 1 of Bhojanapalli et al. (2021) on a real pretrained model, v2 (issue 24): does converting an exactly trained
 model to partial attention lose accuracy, at the inputs' own lengths, and does training with partial attention built
 in (MLM, or attention transfer + distillation from the exact model) recover it? ``python -m experiments table1``
-(`make table1`); the protocol is `run_table1`'s docstring, the arms `table1_spec`'s, the report `table1_report`'s,
-the wall-time estimate `table1_budget`'s (the defaults: about 2.4 h on 2 cores). Resumable: every job's result is a
+(`make table1`); the protocol is `run_table1`'s docstring, the arms `spec`'s, the report `report`'s,
+the wall-time estimate `budget`'s (the defaults: about 2.4 h on 2 cores). Resumable: every job's result is a
 JSON file under ``run_dir/jobs``.
 """
 
@@ -17,12 +17,12 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from . import table1_steps as steps
-from .store import JobStore
-from .table1_data import load_study_data
-from .table1_report import write_report
-from .table1_spec import BUCKET_OBJECTIVE, COMMAND, Arm, StudyArguments, job_names, layers_key
-from .table1_stats import mlm_loss
+from . import steps
+from ..store import JobStore
+from .data import load_study_data
+from .report import write_report
+from .spec import BUCKET_OBJECTIVE, COMMAND, Arm, StudyArguments, job_names, layers_key
+from .stats import mlm_loss
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class _Study:
                 "pairs": steps.mlm_window_losses(model, d.tokenizer, d.mlm_pairs, seed)}
 
     def recover(self, arm: Arm, model, reconstruction_learning_rate: float):
-        """Phase 2 of `arm` on the training windows and training pairs (`table1_data._recovery_inputs`): MLM, or the
+        """Phase 2 of `arm` on the training windows and training pairs (`data._recovery_inputs`): MLM, or the
         distill objective against the phase-1 model."""
         a = self.a
         objective = "mlm" if arm.recovery == "mlm" else a.distill_objective
@@ -102,7 +102,7 @@ class _Study:
 
 
 def run_table1(a: StudyArguments, argv: list[str] | None = None) -> dict:
-    """Run (or resume) the study and write its report; returns the report dict (see `table1_report`).
+    """Run (or resume) the study and write its report; returns the report dict (see `report`).
 
     Protocol (every number is a flag of `StudyArguments`; ``python -m experiments table1 --help``):
 
@@ -130,9 +130,9 @@ def run_table1(a: StudyArguments, argv: list[str] | None = None) -> dict:
        (eager and SDPA) at n.
 
     Every job's result is a JSON file under ``run_dir/jobs``: a killed run started again continues where it stopped.
-    `table1_report` turns the jobs into ``table1.md``, ``table1.json``, the verdicts, the gap decomposition
-    (`table1_gaps`) and the arms' model cards; the arms are `table1_spec.Arm` values, which all modules take from
-    `table1_spec`. `table1_budget` estimates the wall time of a set of arguments (the defaults: about 2.4 h on 2 cores).
+    `report` turns the jobs into ``table1.md``, ``table1.json``, the verdicts, the gap decomposition
+    (`gaps`) and the arms' model cards; the arms are `spec.Arm` values, which all modules take from
+    `spec`. `budget` estimates the wall time of a set of arguments (the defaults: about 2.4 h on 2 cores).
     """
     command = " ".join([COMMAND, *(shlex.quote(x) for x in (argv or []))])
     if a.threads:
