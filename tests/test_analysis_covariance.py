@@ -192,6 +192,25 @@ def test_padding_garbage_does_not_change_a_sequence_contribution():
         assert torch.equal(b.tensors()[name], tensor), name
 
 
+@pytest.mark.parametrize("granularity", ["pooled", "head"])
+def test_scores_cut_at_the_longest_sequence_add_what_zero_padded_scores_add(granularity):
+    """`run_inputs` hands the bucket's covariance each batch's scores at its longest input (w < n): the moments must
+    be those of the scores zero-padded to n, and scores shorter than a sequence refused."""
+    for seed in range(6):
+        scores, lengths = _short_batch(seed, n=N)
+        lengths = lengths.clamp_max(N - 2)  # every sequence short of n: the cut is real
+        w = int(lengths.max())
+        full, cut = ScoreCovariance(N, granularity=granularity), ScoreCovariance(N, granularity=granularity)
+        full.update(0, scores, lengths=lengths)
+        cut.update(0, scores[..., :w, :w], lengths=lengths)
+        for name, tensor in full.tensors().items():
+            torch.testing.assert_close(cut.tensors()[name], tensor, rtol=1e-12, atol=1e-12, msg=name)
+    with pytest.raises(ValueError, match="cannot hold sequences of up to"):
+        cut.update(0, scores[..., :w - 1, :w - 1], lengths=lengths)
+    with pytest.raises(ValueError, match=r"\(B, H, w, w\), w < seq_len, with lengths"):
+        cut.update(0, scores[..., :w, :w])
+
+
 def test_unreached_rows_read_as_zero_and_selection_fits_them():
     from hf_partial_attention.analysis.selection import select_pattern
 

@@ -137,13 +137,16 @@ def _embeddings(model_path: str, out: str, ks, convert_k: int, seq_len: int, bat
 
 def run_demo(out: str = "runs/demo", model: str | None = None, *, seq_len: int = 128, fit_sequences: int = 320,
              heldout_sequences: int = 64, ks=(8, 16, 24), convert_k: int = 16, whole_seq_len: int = 32,
-             whole_sequences: int = 640, batch_size: int = 8, bucket_inputs: int | None = None,
+             whole_sequences: int = 320, batch_size: int = 8, bucket_inputs: int | None = 1280,
              progress: bool = True, bucket_k: dict[int, int] | None = None,
              checkpoint_form: str = "head_exact", embedding_paragraphs: int = 64) -> dict:
     """Run the demo end to end into ``out`` (report.md, figures/, patterns/, checkpoint/, whole_n*/).
     ``bucket_k``: buckets at their own k (default `DEMO_BUCKET_K`; ``{}`` for convert_k in all), of the length
     buckets' report and of the pooled checkpoint. ``checkpoint_form``: one of `CHECKPOINT_FORMS`.
-    ``embedding_paragraphs``: held-out paragraphs whose sentence embeddings compare each model with the original."""
+    ``embedding_paragraphs``: held-out paragraphs whose sentence embeddings compare each model with the original.
+    ``bucket_inputs``: the first fit sentences and paragraphs (document order) the length buckets are fitted on, and
+    the most held-out ones they are measured on (None: all); ``whole_sequences``: windows of the whole-matrix
+    analysis. Their defaults (half the fit inputs, 320 windows) keep the demo under 2 minutes on 2 cores."""
     bucket_k = dict(DEMO_BUCKET_K if bucket_k is None else bucket_k)
     if checkpoint_form not in CHECKPOINT_FORMS:
         raise ValueError(f"checkpoint_form must be one of {CHECKPOINT_FORMS}, got {checkpoint_form!r}.")

@@ -138,35 +138,43 @@ class ScoreCovariance:
 
         ``lengths`` ``(B,)`` int: sequence s has t = lengths[s] real tokens. Its rows i >= t and keys j >= t are
         zeroed here (whatever the padded positions scored), so its rows i < t enter the moments with keys >= t
-        scoring zero, and only those rows are counted (per-query scope only).
+        scoring zero, and only those rows are counted (per-query scope only). With lengths, the scores may be
+        ``(B, H, w, w)`` for a w < n no shorter than the longest sequence: positions w..n-1 score zero, and only
+        the moments' leading w × w (× w) block is touched (a batch of short inputs costs (w/n)³ of a full one).
         """
         if scores.dim() == 3:
             scores = scores.unsqueeze(1)  # (S, 1, n, n)
-        if scores.dim() != 4 or scores.shape[-1] != self.seq_len or scores.shape[-2] != self.seq_len:
-            raise ValueError(f"scores must be (B, H, {self.seq_len}, {self.seq_len}) for seq_len={self.seq_len}, "
-                             f"got shape {tuple(scores.shape)}; build windows of exactly seq_len tokens.")
+        w = scores.shape[-1]
+        if scores.dim() != 4 or scores.shape[-2] != w or not (w == self.seq_len or lengths is not None
+                                                               and 0 < w < self.seq_len):
+            raise ValueError(f"scores must be (B, H, {self.seq_len}, {self.seq_len}) for seq_len={self.seq_len} "
+                             f"(or (B, H, w, w), w < seq_len, with lengths), got shape {tuple(scores.shape)}; "
+                             "build windows of exactly seq_len tokens.")
         x = scores.detach().to("cpu", torch.float64)
-        b, h, n, _ = x.shape
+        b, h, n = x.shape[0], x.shape[1], self.seq_len
         reached = None
         if lengths is not None:
             t = self._lengths(lengths, b)
+            if b and int(t.max()) > w:
+                raise ValueError(f"scores of {w} positions cannot hold sequences of up to {int(t.max())} tokens; "
+                                 f"pass scores of at least the longest sequence's length (or seq_len={n}).")
             self.enable_row_counts()
-            real = torch.arange(n) < t[:, None]  # (B, n): position < t
-            x = x * (real[:, None, :, None] & real[:, None, None, :])  # (B, H, n, n): rows and keys >= t zeroed
-            reached = real.to(torch.float64).sum(0)  # (n,): sequences that reach row i
+            real = torch.arange(w) < t[:, None]  # (B, w): position < t
+            x = x * (real[:, None, :, None] & real[:, None, None, :])  # (B, H, w, w): rows and keys >= t zeroed
+            reached = (torch.arange(n) < t[:, None]).to(torch.float64).sum(0)  # (n,): sequences that reach row i
         keys = self._group_keys(layer, h)
         for key in keys:
-            xs = x[:, key[1]] if len(key) == 2 else x.reshape(b * h, n, n)  # (S, n, n)
+            xs = x[:, key[1]] if len(key) == 2 else x.reshape(b * h, w, w)  # (S, w, w)
             group = self._groups.get(key) or self._new_group(key)
             group.count += xs.shape[0]
             if group.rows is not None:
                 heads = 1 if len(key) == 2 else h
                 group.rows += reached * heads if reached is not None else float(xs.shape[0])
-            group.sum += xs.sum(0)
+            group.sum[:w, :w] += xs.sum(0)
             if group.per_query is not None:
-                # [i, j, k] += Σ_s x[s, i, j] x[s, i, k]: one batched matmul over the rows i.
-                group.per_query.baddbmm_(xs.permute(1, 2, 0), xs.permute(1, 0, 2))  # (n, n, S) @ (n, S, n)
-            if group.whole is not None:
+                # [i, j, k] += Σ_s x[s, i, j] x[s, i, k]: one batched matmul over the rows i (of the w × w block).
+                group.per_query[:w, :w, :w].baddbmm_(xs.permute(1, 2, 0), xs.permute(1, 0, 2))  # (w, w, S) @ (w, S, w)
+            if group.whole is not None:  # never with lengths (refused above), so w = n
                 flat = xs.reshape(xs.shape[0], n * n)  # (S, n²), row-major vec(A)
                 group.whole.addmm_(flat.T, flat)
 

@@ -37,26 +37,34 @@ def zero_padding(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def run_inputs(model, tokens: TokenizedInputs, index, width: int, sink: LengthSink, batch_size: int = 16,
-               pad_id: int = 0, progress: bool = True, desc: str = "capture") -> None:
-    """Forward the inputs ``tokens[index]``, each batch padded to ``width`` (their bucket), reporting every attention
-    call as ``sink(layer, scores (B, H, width, width), lengths (B,))`` (pre-mask scores, padded positions as the
-    model computed them: the sink zeroes them)."""
+               pad_id: int = 0, progress: bool = True, desc: str = "capture", full_width: bool = True) -> None:
+    """Forward the inputs ``tokens[index]`` of bucket ``width``, reporting every attention call as ``sink(layer,
+    scores (B, H, width, width), lengths (B,))``: pre-mask scores, zero past each batch's longest input (the sink
+    zeroes every position past each input's own length).
+
+    The inputs run sorted by length, each batch padded only to its longest input: a real position's score does not
+    depend on padding past the input (the mask keeps it out), and the batch's scores are padded with zeros to
+    ``width``, so the sink sees what a batch padded to ``width`` gives at every real position, for about a third
+    fewer tokens than padding every input to its bucket. ``full_width=False``: the scores as the batch ran,
+    ``(B, H, w, w)`` with w its longest input, for a sink that takes them (`ScoreCovariance.update` with lengths)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
     index = torch.as_tensor(index, dtype=torch.long)
+    index = index[torch.argsort(tokens.lengths[index], stable=True)]  # similar lengths share a batch
     device = next(model.parameters()).device
     takes_types = "token_type_ids" in inspect.signature(model.forward).parameters
     current = {}
 
     def report(layer: int, scores: torch.Tensor) -> None:
-        sink(layer, scores, current["lengths"])
+        pad = width - scores.shape[-1] if full_width else 0
+        sink(layer, torch.nn.functional.pad(scores, (0, pad, 0, pad)) if pad else scores, current["lengths"])
 
     with capture_scores(model, report) as state:
         for start in tqdm(range(0, len(index), batch_size), desc=desc, disable=not progress, unit="batch",
                           leave=False):
             part = index[start:start + batch_size]
-            batch = tokens.batch(part, width, pad_id)
             current["lengths"] = tokens.lengths[part]
+            batch = tokens.batch(part, min(width, int(current["lengths"].max())), pad_id)
             if not takes_types:
                 batch.pop("token_type_ids")
             model(**{name: value.to(device) for name, value in batch.items()})

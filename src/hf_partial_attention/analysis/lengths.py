@@ -184,7 +184,7 @@ def _collect_bucket(model, fit: TokenizedInputs, index: torch.Tensor, b: int, gr
         logger.warning("Bucket %d: %s", b, warning)
     cov = ScoreCovariance(b, ("per_query",), granularity, centered)
     run_inputs(model, fit, index, b, lambda layer, s, t: cov.update(layer, s, lengths=t), batch_size, pad, progress,
-               desc=f"scores b={b}")
+               desc=f"scores b={b}", full_width=False)  # each batch's (w/b)³ of the update: its w × w block
     t = fit.lengths[index].float()
     row = {"length": b, "fit_inputs": len(index), "median_length": float(t.median()), "min_length": int(t.min()),
            "max_length": int(t.max()), "fit_warning": warning, "path": path}
