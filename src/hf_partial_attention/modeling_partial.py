@@ -22,7 +22,7 @@ from .configuration_partial import check_implementation
 from .conversion import from_source
 from .partial_layer import is_partial, make_exact, make_partial
 from .partial_pattern import PartialPattern, check_buckets, check_layers, init_bias, initial_for, initial_stack
-from .partial_places import (PARTIAL_NAME, Place, attention_r_names, bucket_suffix, heads, pattern_layers,
+from .partial_places import (PARTIAL_NAME, Place, attention_r_names, bucket_suffix, head_count, heads, pattern_layers,
                              pattern_module_layers, pattern_module_name, place, r_on_attention)
 from .pattern import AttentionPattern
 from .pattern_buckets import PatternBuckets
@@ -223,7 +223,7 @@ class PartialModelMixin:
             raise ValueError(f"length={length} is not a length bucket with a pattern; the buckets with P and R are "
                              f"{sorted(modules)} (partial_lengths={self.config.partial_lengths}, partial_lengths_k="
                              f"{self.config.partial_lengths_k}: buckets with k = b run exactly).")
-        if self.config.partial_granularity == "head":
+        if head_count(self.config) is not None:  # P and R per head: a head is meant
             head = self._check_head(head)
         layer = None if pattern_layers(self.config) == [None] else self._check_layer(layer)
         pattern, holder, where = self._place(layer, length, head)
