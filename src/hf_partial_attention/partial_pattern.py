@@ -20,7 +20,7 @@ from .pattern import AttentionPattern
 from .pattern_buckets import PatternBuckets
 from .pattern_layers import LayerPatterns
 # Where P and R live (re-exported: the names were defined here before `partial_places`).
-from .partial_places import bucket_suffix, head_count, pattern_module_name, r_on_attention, r_trainable
+from .partial_places import bucket_suffix, head_count, pattern_module_name, r_keys, r_on_attention, r_trainable
 
 __all__ = ["PartialPattern", "PartialBertPattern", "default_pattern", "initial_for", "initial_stack", "check_buckets",
            "check_layers", "r_tensor", "init_bias", "bucket_suffix", "pattern_module_name", "head_count"]
@@ -186,12 +186,9 @@ class PartialPattern(nn.Module):
         self.register_buffer("inverse_permutation", torch.empty(*lead, n, n, dtype=torch.long), persistent=False)
         self.block_rows: int | None | list[int | None] = None
         self._layout_stamp: tuple | None = None
-        # What the kernels derive from P and each R, kept by the owner of P: key None for the R held here (common or
-        # fixed), a layer's index for its own R (per_layer), ("head", h) for head h's. Memory: see `DerivedState`
-        # (one W per distinct R).
-        self.derived = {key: DerivedState() for key in
-                        ((None, *config.partial_layers) if self.heads is None else
-                         [("head", h) for h in range(self.heads)])}
+        # What the kernels derive from P and each R, kept by the owner of P under the R's (layer, head)
+        # (`partial_places.r_keys`). Memory: see `DerivedState` (one W per distinct R).
+        self.derived = {key: DerivedState() for key in r_keys(config)}
         self.tie_shared_rows = config.partial_tie_shared_rows
         if not _on_meta_device():
             self.refresh_layout()
@@ -240,8 +237,8 @@ class PartialPattern(nn.Module):
         if reconstruction is None:
             reconstruction, bias = getattr(self, "reconstruction", None), getattr(self, "reconstruction_bias", None)
         if self.heads is None:
-            return self._tensors(self.layout(), reconstruction, bias, layer)
-        return [self._tensors(self.layout(h), reconstruction[h], None if bias is None else bias[h], ("head", h))
+            return self._tensors(self.layout(), reconstruction, bias, (layer, None))
+        return [self._tensors(self.layout(h), reconstruction[h], None if bias is None else bias[h], (None, h))
                 for h in range(self.heads)]
 
     def _tensors(self, layout: PatternLayout, reconstruction, bias, key) -> PartialTensors:

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 __all__ = ["PARTIAL_NAME", "is_reconstruction_name", "Place", "bucket_suffix", "pattern_module_name", "r_on_attention",
            "attention_r_names", "place", "pattern_layers", "head_count", "heads", "tensor_names", "r_trainable",
-           "pattern_module_layers"]
+           "pattern_module_layers", "r_keys"]
 
 # P, R and their biases in a state dict: the pattern modules' tensors and each partial layer's own R (per_layer).
 PARTIAL_NAME = re.compile(r"\.partial_pattern(_layer\d+)?(_len\d+)?\.|\.reconstruction(_bias)?(_len\d+)?$")
@@ -108,6 +108,16 @@ def pattern_layers(config) -> list[int | None]:
     if config.reconstruction == "per_layer" or config.partial_granularity != "pooled":
         return list(config.partial_layers)
     return [None]
+
+
+def r_keys(config) -> list[tuple[int | None, int | None]]:
+    """The ``(layer, head)`` of every R one pattern module reconstructs with (what the kernels derive from P and R
+    is kept per R under this key): per head, ``(None, h)`` for head h's slice of its own R; else ``(None, None)`` for
+    its own R (common or fixed) and ``(l, None)`` for layer l's own R on its attention module (per_layer)."""
+    count = head_count(config)
+    if count is not None:
+        return [(None, h) for h in range(count)]
+    return [(None, None), *((layer, None) for layer in config.partial_layers)]
 
 
 def head_count(config) -> int | None:
