@@ -120,6 +120,58 @@ def tiny_bert_dir(tmp_path_factory, minilm_path):
     return str(path)
 
 
+# The id the small MiniLM's card loads (`SentenceTransformer(...)` in its README.md), which reports then name it by
+# (`analysis.collect.hub_id`); no such repository exists: nothing loads it from the Hub.
+SMALL_MINILM_ID = "hf-partial-attention-tests/small-minilm-l6"
+
+
+@pytest.fixture(scope="session")
+def small_minilm_dir(tmp_path_factory, minilm_path):
+    """The studies' end-to-end tests' model: the MiniLM's shape where their assertions read it (6 layers, d_h = 32,
+    a sentence-transformers folder with mean pooling, the MiniLM tokenizer, n up to 512) at 4 heads, width 128 and
+    an intermediate width of 256 instead of 12 heads, 384 and 1536: about a thirteenth of a forward's work and a third
+    of the per-head fits. Its weights are the MiniLM's own, each cut to the leading block of the small shape (heads
+    0-3, the first 128 hidden dimensions; queries and keys rescaled), so its scores keep the pretrained model's
+    position and token structure rather than a random model's flat scores, and it is the same on every machine (no
+    random draw). (2 heads at width 64 were tried: there leaving layer 1 exact raises the error, which
+    `granularity-layers` refuses.)"""
+    import json
+    import shutil
+
+    from transformers import BertConfig, BertModel
+
+    original = BertModel.from_pretrained(minilm_path)
+    config = BertConfig(**{**original.config.to_dict(), "hidden_size": 128, "num_attention_heads": 4,
+                           "intermediate_size": 256})
+    small = BertModel(config)
+    source = original.state_dict()
+    # a query (key) reads 128 of the 384 hidden dimensions: scaled by √3 each, the scores keep about the MiniLM's scale
+    # (a third of it unscaled: flatter softmaxes, where partial attention changes the outputs less)
+    scale = (original.config.hidden_size / config.hidden_size) ** 0.5
+    with torch.no_grad():
+        for name, tensor in small.state_dict().items():
+            tensor.copy_(source[name][tuple(slice(0, size) for size in tensor.shape)])
+            if ".attention.self.query." in name or ".attention.self.key." in name:
+                tensor.mul_(scale)
+    path = tmp_path_factory.mktemp("small_minilm")
+    small.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "modules.json",
+                 "sentence_bert_config.json", "config_sentence_transformers.json"):
+        shutil.copy(os.path.join(minilm_path, name), path / name)
+    (path / "1_Pooling").mkdir()
+    pooling = json.load(open(os.path.join(minilm_path, "1_Pooling", "config.json")))
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({**pooling, "word_embedding_dimension": 128}))
+    (path / "README.md").write_text(f"# A small MiniLM for tests\n\n```python\nfrom sentence_transformers import "
+                                    f"SentenceTransformer\nmodel = SentenceTransformer('{SMALL_MINILM_ID}')\n```\n")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def small_minilm_id():
+    """The Hub id reports name `small_minilm_dir` by."""
+    return SMALL_MINILM_ID
+
+
 @pytest.fixture
 def one_torch_thread():
     """One torch thread for the test, the previous setting restored after it (never changed for the session)."""

@@ -213,11 +213,13 @@ def test_no_import_cycle_in_the_repository():
 
 
 @pytest.mark.slow
-def test_demo_small(tmp_path, minilm_path, capsys):
+def test_demo_small(tmp_path, small_minilm_dir, small_minilm_id, capsys):
+    """The tiny version of `make demo` on the small MiniLM (6 layers, d_h = 32 as the MiniLM; conftest)."""
     out = str(tmp_path / "demo")
-    assert studies_cli.main(["demo", "--out", out, "--fit-sequences", "16", "--heldout-sequences", "8", "--k", "16",
-                             "24", "--whole-seq-len", "16", "--whole-sequences", "32", "--bucket-inputs", "96",
-                             "--embedding-paragraphs", "16", "--no-progress"]) == 0
+    assert studies_cli.main(["demo", "--out", out, "--model", small_minilm_dir, "--fit-sequences", "16",
+                             "--heldout-sequences", "8", "--k", "16", "24", "--whole-seq-len", "16",
+                             "--whole-sequences", "32", "--bucket-inputs", "96", "--embedding-paragraphs", "16",
+                             "--no-progress"]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith(f"Wrote {os.path.join(out, 'report.md')} in ")
     assert printed.rstrip().endswith(f"checkpoint {os.path.join(out, 'checkpoint')} (a k per layer at k = 16's saving, "
@@ -226,8 +228,8 @@ def test_demo_small(tmp_path, minilm_path, capsys):
     assert "Headline, k = 16 at n = 128" in report and "Conversion and sentence embeddings" in report
     assert "saves 43.8% of QKᵀ" in report  # the headline is at a k that saves work (d_h = 32)
     # the model is named by its Hub id, never by a path of this machine
-    assert "sentence-transformers/all-MiniLM-L6-v2" in report
-    assert minilm_path not in report and str(tmp_path) not in report
+    assert small_minilm_id in report
+    assert small_minilm_dir not in report and str(tmp_path) not in report
     assert os.path.isfile(os.path.join(out, "checkpoint", "config.json"))
     config = json.load(open(os.path.join(out, "checkpoint", "config.json")))
     assert config["partial_lengths"] == [16, 32, 64, 128]  # the checkpoint carries the length buckets
@@ -247,14 +249,15 @@ def test_demo_small(tmp_path, minilm_path, capsys):
 
 
 @pytest.mark.slow
-def test_lengths_small(tmp_path, minilm_path, capsys):
-    """The tiny version of `make lengths`: every arm, kind and k measured, the goals table rendered, the figure drawn,
-    and the four arms give different embeddings (each runs its own P and R); bucket 64 at its own k (--bucket-k)."""
+def test_lengths_small(tmp_path, small_minilm_dir, small_minilm_id, capsys):
+    """The tiny version of `make lengths` on the small MiniLM (conftest): every arm, kind and k measured, the goals
+    table rendered, the figure drawn, and the four arms give different embeddings (each runs its own P and R); bucket
+    64 at its own k (--bucket-k)."""
     from hf_partial_attention.cost import score_cost
 
     results = str(tmp_path / "results")
-    assert studies_cli.main(["lengths", "--out", str(tmp_path / "run"), "--results", results, "--k", "16",
-                             "--fit-windows", "16", "--fit-inputs", "120", "--max-heldout", "24",
+    assert studies_cli.main(["lengths", "--model", small_minilm_dir, "--out", str(tmp_path / "run"), "--results",
+                             results, "--k", "16", "--fit-windows", "16", "--fit-inputs", "120", "--max-heldout", "24",
                              "--bucket-k", "64=24", "--no-progress"]) == 0
     assert capsys.readouterr().out.startswith(f"Wrote {os.path.join(results, 'lengths.md')} in ")
     data = json.load(open(os.path.join(results, "lengths.json")))
@@ -268,11 +271,12 @@ def test_lengths_small(tmp_path, minilm_path, capsys):
             assert len(r["hidden_error"]) == 6 and 0 <= r["spearman"] <= 1
     assert len(set(by_arm.values())) == 4, by_arm
     text = open(os.path.join(results, "lengths.md")).read()
-    assert "## Goals at k = 16, bucket 64 at k = 24" in text and "sentence-transformers/all-MiniLM-L6-v2" in text
+    assert "## Goals at k = 16, bucket 64 at k = 24" in text and small_minilm_id in text
     assert data["bucket_k"] == {"64": 24} and data["saving"]["16"]["per_bucket"]["64"] == score_cost(64, 24, 32).saving
     assert data["saving"]["16"]["per_bucket"]["128"] == score_cost(128, 16, 32).saving
     assert [r["k"] for r in data["score_errors"]["16"]["buckets"]] == [16, 16, 24, 16]
-    assert minilm_path not in text and os.path.isfile(os.path.join(results, "figures", "one_minus_cos_vs_length.png"))
+    assert small_minilm_dir not in text
+    assert os.path.isfile(os.path.join(results, "figures", "one_minus_cos_vs_length.png"))
 
 
 def test_spearman_matches_scipy():
@@ -288,10 +292,11 @@ def test_spearman_matches_scipy():
 
 
 @pytest.mark.slow
-def test_recover_small(tmp_path, minilm_path, capsys):
-    """The tiny version of `make recover`: buckets fitted, converted, two recovery steps, measured, saved. The saved
-    checkpoint is the measured one (its embeddings reproduce the recovered row), it differs from the conversion, it
-    loads in sentence-transformers, and its card names the base model, the command and the numbers."""
+def test_recover_small(tmp_path, small_minilm_dir, small_minilm_id, capsys):
+    """The tiny version of `make recover` on the small MiniLM (conftest): buckets fitted, converted, two recovery steps,
+    measured, saved. The saved checkpoint is the measured one (its embeddings reproduce the recovered row), it differs
+    from the conversion, it loads in sentence-transformers, and its card names the base model, the command and the
+    numbers."""
     from sentence_transformers import SentenceTransformer
     from transformers import AutoTokenizer, BertModel
 
@@ -301,8 +306,8 @@ def test_recover_small(tmp_path, minilm_path, capsys):
     from hf_partial_attention.modeling_partial_bert import PartialBertModel
 
     out, results = str(tmp_path / "run"), str(tmp_path / "results")
-    assert studies_cli.main(["recover", "--out", out, "--results", results, "--steps", "2", "--batch-size", "8",
-                             "--train-inputs", "48", "--fit-inputs", "120", "--max-heldout", "24",
+    assert studies_cli.main(["recover", "--model", small_minilm_dir, "--out", out, "--results", results, "--steps", "2",
+                             "--batch-size", "8", "--train-inputs", "48", "--fit-inputs", "120", "--max-heldout", "24",
                              "--bucket-k", "64=20", "--no-progress"]) == 0
     assert "recovery.md" in capsys.readouterr().out
     assert os.path.isfile(os.path.join(out, "buckets", "patterns", "buckets_k16_b64k20.safetensors"))
@@ -316,23 +321,24 @@ def test_recover_small(tmp_path, minilm_path, capsys):
     tok = AutoTokenizer.from_pretrained(folder)
     saved = PartialBertModel.from_pretrained(folder, add_pooling_layer=False).eval()
     assert saved.config.partial_lengths_k == [16, 16, 20, 16]  # bucket 64 at its own k (--bucket-k)
-    original = BertModel.from_pretrained(minilm_path, add_pooling_layer=False).eval()
+    original = BertModel.from_pretrained(small_minilm_dir, add_pooling_layer=False).eval()
     again = measure(original, {"recovered": saved}, {"sentences": held_out_inputs(tok, 24, 0, 128)[0]["sentences"]},
                     data["lengths"])
     again = {r["bucket"]: r for r in again}
     assert again["all"]["one_minus_cos"] == pytest.approx(rec["one_minus_cos"], rel=1e-6, abs=1e-9)
     st = SentenceTransformer(folder, trust_remote_code=True, device="cpu")
-    assert st.encode(["A held-out sentence."]).shape == (1, 384)
+    assert st.encode(["A held-out sentence."]).shape == (1, 128)  # the small MiniLM's width
     card = open(os.path.join(folder, "README.md")).read()
-    assert "base_model: sentence-transformers/all-MiniLM-L6-v2" in card
+    assert f"base_model: {small_minilm_id}" in card
     assert "python -m experiments recover" in card and f"{rec['one_minus_cos']:.4f}" in card
-    assert minilm_path not in card and minilm_path not in open(os.path.join(results, "recovery.md")).read()
+    assert small_minilm_dir not in card and small_minilm_dir not in open(os.path.join(results, "recovery.md")).read()
 
 
 @pytest.mark.slow
-def test_granularity_small(tmp_path, minilm_path, capsys):
-    """The tiny version of `make granularity`: one analysis per head, the three granularities measured at the same
-    k, each converting what it names (the pooled row is the pooled pattern's conversion, recomputed here)."""
+def test_granularity_small(tmp_path, small_minilm_dir, capsys):
+    """The tiny version of `make granularity` on the small MiniLM (conftest): one analysis per head, the three
+    granularities measured at the same k, each converting what it names (the pooled row is the pooled pattern's
+    conversion, recomputed here)."""
     from hf_partial_attention import PartialBertModel
     from hf_partial_attention.analysis.covariance import ScoreCovariance
     from hf_partial_attention.analysis.embeddings import embedding_cosines, window_batches
@@ -343,32 +349,32 @@ def test_granularity_small(tmp_path, minilm_path, capsys):
     from experiments.objectives.study import model_outputs
 
     run, results = str(tmp_path / "run"), str(tmp_path / "results")
-    assert studies_cli.main(["granularity", run, "--results", results, "--k", "4", "--objectives", "paper",
-                             "--seq-len", "16", "--fit-sequences", "32", "--heldout-sequences", "6",
-                             "--no-progress"]) == 0
+    assert studies_cli.main(["granularity", "--model", small_minilm_dir, run, "--results", results, "--k", "4",
+                             "--objectives", "paper", "--seq-len", "16", "--fit-sequences", "32", "--heldout-sequences",
+                             "6", "--no-progress"]) == 0
     assert capsys.readouterr().out.startswith(f"Wrote {os.path.join(results, 'granularity.md')} in ")
     data = json.load(open(os.path.join(results, "granularity.json")))
     rows = {r["granularity"]: r for r in data["rows"]}
     assert set(rows) == {"pooled", "layer", "head"} and data["partial_layers"] == [0, 1, 2, 3, 4]
     assert len({r["one_minus_cos"] for r in rows.values()}) == 3  # three different conversions
     cov = ScoreCovariance.load(os.path.join(run, "covariance.safetensors"))
-    assert cov.granularity == "head" and len(cov.heads) == 12
-    original = AutoModel.from_pretrained(minilm_path).eval()
+    assert cov.granularity == "head" and len(cov.heads) == 4  # the small MiniLM's heads
+    original = AutoModel.from_pretrained(small_minilm_dir).eval()
     batches = window_batches(load_file(os.path.join(run, "heldout_windows.safetensors"))["input_ids"], 16)
     pooled = PartialBertModel.from_bert(original, select_pattern(cov, 4), reconstruction="fixed").eval()
     ref, _ = model_outputs(original, batches, False, "")
     got, _ = model_outputs(pooled, batches, False, "")
     assert abs(float(1 - embedding_cosines(ref, got).mean()) - rows["pooled"]["one_minus_cos"]) < 1e-6
     text = open(os.path.join(results, "granularity.md")).read()
-    assert "| 4 | paper | head |" in text and minilm_path not in text
+    assert "| 4 | paper | head |" in text and small_minilm_dir not in text
 
 
 @pytest.mark.slow
-def test_granularity_lengths_small(tmp_path, minilm_path, capsys, monkeypatch):
-    """The tiny version of `make granularity-lengths` (buckets 16 and 32, k = 4): the five arms measured on every kind
-    of input, the budgeted arms with a k per partial layer that costs no more than k = 4 in every layer, and the
-    pooled arm equal to a conversion of the pooled fit recomputed here from the same covariances; then the tiny
-    version of `make granularity-recover` on that run."""
+def test_granularity_lengths_small(tmp_path, small_minilm_dir, capsys, monkeypatch):
+    """The tiny version of `make granularity-lengths` on the small MiniLM (conftest; buckets 16 and 32, k = 4): the five
+    arms measured on every kind of input, the budgeted arms with a k per partial layer that costs no more than k = 4 in
+    every layer, and the pooled arm equal to a conversion of the pooled fit recomputed here from the same covariances;
+    then the tiny version of `make granularity-recover` on that run."""
     from hf_partial_attention import PartialBertModel
     from hf_partial_attention.analysis.covariance import ScoreCovariance
     from hf_partial_attention.analysis.lengths import bucket_covariance_files
@@ -381,9 +387,9 @@ def test_granularity_lengths_small(tmp_path, minilm_path, capsys, monkeypatch):
     from experiments.lengths.recover import measure
 
     run, results = str(tmp_path / "run"), str(tmp_path / "results")
-    assert studies_cli.main(["granularity-lengths", "--out", run, "--results", results, "--k", "4", "--lengths", "16",
-                             "32", "--fit-inputs", "80", "--fit-windows", "16", "--max-heldout", "12",
-                             "--heldout-windows", "4", "--no-progress"]) == 0
+    assert studies_cli.main(["granularity-lengths", "--model", small_minilm_dir, "--out", run, "--results", results,
+                             "--k", "4", "--lengths", "16", "32", "--fit-inputs", "80", "--fit-windows", "16",
+                             "--max-heldout", "12", "--heldout-windows", "4", "--no-progress"]) == 0
     assert capsys.readouterr().out.startswith(f"Wrote {os.path.join(results, 'granularity_lengths.md')} in ")
     data = json.load(open(os.path.join(results, "granularity_lengths.json")))
     assert data["arms"] == ["pooled uniform", "layer uniform", "layer budget", "head uniform", "head budget"]
@@ -395,7 +401,7 @@ def test_granularity_lengths_small(tmp_path, minilm_path, capsys, monkeypatch):
         assert sum(score_cost(32, v[-1], 32).total for v in ks.values()) <= 5 * score_cost(32, 4, 32).total
     assert data["saving"]["head uniform"]["ks"]["0"] == [4, 4]
     text = open(os.path.join(results, "granularity_lengths.md")).read()
-    assert "## Goals (issue 34" in text and "`head budget`" in text and minilm_path not in text
+    assert "## Goals (issue 34" in text and "`head budget`" in text and small_minilm_dir not in text
     # the pooled arm: P and R of the summed covariances, converted, measured the same way
     covs = {b: ScoreCovariance.load(p) for b, p in bucket_covariance_files(os.path.join(run, "fit")).items()}
     assert all(c.granularity == "head" for c in covs.values())
@@ -403,9 +409,9 @@ def test_granularity_lengths_small(tmp_path, minilm_path, capsys, monkeypatch):
     longest = ScoreCovariance.load(bucket_covariance_files(os.path.join(run, "buckets"))[32])
     assert covs[32].num_sequences == longest.num_sequences + 16 == data["fit_inputs"]["32"]
     pooled = PatternBuckets({b: select_pattern(covs[b], 4, objective="fisher") for b in (16, 32)}, k=4)
-    original = AutoModel.from_pretrained(minilm_path).eval()
+    original = AutoModel.from_pretrained(small_minilm_dir).eval()
     model = PartialBertModel.from_bert(original, pooled, reconstruction="fixed").eval()
-    tokens, _ = held_out_inputs(AutoTokenizer.from_pretrained(minilm_path), 12, 0, 32)
+    tokens, _ = held_out_inputs(AutoTokenizer.from_pretrained(small_minilm_dir), 12, 0, 32)
     expected = measure(original, {"pooled uniform": model}, {"sentences": tokens["sentences"]}, (16, 32))
     got = {(r["inputs_kind"], r["bucket"]): r["one_minus_cos"] for r in data["rows"] if r["model"] == "pooled uniform"}
     for r in expected:
@@ -421,9 +427,9 @@ def test_granularity_lengths_small(tmp_path, minilm_path, capsys, monkeypatch):
     saved = load_file(pooled_file)
     assert any(torch.equal(v, pooled[32].indices) for v in saved.values())
     recovered, out = str(tmp_path / "recovered"), str(tmp_path / "recover_runs")
-    argv = ["granularity-recover", "--lengths-run", run, "--out", out, "--results", recovered, "--k", "4", "--steps",
-            "1", "--batch-size", "8", "--train-inputs", "16", "--max-heldout", "8", "--arms", "pooled_uniform",
-            "head_budget", "--no-progress"]
+    argv = ["granularity-recover", "--model", small_minilm_dir, "--lengths-run", run, "--out", out, "--results",
+            recovered, "--k", "4", "--steps", "1", "--batch-size", "8", "--train-inputs", "16", "--max-heldout", "8",
+            "--arms", "pooled_uniform", "head_budget", "--no-progress"]
     assert studies_cli.main(argv) == 0
     capsys.readouterr()
     data = json.load(open(os.path.join(recovered, "granularity_recover.json")))
@@ -436,7 +442,7 @@ def test_granularity_lengths_small(tmp_path, minilm_path, capsys, monkeypatch):
     config = json.load(open(os.path.join(out, "head_budget", "recovered", "config.json")))
     assert config["partial_granularity"] == "head" and len({tuple(r) for r in config["partial_layers_k"]}) > 1
     text = open(os.path.join(recovered, "granularity_recover.md")).read()
-    assert "## Goal (issue 34" in text and minilm_path not in text
+    assert "## Goal (issue 34" in text and small_minilm_dir not in text
 
     calls = []
     real = recover_module.run_recover
@@ -457,9 +463,9 @@ def test_granularity_lengths_small(tmp_path, minilm_path, capsys, monkeypatch):
     from hf_partial_attention.pattern_layers import LayerPatterns
 
     layers_results = str(tmp_path / "layers")
-    assert studies_cli.main(["granularity-layers", "--lengths-run", run, "--results", layers_results, "--k", "4",
-                             "--calibration-windows", "8", "--max-heldout", "12", "--heldout-windows", "4",
-                             "--no-progress"]) == 0
+    assert studies_cli.main(["granularity-layers", "--model", small_minilm_dir, "--lengths-run", run, "--results",
+                             layers_results, "--k", "4", "--calibration-windows", "8", "--max-heldout", "12",
+                             "--heldout-windows", "4", "--no-progress"]) == 0
     capsys.readouterr()
     data = json.load(open(os.path.join(layers_results, "granularity_layers.json")))
     assert data["layers"] == [0, 1, 2, 3, 4] and data["arms"][:3] == ["head uniform", "head budget", "head calibrated"]
@@ -467,7 +473,7 @@ def test_granularity_lengths_small(tmp_path, minilm_path, capsys, monkeypatch):
     chosen = min(range(5), key=lambda layer: data["ablation"]["exact"][str(layer)]["calibration"])
     assert data["exact_layer"] == chosen and len(data["arms"]) == 3  # k = 4's saving cannot pay for a dense layer
     assert "leave fewer layers exact" in data["exact_skipped"]
-    ids = make_windows(AutoTokenizer.from_pretrained(minilm_path), default_texts(), 32, 8)  # (8, 32)
+    ids = make_windows(AutoTokenizer.from_pretrained(small_minilm_dir), default_texts(), 32, 8)  # (8, 32)
     uniform = LayerPatterns.load(os.path.join(run, "fit", "patterns",
                                               "buckets_per_query_fisher_head_savingk4_uniform.safetensors"))
     alone = PartialBertModel.from_bert(original, uniform, reconstruction="fixed", partial_layers=[0]).eval()
@@ -491,8 +497,9 @@ def test_granularity_lengths_small(tmp_path, minilm_path, capsys, monkeypatch):
     from experiments.granularity.refit import refit_layer
 
     refit_results = str(tmp_path / "refit")
-    assert studies_cli.main(["granularity-refit", "--lengths-run", run, "--results", refit_results, "--k", "4",
-                             "--windows", "8", "--max-heldout", "12", "--heldout-windows", "4", "--no-progress"]) == 0
+    assert studies_cli.main(["granularity-refit", "--model", small_minilm_dir, "--lengths-run", run, "--results",
+                             refit_results, "--k", "4", "--windows", "8", "--max-heldout", "12", "--heldout-windows",
+                             "4", "--no-progress"]) == 0
     capsys.readouterr()
     data = json.load(open(os.path.join(refit_results, "granularity_refit.json")))
     assert data["arms"] == ["fit", "refit", "refit with docstrings", "refit in context"]
@@ -500,18 +507,18 @@ def test_granularity_lengths_small(tmp_path, minilm_path, capsys, monkeypatch):
     rows = {(r["model"], r["inputs_kind"]): r for r in data["rows"]}
     assert {arm for arm, kind in rows if kind == "windows"} == set(data["arms"])
     assert data["predicted_error"]["2"] == pytest.approx(
-        sum(uniform.group(2, h)[32].metadata["normalized_error"] for h in range(12)) / 12)
-    held = held_out_inputs(AutoTokenizer.from_pretrained(minilm_path), 12, 4, 32)[1].input_ids  # (4, 32)
+        sum(uniform.group(2, h)[32].metadata["normalized_error"] for h in range(4)) / 4)
+    held = held_out_inputs(AutoTokenizer.from_pretrained(small_minilm_dir), 12, 4, 32)[1].input_ids  # (4, 32)
     converted = PartialBertModel.from_bert(original, uniform, reconstruction="fixed").eval()
     with torch.no_grad():
         ref, got = (m(input_ids=held).last_hidden_state.mean(1) for m in (original, converted))
     expected = float((1 - torch.cosine_similarity(ref.double(), got.double(), dim=-1)).mean())
     assert rows[("fit", "windows")]["one_minus_cos"] == pytest.approx(expected, rel=1e-4)
     assert rows[("refit", "windows")]["one_minus_cos"] != rows[("fit", "windows")]["one_minus_cos"]
-    cov = collect_covariance(original, ids, minilm_path, seq_len=32, granularity="head", progress=False,
+    cov = collect_covariance(original, ids, small_minilm_dir, seq_len=32, granularity="head", progress=False,
                              distributed=False)
     plain = refit_layer(original, uniform, 1, ids)
-    for head in (0, 7):
+    for head in (0, 3):
         fitted = uniform.group(1, head)[32]
         want = fit_pattern(cov, fitted.indices, centered=True, bias=True, ridge=fitted.metadata["ridge"], layer=1,
                            head=head)
@@ -531,9 +538,10 @@ def test_granularity_lengths_small(tmp_path, minilm_path, capsys, monkeypatch):
     from experiments.granularity.lengths import parse_arm
 
     exact_results = str(tmp_path / "exact")
-    assert studies_cli.main(["granularity-lengths", "--out", run, "--results", exact_results, "--k", "12", "--lengths",
-                             "16", "32", "--fit-inputs", "80", "--fit-windows", "16", "--max-heldout", "12",
-                             "--heldout-windows", "4", "--arms", "head_exact4", "--no-progress"]) == 0
+    assert studies_cli.main(["granularity-lengths", "--model", small_minilm_dir, "--out", run, "--results",
+                             exact_results, "--k", "12", "--lengths", "16", "32", "--fit-inputs", "80", "--fit-windows",
+                             "16", "--max-heldout", "12", "--heldout-windows", "4", "--arms", "head_exact4",
+                             "--no-progress"]) == 0
     capsys.readouterr()
     data = json.load(open(os.path.join(exact_results, "granularity_lengths.json")))
     assert data["arms"] == ["head exact4"] and data["saving"]["head exact4"]["ks"]["4"] == [16, 32]
@@ -546,9 +554,9 @@ def test_granularity_lengths_small(tmp_path, minilm_path, capsys, monkeypatch):
     expected = float((1 - torch.cosine_similarity(ref.double(), got.double(), dim=-1)).mean())
     windows_row = next(r for r in data["rows"] if r["inputs_kind"] == "windows" and r["bucket"] == "all")
     assert windows_row["one_minus_cos"] == pytest.approx(expected, rel=1e-4)
-    assert studies_cli.main(["granularity-recover", "--lengths-run", run, "--out", out, "--results",
-                             str(tmp_path / "exact_recovered"), "--k", "12", "--steps", "1", "--batch-size", "8",
-                             "--train-inputs", "16", "--max-heldout", "8", "--arms", "head_exact4",
+    assert studies_cli.main(["granularity-recover", "--model", small_minilm_dir, "--lengths-run", run, "--out", out,
+                             "--results", str(tmp_path / "exact_recovered"), "--k", "12", "--steps", "1",
+                             "--batch-size", "8", "--train-inputs", "16", "--max-heldout", "8", "--arms", "head_exact4",
                              "--no-progress"]) == 0
     capsys.readouterr()
     config = json.load(open(os.path.join(out, "head_exact4", "recovered", "config.json")))
@@ -578,3 +586,21 @@ def test_demo_compares_embeddings_of_64_paragraphs_by_default_and_refuses_fewer_
     with pytest.raises(ValueError, match="embedding_paragraphs=1.*--embedding-paragraphs 2 or more"):
         run_demo(str(out), embedding_paragraphs=1)
     assert not out.exists()
+
+
+def test_recorded_commands_name_a_local_model_by_its_hub_id(tmp_path):
+    """A study's recorded command names a local model folder as reports do: by the Hub id its card records, else by
+    the folder's name; a Hub id, a missing path and the other flags' values are kept as given."""
+    from experiments.flags import portable_argv
+
+    named = tmp_path / "models" / "mine"
+    named.mkdir(parents=True)
+    (named / "modules.json").write_text("[]")
+    (named / "README.md").write_text("model = SentenceTransformer('org/name')\n")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    argv = ["demo", "--model", str(named), "--out", str(bare), "--model_name_or_path", str(bare)]
+    assert portable_argv(argv) == ["demo", "--model", "org/name", "--out", str(bare), "--model_name_or_path", "bare"]
+    assert portable_argv([f"--model={named}", "--k", "16"]) == ["--model=org/name", "--k", "16"]
+    assert portable_argv(["--model", "org/other", "--model", "no/such/folder"]) == ["--model", "org/other", "--model",
+                                                                                     "no/such/folder"]

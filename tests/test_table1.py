@@ -224,12 +224,13 @@ def _at(report: dict, path: str):
 
 
 @pytest.mark.slow
-def test_tiny_table1_study_killed_and_resumed(tmp_path, monkeypatch, capsys, one_torch_thread):
-    """The whole study at tiny sizes on the real MiniLM: a run killed in fine-tuning continues where it stopped;
+def test_tiny_table1_study_killed_and_resumed(tmp_path, monkeypatch, capsys, one_torch_thread, small_minilm_dir,
+                                              small_minilm_id):
+    """The whole study at tiny sizes on the small MiniLM (conftest: 6 layers, d_h = 32 as the real one): a run killed in fine-tuning continues where it stopped;
     R's learning rate is chosen on the selection split before any test number is read; the zero-fill control runs
     one bucket and the others theirs; the decomposition is differences of the table's numbers."""
-    argv = ["table1", *TINY, "--output_dir", str(tmp_path / "out"), "--run_dir", str(tmp_path / "run"),
-            "--cards_dir", str(tmp_path / "cards")]
+    argv = ["table1", "--model_name_or_path", small_minilm_dir, *TINY, "--output_dir", str(tmp_path / "out"),
+            "--run_dir", str(tmp_path / "run"), "--cards_dir", str(tmp_path / "cards")]
     jobs = tmp_path / "run" / "jobs"
     real_finetune, real_train = table1_steps.finetune, table1_steps.train_mlm
     real_losses, real_load = table1_steps.mlm_window_losses, table1.load_study_data
@@ -321,14 +322,16 @@ def test_tiny_table1_study_killed_and_resumed(tmp_path, monkeypatch, capsys, one
     # QKᵀ saving by hand at n = 32, d_h = 32, k = 8: 1 - (8*32 + 24*8) / (32*32) = 0.5625, over 5 of 6 layers
     assert rows["k8_fixed_distill"]["qk_saving_partial_layers"] == pytest.approx(0.5625)
     assert rows["k8_fixed_distill"]["qk_saving_model"] == pytest.approx(0.5625 * 5 / 6)
-    assert report["model"] == "sentence-transformers/all-MiniLM-L6-v2"
+    assert report["model"] == small_minilm_id
     assert set(report["timing"]["ms"]) >= {"exact/eager", "exact/sdpa", "k8_fixed/eager", "k8_common/sdpa"}
     text = (tmp_path / "out" / "table1.md").read_text()
-    assert "python -m experiments table1 --max_seq_length 32" in text
+    # the command names the model by its Hub id (a local folder's path would run nowhere else)
+    assert f"python -m experiments table1 --model_name_or_path {small_minilm_id} --max_seq_length 32" in text
+    assert text.startswith(f"# Table 1 v2 on the pretrained `{small_minilm_id}`")
     assert "| k8_common_distill_zerofill | 8 | common | distill | zero_fill |" in text
     assert "## Gap decomposition" in text and d["sentence"] in text and "## Goals (issue 24)" in text
     assert f"chosen **{rlr['chosen']:g}**" in text
-    assert "site-packages" not in text  # the model is named by its Hub id, not by where it lies here
+    assert small_minilm_dir not in text  # the model is named by its Hub id, not by where it lies here
     card = ModelCard.load(tmp_path / "cards" / "table1-k8_common_distill" / "README.md")
     validate_card_metadata(card)
     result = card.data.eval_results[0]
@@ -392,8 +395,9 @@ def test_tokenize_pairs_without_padding_keeps_each_length():
 
 
 @pytest.mark.slow
-def test_tiny_table1_study_by_the_mnli_flags(tmp_path, one_torch_thread):
-    """The GPU command's path (--task mnli, its own text, no phase 1), here with local MNLI-format files."""
+def test_tiny_table1_study_by_the_mnli_flags(tmp_path, one_torch_thread, small_minilm_dir):
+    """The GPU command's path (--task mnli, its own text, no phase 1), here with local MNLI-format files, on the small
+    MiniLM (conftest)."""
     import random
 
     from hf_partial_attention.analysis.corpus import pydoc_paragraphs
@@ -406,7 +410,7 @@ def test_tiny_table1_study_by_the_mnli_flags(tmp_path, one_torch_thread):
         rows = [{"premise": rng.choice(paragraphs)[:80], "hypothesis": rng.choice(paragraphs)[:40],
                  "label": ["entailment", "neutral", "contradiction"][i % 3]} for i in range(count)]
         (tmp_path / f"{split}.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    argv = ["table1", *TINY, "--task", "mnli", "--pretrain_train_file", str(text), "--finetune_train_file",
+    argv = ["table1", "--model_name_or_path", small_minilm_dir, *TINY, "--task", "mnli", "--pretrain_train_file", str(text), "--finetune_train_file",
             str(tmp_path / "train.jsonl"), "--finetune_validation_file", str(tmp_path / "validation.jsonl"),
             "--phase1_steps", "0", "--ks", "8", "--modes", "fixed", "--recoveries", "mlm", "--zero_fill_control", "",
             "--rlr_arm", "", "--reconstruction_learning_rates", "1e-3", "--finetune_seeds", "0",

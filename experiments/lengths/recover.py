@@ -154,12 +154,13 @@ def _card(model, folder: str, result: dict, model_id: str) -> None:
                           "dataset_name": "installed packages' descriptions, sentences (held out)",
                           "metric_type": "agreement_with_base_model",
                           "metric_name": f"{metric} ({name})", "metric_value": round(float(value), 4)})
-    details = (f"Recovered by distillation from the exact `{model_id}` with "
+    details = (f"Recovered by distillation from the exact {f'`{model_id}`' if model_id else 'source model'} with "
                f"`hf_partial_attention.training.PartialAttentionTrainer` (`recovery_objective={result['objective']}`), "
                f"{result['steps']} steps, batch {result['batch_size']}, on {result['train_inputs']} sentences and "
                f"paragraphs of CPython's `pydoc_data.topics` at their own lengths. Command: `{result['command']}`.\n\n"
                + _render(result).split("\n", 2)[2])
-    write_model_card(model, folder, overwrite=True, model_name=f"{model_id.split('/')[-1]}-partial-k{result['k']}",
+    base = model_id.split("/")[-1] if model_id else "model"  # a folder that records no Hub id: no name to reuse
+    write_model_card(model, folder, overwrite=True, model_name=f"{base}-partial-k{result['k']}",
                      base_model=model_id, training_details=details, eval_results=evals, sentence_transformers=True)
 
 

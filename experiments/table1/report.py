@@ -174,7 +174,8 @@ def render(report: dict) -> str:
                            f"{_f(c['r_drift_max'], 3)})" for c in sel["candidates"]) or "one candidate, not trained"
     pl = report["pair_lengths"]
     return "\n".join([
-        "# Table 1 v2 on the real pretrained MiniLM: exact vs partial attention at the inputs' own lengths", "",
+        f"# Table 1 v2 on the pretrained `{report['model'] or 'model'}`: exact vs partial attention at the inputs' own "
+        "lengths", "",
         f"Command (wall time {s['total'] / 60:.1f} min: phase 1 {s['phase1']:.0f} s, P and R {s['patterns']:.0f} s, "
         f"R learning rate {s['rlr']:.0f} s, phase 2 {s['phase2']:.0f} s, conversions {s['conv']:.0f} s, fine-tuning "
         f"{s['finetune']:.0f} s, timing {s['timing']:.0f} s; {m['cpus']} CPUs, {m['threads']} torch threads, torch "

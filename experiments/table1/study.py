@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from . import steps
 from ..store import JobStore
+from ..flags import portable_argv
 from .data import load_study_data
 from .report import write_report
 from .spec import BUCKET_OBJECTIVE, COMMAND, Arm, StudyArguments, job_names, layers_key
@@ -134,7 +135,7 @@ def run_table1(a: StudyArguments, argv: list[str] | None = None) -> dict:
     (`gaps`) and the arms' model cards; the arms are `spec.Arm` values, which all modules take from
     `spec`. `budget` estimates the wall time of a set of arguments (the defaults: about 2.4 h on 2 cores).
     """
-    command = " ".join([COMMAND, *(shlex.quote(x) for x in (argv or []))])
+    command = " ".join([COMMAND, *(shlex.quote(x) for x in portable_argv(argv or []))])
     if a.threads:
         torch.set_num_threads(a.threads)
     store = JobStore(a.run_dir, a.result_fields())

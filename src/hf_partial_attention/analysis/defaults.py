@@ -23,5 +23,13 @@ def default_model_path() -> str:
 
 
 def resolve_model(model: str | None) -> tuple[str, str | None]:
-    """``(path or Hub id to load, Hub id for reports or None)``; ``model`` None: the packaged MiniLM, by its id."""
-    return (model, None) if model else (default_model_path(), DEFAULT_MODEL_ID)
+    """``(path or Hub id to load, Hub id for reports or None)``; ``model`` None: the packaged MiniLM, by its id.
+
+    A model given is named by the Hub id it records (`collect.hub_id`: a Hub id as it is, a folder by the id its
+    card or config names), None where it records none (reports then name a folder by its own name, never its path).
+    """
+    if not model:
+        return default_model_path(), DEFAULT_MODEL_ID
+    from .collect import hub_id
+
+    return model, hub_id(model)
