@@ -226,9 +226,10 @@ def _at(report: dict, path: str):
 @pytest.mark.slow
 def test_tiny_table1_study_killed_and_resumed(tmp_path, monkeypatch, capsys, one_torch_thread, small_minilm_dir,
                                               small_minilm_id):
-    """The whole study at tiny sizes on the small MiniLM (conftest: 6 layers, d_h = 32 as the real one): a run killed in fine-tuning continues where it stopped;
-    R's learning rate is chosen on the selection split before any test number is read; the zero-fill control runs
-    one bucket and the others theirs; the decomposition is differences of the table's numbers."""
+    """The whole study at tiny sizes on the small MiniLM (conftest: 6 layers, d_h = 32 as the real one): a run killed in
+    fine-tuning continues where it stopped; R's learning rate is chosen on the selection split before any test number
+    is read; the zero-fill control runs one bucket and the others theirs; the decomposition is differences of the
+    table's numbers."""
     argv = ["table1", "--model_name_or_path", small_minilm_dir, *TINY, "--output_dir", str(tmp_path / "out"),
             "--run_dir", str(tmp_path / "run"), "--cards_dir", str(tmp_path / "cards")]
     jobs = tmp_path / "run" / "jobs"
@@ -410,8 +411,8 @@ def test_tiny_table1_study_by_the_mnli_flags(tmp_path, one_torch_thread, small_m
         rows = [{"premise": rng.choice(paragraphs)[:80], "hypothesis": rng.choice(paragraphs)[:40],
                  "label": ["entailment", "neutral", "contradiction"][i % 3]} for i in range(count)]
         (tmp_path / f"{split}.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    argv = ["table1", "--model_name_or_path", small_minilm_dir, *TINY, "--task", "mnli", "--pretrain_train_file", str(text), "--finetune_train_file",
-            str(tmp_path / "train.jsonl"), "--finetune_validation_file", str(tmp_path / "validation.jsonl"),
+    argv = ["table1", "--model_name_or_path", small_minilm_dir, *TINY, "--task", "mnli", "--pretrain_train_file",
+            str(text), "--finetune_train_file", str(tmp_path / "train.jsonl"), "--finetune_validation_file", str(tmp_path / "validation.jsonl"),
             "--phase1_steps", "0", "--ks", "8", "--modes", "fixed", "--recoveries", "mlm", "--zero_fill_control", "",
             "--rlr_arm", "", "--reconstruction_learning_rates", "1e-3", "--finetune_seeds", "0",
             "--granularity_arms", "8:per_layer:mlm:head_budget,8:per_layer:none:head_exact4",
