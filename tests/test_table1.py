@@ -412,7 +412,8 @@ def test_tiny_table1_study_by_the_mnli_flags(tmp_path, one_torch_thread, small_m
                  "label": ["entailment", "neutral", "contradiction"][i % 3]} for i in range(count)]
         (tmp_path / f"{split}.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     argv = ["table1", "--model_name_or_path", small_minilm_dir, *TINY, "--task", "mnli", "--pretrain_train_file",
-            str(text), "--finetune_train_file", str(tmp_path / "train.jsonl"), "--finetune_validation_file", str(tmp_path / "validation.jsonl"),
+            str(text), "--finetune_train_file", str(tmp_path / "train.jsonl"), "--finetune_validation_file",
+            str(tmp_path / "validation.jsonl"),
             "--phase1_steps", "0", "--ks", "8", "--modes", "fixed", "--recoveries", "mlm", "--zero_fill_control", "",
             "--rlr_arm", "", "--reconstruction_learning_rates", "1e-3", "--finetune_seeds", "0",
             "--granularity_arms", "8:per_layer:mlm:head_budget,8:per_layer:none:head_exact4",
