@@ -17,11 +17,12 @@ os.environ.setdefault("HF_PARTIAL_ATTENTION_CACHE", os.path.join(tempfile.gettem
 
 # `make test-all` runs the suite in two passes: every test but the `serial` ones across both cores (pytest-xdist, one
 # torch thread per worker so two workers do not oversubscribe two cores), then the `serial` ones alone with every
-# thread: those that time things (their ratios would measure the other worker) or spawn processes of their own
-# (accelerate launch, torch.multiprocessing), which would fight the other worker for the cores. `make test` (the unit
-# tier) runs in one pass across both cores: the serial modules' tests that are not slow check what a benchmark or a
-# launch records, never a speed, and start at most one process.
-SERIAL_MODULES = {"test_benchmarks", "test_examples", "test_examples_encoders", "test_analysis_distributed"}
+# thread: those that spawn processes of their own (accelerate launch, torch.multiprocessing), which would fight the
+# other worker for the cores. The benchmarks' tests are not among them: they check what a benchmark records (every
+# case once, ratios from the kept rounds, verdicts from the ratios), never a speed, so a busy core changes their
+# figures and none of their assertions. `make test` (the unit tier) runs in one pass across both cores: the serial
+# modules' tests that are not slow start at most one process.
+SERIAL_MODULES = {"test_examples", "test_examples_encoders", "test_analysis_distributed"}
 
 # Two tiers, as transformers has them (its @slow / RUN_SLOW=1): `make test` runs every test not marked `slow`, the
 # unit tier (every architecture, the common model tests, the clients) in a few minutes on 2 cores, setup included;
