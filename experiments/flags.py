@@ -19,12 +19,14 @@ def command_line(args) -> str:
 
 def portable_argv(argv: list[str]) -> list[str]:
     """``argv`` with each local model folder (the value of a `MODEL_FLAGS` flag) named by the Hub id it records
-    (`analysis.collect.hub_id`), or by its folder's name where it records none: results name models by their Hub id,
-    never by a path on the machine that ran them."""
+    (`analysis.collect.hub_id`), else an absolute path by its folder's name (a relative one is kept as typed, to rerun
+    from the same folder): results name models by their Hub id, never by a path on the machine that ran them."""
     from hf_partial_attention.analysis.collect import display_name, hub_id
 
     def named(value: str) -> str:
-        return (hub_id(value) or display_name(value)) if os.path.exists(value) else value
+        if not os.path.exists(value):
+            return value
+        return hub_id(value) or (display_name(value) if os.path.isabs(value) else value)
 
     out, argv = [], list(argv)
     for i, arg in enumerate(argv):

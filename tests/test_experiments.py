@@ -37,8 +37,10 @@ def test_the_package_keeps_what_its_commands_need():
 
     assert list(cli.COMMANDS) == ["analyze", "derive", "convert"]
     assert OBJECTIVES == ("paper", "shift", "fisher") and "shared_blocks" in FAMILIES
+    # a model given is named by the Hub id it records: a Hub id as it is, a folder that records none by nothing
     assert resolve_model(None)[1] == DEFAULT_MODEL_ID and resolve_model("bert-base-uncased") == ("bert-base-uncased",
-                                                                                                None)
+                                                                                                "bert-base-uncased")
+    assert resolve_model(ROOT) == (ROOT, None)
     # what the wheel packs (pyproject: packages.find where = ["src"]): the plugin only, no study
     packages = find_packages(os.path.join(ROOT, "src"))
     assert "hf_partial_attention" in packages
@@ -588,9 +590,10 @@ def test_demo_compares_embeddings_of_64_paragraphs_by_default_and_refuses_fewer_
     assert not out.exists()
 
 
-def test_recorded_commands_name_a_local_model_by_its_hub_id(tmp_path):
-    """A study's recorded command names a local model folder as reports do: by the Hub id its card records, else by
-    the folder's name; a Hub id, a missing path and the other flags' values are kept as given."""
+def test_recorded_commands_name_a_local_model_by_its_hub_id(tmp_path, monkeypatch):
+    """A study's recorded command names a local model folder as reports do: by the Hub id its card records, else an
+    absolute path by the folder's name; a relative path, a Hub id, a missing path and the other flags' values are kept
+    as given."""
     from experiments.flags import portable_argv
 
     named = tmp_path / "models" / "mine"
@@ -602,5 +605,7 @@ def test_recorded_commands_name_a_local_model_by_its_hub_id(tmp_path):
     argv = ["demo", "--model", str(named), "--out", str(bare), "--model_name_or_path", str(bare)]
     assert portable_argv(argv) == ["demo", "--model", "org/name", "--out", str(bare), "--model_name_or_path", "bare"]
     assert portable_argv([f"--model={named}", "--k", "16"]) == ["--model=org/name", "--k", "16"]
+    monkeypatch.chdir(tmp_path)
+    assert portable_argv(["--model", "bare"]) == ["--model", "bare"]
     assert portable_argv(["--model", "org/other", "--model", "no/such/folder"]) == ["--model", "org/other", "--model",
                                                                                      "no/such/folder"]

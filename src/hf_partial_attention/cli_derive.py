@@ -63,6 +63,7 @@ def derive_arguments(p):
 def run_derive(args) -> int:
     """Map the flags onto one `analysis.derive.DeriveRequest`, run it and print a line per file."""
     from .analysis.derive import DeriveRequest, derive_patterns
+    from .partial_places import per_layer_granularity
 
     request = DeriveRequest(ks=tuple(args.k), scope=args.scope, family=args.family, objective=args.objective,
                             granularity=args.granularity, bucket_k=dict(args.bucket_k or ()), saving=args.saving,
@@ -73,7 +74,7 @@ def run_derive(args) -> int:
         if args.saving is not None:
             _print_budget(result, args.objective)
             return 0
-        if args.granularity != "pooled":
+        if per_layer_granularity(args.granularity):
             (_print_layer_buckets if inputs == "buckets" else _print_layers)(result, args)
             return 0
         (_print_buckets if inputs == "buckets" else _print_windows)(result, args)

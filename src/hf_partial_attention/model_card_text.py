@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from .cost import bucket_savings, score_cost
-from .partial_places import r_trainable, tensor_names
+from .partial_places import head_count, own_patterns, r_trainable, tensor_names
 
 __all__ = ["partial_section", "provenance_section", "training_section", "loading_section", "PLACEHOLDER",
            "UNTRAINED_WARNING"]
@@ -113,19 +113,18 @@ def partial_section(config, prefix: str, paths: tuple[str, str] | None = None) -
     bias = " plus a per-query bias b_i" if config.partial_use_bias else ""
     p_line = (f"`{names['P']}`, an int64 buffer of shape (n, k) = ({n}, {k}), shared by all\n"
               "  partial layers and heads; it never changes during training.")
-    granularity = getattr(config, "partial_granularity", "pooled")
-    if granularity != "pooled":  # each layer (or head) its own P and R (format 4)
+    if own_patterns(config):  # each layer (or head) its own P and R (format 4)
         held = "trainable" if r_trainable(config) else "a fixed buffer"
-        heads = config.num_attention_heads
-        lead = f"H = {heads}, " if granularity == "head" else ""
-        dims = "(H, n, k)" if granularity == "head" else "(n, k)"
+        per_head = head_count(config) is not None
+        lead = f"H = {head_count(config)}, " if per_head else ""
+        dims = "(H, n, k)" if per_head else "(n, k)"
         mode = (f"each partial layer l its own, {r_name} ({held}"
-                + ("; shape (H, n, n − k, k), one R per head" if granularity == "head" else "") + ")")
-        whose = "each head's own covariance (`derive --granularity head`): every head" if granularity == "head" \
+                + ("; shape (H, n, n − k, k), one R per head" if per_head else "") + ")")
+        whose = "each head's own covariance (`derive --granularity head`): every head" if per_head \
             else "that layer's own covariance (`derive --granularity layer`), shared by its heads"
         p_line = (f"`{names['P']}` for each partial layer l, an int64 buffer of shape "
                   f"{dims} = ({lead}{n}, {k}),\n  fitted on {whose}"
-                  + (" has its own P" if granularity == "head" else "") + "; it never changes during training.")
+                  + (" has its own P" if per_head else "") + "; it never changes during training.")
     return f"""## Partial attention: P and R
 
 In layers {layers} (of {total}; {_exact_layers_phrase(layers, total)}), query i computes the exact

@@ -20,7 +20,9 @@ from .pattern import AttentionPattern
 from .pattern_buckets import PatternBuckets
 from .pattern_layers import LayerPatterns
 # Where P and R live (re-exported: the names were defined here before `partial_places`).
-from .partial_places import bucket_suffix, head_count, pattern_module_name, r_keys, r_on_attention, r_trainable
+from .partial_places import (
+    bucket_suffix, head_count, own_patterns, pattern_module_name, r_keys, r_on_attention, r_trainable,
+)
 
 __all__ = ["PartialPattern", "PartialBertPattern", "default_pattern", "initial_for", "initial_stack", "check_buckets",
            "check_layers", "r_tensor", "init_bias", "bucket_suffix", "pattern_module_name", "head_count"]
@@ -67,13 +69,13 @@ def check_layers(config: PartialConfigMixin, pattern) -> None:
     """A ValueError unless ``pattern``'s kind fits ``config.partial_granularity`` and (per layer or head) it holds a
     P for every partial layer (and head)."""
     granularity = config.partial_granularity
-    if granularity != "pooled":
+    if own_patterns(config):
         if not isinstance(pattern, LayerPatterns) or pattern.granularity != granularity:
             found = pattern.granularity if isinstance(pattern, LayerPatterns) else type(pattern).__name__
             raise ValueError(f"partial_granularity={granularity!r} needs P and R per {granularity} (LayerPatterns, "
                              f"from `derive --granularity {granularity}`), got {found}; pass such a pattern or build "
                              "the config from the pattern (from_source does).")
-        if granularity == "head" and pattern.heads != config.num_attention_heads:
+        if head_count(config) is not None and pattern.heads != head_count(config):
             raise ValueError(f"the per-head pattern holds {pattern.heads} heads per layer but the model has "
                              f"num_attention_heads={config.num_attention_heads}; derive it from this model.")
         missing = sorted(set(config.partial_layers) - set(pattern.layers))

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 __all__ = ["PARTIAL_NAME", "is_reconstruction_name", "Place", "bucket_suffix", "pattern_module_name", "r_on_attention",
            "attention_r_names", "place", "pattern_layers", "head_count", "heads", "tensor_names", "r_trainable",
-           "pattern_module_layers", "r_keys"]
+           "pattern_module_layers", "r_keys", "own_patterns", "per_layer_granularity"]
 
 # P, R and their biases in a state dict: the pattern modules' tensors and each partial layer's own R (per_layer).
 PARTIAL_NAME = re.compile(r"\.partial_pattern(_layer\d+)?(_len\d+)?\.|\.reconstruction(_bias)?(_len\d+)?$")
@@ -46,7 +46,7 @@ def pattern_module_name(config, length: int | None = None, layer: int | None = N
     """The owner's attribute holding the pattern module of bucket ``length`` (default n): ``partial_pattern`` +
     the bucket's suffix, with ``_layer{l}`` before it when each layer has its own P (``partial_granularity`` "layer"
     or "head", where ``layer`` is required)."""
-    if config.partial_granularity != "pooled":
+    if own_patterns(config):
         if layer is None:
             raise ValueError(f"partial_granularity={config.partial_granularity!r}: name the layer whose pattern "
                              "module is meant.")
@@ -57,7 +57,7 @@ def pattern_module_name(config, length: int | None = None, layer: int | None = N
 def r_on_attention(config) -> bool:
     """Whether each partial layer's attention module holds its own R (a pooled P with ``reconstruction="per_layer"``)
     rather than the pattern module beside P."""
-    return config.reconstruction == "per_layer" and config.partial_granularity == "pooled"
+    return config.reconstruction == "per_layer" and not own_patterns(config)
 
 
 def attention_r_names(config, length: int | None) -> tuple[str, str]:
@@ -92,10 +92,21 @@ def place(config, layer: int | None = None, length: int | None = None, head: int
                  head)
 
 
+def per_layer_granularity(granularity: str) -> bool:
+    """Whether P and R of this ``partial_granularity`` (or `derive --granularity`) are fitted per layer ("layer",
+    "head") rather than pooled over the layers ("pooled")."""
+    return granularity != "pooled"
+
+
+def own_patterns(config) -> bool:
+    """Whether each partial layer has a P (and R) of its own (P per layer or per head)."""
+    return per_layer_granularity(config.partial_granularity)
+
+
 def pattern_module_layers(config) -> list[int | None]:
     """The layers that own pattern modules of their own (P per layer or per head), else ``[None]``: one set of
     pattern modules serves every layer."""
-    return list(config.partial_layers) if config.partial_granularity != "pooled" else [None]
+    return list(config.partial_layers) if own_patterns(config) else [None]
 
 
 def r_trainable(config) -> bool:
@@ -105,7 +116,7 @@ def r_trainable(config) -> bool:
 
 def pattern_layers(config) -> list[int | None]:
     """The layers with a P or an R of their own (R per layer, or P per layer or head), else ``[None]``."""
-    if config.reconstruction == "per_layer" or config.partial_granularity != "pooled":
+    if config.reconstruction == "per_layer" or own_patterns(config):
         return list(config.partial_layers)
     return [None]
 
