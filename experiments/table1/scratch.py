@@ -88,6 +88,10 @@ class _Curve(TrainerCallback):
         self.points.append({"step": state.global_step, "loss": sum(result["loss_sums"]) / sum(result["token_counts"]),
                             "train_seconds": t0 - self.start - self.eval_seconds,
                             **attention_diagnostics(model, self.windows)})
+        # logged as well: a run killed before its job is saved still shows where its curve went
+        logger.info("step %d: held-out MLM %.4f nats, max |R| %s, attention entropy %s, max probability %s",
+                    state.global_step, self.points[-1]["loss"], self.points[-1]["max_abs_r"],
+                    self.points[-1]["entropy"], self.points[-1]["max_prob"])
         self.eval_seconds += time.perf_counter() - t0
 
 
