@@ -228,16 +228,43 @@ def build_model_card(
     local_bases = [b for b in bases if os.path.exists(b) or os.path.isabs(b)]
     hub_bases = [b for b in bases if b not in local_bases]  # the Hub's base_model must name Hub repos
     name = _title(model_name, config, hub_bases + local_bases, record)
-    pipeline = _pipeline(model, sentence_transformers)
     results = _eval_results(eval_results)
-    partial = str(getattr(config, "model_type", "")).startswith("partial_")
-    data = ModelCardData(
+    data = _card_data(model, name, hub_bases, results, datasets=datasets, license=license, language=language,
+                      tags=tags, sentence_transformers=sentence_transformers)
+    body = _markdown(model, name, record, hub_bases, local_bases, results, pattern_source=pattern_source,
+                     training_details=training_details, untrained_conversion=untrained_conversion, repo_id=repo_id,
+                     sentence_transformers=sentence_transformers, tokenizer_saved=tokenizer_saved)
+    card = ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
+    validate_card_metadata(card)
+    return card
+
+
+def _is_partial(config) -> bool:
+    return str(getattr(config, "model_type", "")).startswith("partial_")
+
+
+def _card_data(model, name: str, hub_bases: list[str], results: list[EvalResult], *, datasets, license, language,
+               tags: list[str] | None, sentence_transformers: bool) -> ModelCardData:
+    """The card's metadata (front matter): library, tags, pipeline, Hub base model, datasets, metrics, results."""
+    config = model.config
+    pipeline = _pipeline(model, sentence_transformers)
+    return ModelCardData(
         library_name="sentence-transformers" if sentence_transformers else "transformers",
-        tags=_card_tags(config, partial, pipeline, sentence_transformers, tags), pipeline_tag=pipeline,
+        tags=_card_tags(config, _is_partial(config), pipeline, sentence_transformers, tags), pipeline_tag=pipeline,
         base_model=(hub_bases[0] if len(hub_bases) == 1 else hub_bases) or None, datasets=datasets,
         metrics=sorted({r.metric_type for r in results}) or None, license=license, language=language,
         model_name=name, eval_results=results or None,
     )
+
+
+def _markdown(model, name: str, record: dict[str, Any] | None, hub_bases: list[str], local_bases: list[str],
+              results: list[EvalResult], *, pattern_source: str | None, training_details: str | None,
+              untrained_conversion: bool, repo_id: str | None, sentence_transformers: bool,
+              tokenizer_saved: bool | None) -> str:
+    """The card's Markdown below its metadata: each section of `_body` written for this model."""
+    config = model.config
+    partial = _is_partial(config)
+    pipeline = _pipeline(model, sentence_transformers)
     architecture = _display_name(str(getattr(config, "model_type", "")))
     method, source = _method_and_source(model, partial, record, pattern_source, architecture)
     base_name = f"`{hub_bases[0]}`" if hub_bases else (f"`{record['source_model']}`" if record and
@@ -251,10 +278,7 @@ def build_model_card(
         "loading": loading_section(_AUTO[pipeline], repo_id or PLACEHOLDER, hub=repo_id is not None,
                                    sentence_transformers=sentence_transformers, tokenizer_saved=tokenizer_saved,
                                    tokenizer_hint=hub_bases[0] if hub_bases else None)}
-    body = _body(name, architecture, partial, sections)
-    card = ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
-    validate_card_metadata(card)
-    return card
+    return _body(name, architecture, partial, sections)
 
 
 def _body(name: str, architecture: str, partial: bool, sections: dict[str, str]) -> str:

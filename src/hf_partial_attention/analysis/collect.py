@@ -216,21 +216,30 @@ def collect_covariance(
     model, tokenizer = load_model_and_tokenizer(model, tokenizer)
     windows = prepare_windows(texts, tokenizer, seq_len, max_sequences)  # (S, n)
     rank, world = process_info(distributed)
+    cov = _started(resume_from, windows, world, seq_len, scopes, granularity, centered, max_memory_bytes)
+    _describe_model(cov, model, seq_len, granularity)
+    _accumulate(cov, model, windows, rank, world, batch_size=batch_size, checkpoint_path=checkpoint_path,
+                checkpoint_every=checkpoint_every, progress=progress, desc=f"scores n={seq_len}")
+    logger.info("Collected %d score matrices from %d windows of length %d", cov.count, cov.num_sequences, seq_len)
+    return cov
+
+
+def _started(resume_from, windows: torch.Tensor, world: int, seq_len: int, scopes, granularity: str, centered: bool,
+             max_memory_bytes) -> ScoreCovariance:
+    """The covariance to add to: the one an interrupted run saved at ``resume_from`` (single process only), else a
+    new one."""
     if resume_from is not None and os.path.isfile(resume_from):
         if world > 1:
             raise ValueError("resume_from is supported in a single process only; resume without accelerate launch.")
-        cov = _resumed(resume_from, windows, seq_len, scopes, granularity, max_memory_bytes)
-        seen = cov.num_sequences
-    else:
-        cov = ScoreCovariance(seq_len, scopes, granularity, centered, max_memory_bytes=max_memory_bytes)
-        seen = 0
-    layers, heads, head_dim = model_shape(model)
-    if layers is not None:
-        groups = {"pooled": 1, "layer": layers, "head": layers * (heads or 1)}[granularity]
-        cov.check_memory(groups)
-    cov.metadata.update(model=str(getattr(model.config, "_name_or_path", "")), seq_len=seq_len,
-                        model_type=getattr(model.config, "model_type", ""), num_layers=layers, num_heads=heads,
-                        head_dim=head_dim)
+        return _resumed(resume_from, windows, seq_len, scopes, granularity, max_memory_bytes)
+    return ScoreCovariance(seq_len, scopes, granularity, centered, max_memory_bytes=max_memory_bytes)
+
+
+def _accumulate(cov: ScoreCovariance, model, windows: torch.Tensor, rank: int, world: int, *, batch_size: int,
+                checkpoint_path, checkpoint_every: int, progress: bool, desc: str) -> None:
+    """Run the windows ``cov`` has not seen yet (this process's share of them) into ``cov``, checkpointing in a
+    single process, summing across processes otherwise, and save the result."""
+    seen = cov.num_sequences  # windows an earlier run already took (0 for a fresh covariance)
     todo = windows[seen:][rank::world]  # (S', n): this process's share of the remaining windows
 
     def checkpoint(done: int) -> None:
@@ -240,8 +249,8 @@ def collect_covariance(
             cov.save(checkpoint_path)
 
     on_batch = checkpoint if world == 1 else None
-    run_windows(model, todo, cov.update, batch_size=batch_size, progress=progress and rank == 0,
-                desc=f"scores n={seq_len}", on_batch=on_batch)
+    run_windows(model, todo, cov.update, batch_size=batch_size, progress=progress and rank == 0, desc=desc,
+                on_batch=on_batch)
     if world > 1:
         cov.num_sequences = todo.shape[0]
         reduce_covariance(cov)
@@ -249,5 +258,14 @@ def collect_covariance(
     cov.metadata["windows_fingerprint"] = windows_fingerprint(windows[:cov.num_sequences])
     if checkpoint_path is not None and rank == 0:
         cov.save(checkpoint_path)
-    logger.info("Collected %d score matrices from %d windows of length %d", cov.count, cov.num_sequences, seq_len)
-    return cov
+
+
+def _describe_model(cov: ScoreCovariance, model, seq_len: int, granularity: str) -> None:
+    """Check that the model's groups fit in memory (when its shape is known) and record the model in the metadata."""
+    layers, heads, head_dim = model_shape(model)
+    if layers is not None:
+        groups = {"pooled": 1, "layer": layers, "head": layers * (heads or 1)}[granularity]
+        cov.check_memory(groups)
+    cov.metadata.update(model=str(getattr(model.config, "_name_or_path", "")), seq_len=seq_len,
+                        model_type=getattr(model.config, "model_type", ""), num_layers=layers, num_heads=heads,
+                        head_dim=head_dim)

@@ -46,27 +46,18 @@ def convert(pattern_path: str, out_dir: str, model: Any = None, *, reconstructio
     Raises ValueError for a whole-matrix pattern, a file that is not a pattern, or a pattern for more positions
     than the model has, and FileNotFoundError for a missing file. Logs a warning (also in ``result["warnings"]``)
     when k saves no work at the model's d_h and when the pattern was derived on another model."""
-    from ..architectures import check_supported
     from ..model_card import write_model_card
     from ..modeling_partial_encoders import partial_class_for
-    from .convert_checks import base_model_id, check_convertible, head_dim, source_config, source_warnings
+    from .convert_checks import base_model_id, check_convertible, source_warnings
 
     layers, buckets, pattern = _read_patterns(pattern_path)
     installed = layers if layers is not None else pattern if len(buckets.lengths) == 1 else buckets
     if reconstruction is None:
         reconstruction = "common" if layers is None else "per_layer"
-    source = model if model is not None else (pattern.metadata.get("source_model")
-                                              or buckets.metadata.get("source_model")
-                                              or (layers.metadata.get("source_model") if layers else None))
-    if not source:
-        raise ValueError(f"{pattern_path!r} names no source_model; pass model=<path or Hub id of the source model>.")
+    source = _source_model(model, pattern_path, layers, buckets, pattern)
     base_id = base_model_id(pattern, model)
     name = base_id or display_name(source)
-    config = source_config(source)
-    check_supported(config)  # one line naming the model type and what is supported; nothing is written
-    if str(config.model_type).startswith("partial_"):
-        raise ValueError(f"{name} is a partial model already ({config.model_type}): convert its source model, or "
-                         "install the new P and R with model.set_pattern (the training scripts' --pattern).")
+    config = _source_config(source, name)
     warnings = check_convertible(pattern, pattern_path, config, name)
     warnings += source_warnings(pattern, pattern_path, model, config, name)
     if layers is not None and (warning := _memory_warning(layers, buckets, config)):
@@ -76,13 +67,7 @@ def convert(pattern_path: str, out_dir: str, model: Any = None, *, reconstructio
     partial.config.partial_base_model = base_id  # a Hub id or nothing: a local path names no Hub repo
     partial.config.partial_conversion = _record(pattern, pattern_path, layers, buckets, name, command)
     partial.save_pretrained(out_dir, write_model_card=False)  # the card comes last, when the folder is complete
-    result = {"checkpoint": out_dir, "pattern": pattern_path, "source_model": str(source),
-              "source_model_id": name, "base_model": base_id, "k": partial.config.partial_k,
-              "seq_len": buckets.seq_len, "lengths": buckets.lengths, "lengths_k": buckets.lengths_k,
-              "partial_layers": list(partial.config.partial_layers), "head_dim": head_dim(partial.config),
-              "layers_k": partial.config.partial_layers_k,
-              "exact_layers": list(layers.metadata.get("exact_layers") or []) if layers is not None else [],
-              "model_type": config.model_type, "partial_class": type(partial).__name__, "warnings": warnings}
+    result = _result(partial, config, out_dir, pattern_path, source, name, base_id, layers, buckets, warnings)
     if isinstance(source, (str, os.PathLike)):
         _save_tokenizer(source, out_dir, buckets.seq_len, result)
     short = os.path.basename(os.path.normpath(name))
@@ -91,6 +76,45 @@ def convert(pattern_path: str, out_dir: str, model: Any = None, *, reconstructio
     if verify:
         result.update(_reload_check(partial, out_dir, buckets.seq_len))
     return result
+
+
+def _source_model(model: Any, pattern_path: str, layers: LayerPatterns | None, buckets: PatternBuckets,
+                  pattern: AttentionPattern) -> Any:
+    """``model``, else the source model the pattern file names (a ValueError when it names none)."""
+    source = model if model is not None else (pattern.metadata.get("source_model")
+                                              or buckets.metadata.get("source_model")
+                                              or (layers.metadata.get("source_model") if layers else None))
+    if not source:
+        raise ValueError(f"{pattern_path!r} names no source_model; pass model=<path or Hub id of the source model>.")
+    return source
+
+
+def _source_config(source: Any, name: str):
+    """The source's config, refused (before anything is written) for a type partial attention cannot run in and for
+    a model that is partial already."""
+    from ..architectures import check_supported
+    from .convert_checks import source_config
+
+    config = source_config(source)
+    check_supported(config)  # one line naming the model type and what is supported; nothing is written
+    if str(config.model_type).startswith("partial_"):
+        raise ValueError(f"{name} is a partial model already ({config.model_type}): convert its source model, or "
+                         "install the new P and R with model.set_pattern (the training scripts' --pattern).")
+    return config
+
+
+def _result(partial, config, out_dir: str, pattern_path: str, source: Any, name: str, base_id: str | None,
+            layers: LayerPatterns | None, buckets: PatternBuckets, warnings: list[str]) -> dict[str, Any]:
+    """What `convert` returns about the checkpoint written (the tokenizer, card and reload check add theirs)."""
+    from .convert_checks import head_dim
+
+    return {"checkpoint": out_dir, "pattern": pattern_path, "source_model": str(source),
+            "source_model_id": name, "base_model": base_id, "k": partial.config.partial_k,
+            "seq_len": buckets.seq_len, "lengths": buckets.lengths, "lengths_k": buckets.lengths_k,
+            "partial_layers": list(partial.config.partial_layers), "head_dim": head_dim(partial.config),
+            "layers_k": partial.config.partial_layers_k,
+            "exact_layers": list(layers.metadata.get("exact_layers") or []) if layers is not None else [],
+            "model_type": config.model_type, "partial_class": type(partial).__name__, "warnings": warnings}
 
 
 def _memory_warning(layers: LayerPatterns, buckets: PatternBuckets, config) -> str | None:

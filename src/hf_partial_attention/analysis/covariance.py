@@ -16,19 +16,22 @@ i < t only, and its keys j >= t score zero (the zero fill the model runs with). 
 query row i, the score rows that reached it (``rows``, ``(n,)``): row i's moments are divided by its own count. A
 row no sequence reached (count 0) reads as mean zero and covariance zero. Files with per-row counts are of format
 version 2; files without them (version 1) read with the one count of every row, exactly as before.
+
+The accumulation, combination and files are here; the reads (mean, covariances, total variance) are
+`covariance_reads.CovarianceReads`, which `ScoreCovariance` inherits.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..cost import SCOPES
 from .covariance_file import key_name as _key_name, name_key as _name_key, read_file, write_file
+from .covariance_reads import CovarianceReads, Moments
 from .memory import available_memory_bytes, estimate_bytes, gib as _gib
 
 logger = logging.getLogger(__name__)
@@ -38,16 +41,7 @@ __all__ = ["ScoreCovariance", "GRANULARITIES", "estimate_bytes", "available_memo
 GRANULARITIES = ("pooled", "layer", "head")
 
 
-@dataclass
-class _Moments:
-    count: int
-    sum: torch.Tensor  # (n, n)
-    per_query: torch.Tensor | None  # (n, n, n): [i, j, k] = Σ A_ij A_ik
-    whole: torch.Tensor | None  # (n², n²)
-    rows: torch.Tensor | None = None  # (n,) float64: score rows that reached query row i; None: `count` for all
-
-
-class ScoreCovariance:
+class ScoreCovariance(CovarianceReads):
     """Accumulated moments of attention-score matrices of one sequence length.
 
     Args:
@@ -77,7 +71,7 @@ class ScoreCovariance:
         self.max_memory_bytes = max_memory_bytes
         self.metadata: dict[str, Any] = dict(metadata or {})
         self.num_sequences = 0  # input windows consumed (the resume cursor)
-        self._groups: dict[tuple[int, ...], _Moments] = {}
+        self._groups: dict[tuple[int, ...], Moments] = {}
         self.row_counts = False  # per-row counts kept (set by the first `update` with lengths, or by `load`)
 
     # ------------------------------------------------------------------ accumulation
@@ -99,11 +93,11 @@ class ScoreCovariance:
             return [(layer,)]
         return [(layer, h) for h in range(num_heads)]
 
-    def _new_group(self, key: tuple[int, ...]) -> _Moments:
+    def _new_group(self, key: tuple[int, ...]) -> Moments:
         self.check_memory(len(self._groups) + 1)
         n = self.seq_len
         z = dict(dtype=torch.float64)
-        moments = _Moments(0, torch.zeros(n, n, **z),
+        moments = Moments(0, torch.zeros(n, n, **z),
                            torch.zeros(n, n, n, **z) if "per_query" in self.scopes else None,
                            torch.zeros(n * n, n * n, **z) if "whole" in self.scopes else None,
                            torch.zeros(n, **z) if self.row_counts else None)
@@ -177,129 +171,6 @@ class ScoreCovariance:
             if group.whole is not None:  # never with lengths (refused above), so w = n
                 flat = xs.reshape(xs.shape[0], n * n)  # (S, n²), row-major vec(A)
                 group.whole.addmm_(flat.T, flat)
-
-    # ------------------------------------------------------------------ reads
-    @property
-    def count(self) -> int:
-        """Number of score matrices accumulated (sequences × layers × heads) over all groups."""
-        return sum(g.count for g in self._groups.values())
-
-    @property
-    def layers(self) -> list[int]:
-        """Layers with their own accumulators (empty for granularity='pooled')."""
-        return sorted({key[0] for key in self._groups if key})
-
-    @property
-    def heads(self) -> list[int]:
-        """Heads with their own accumulators (empty unless granularity='head')."""
-        return sorted({key[1] for key in self._groups if len(key) == 2})
-
-    def _select(self, layer: int | None, head: int | None) -> list[_Moments]:
-        if not self._groups:
-            raise ValueError("The covariance is empty: run collect_covariance or update() first.")
-        if layer is None and head is not None:
-            raise ValueError("head given without layer; pass layer=<int> too.")
-        if layer is not None and self.granularity == "pooled":
-            raise ValueError(f"layer={layer} requested but the covariance was collected with granularity='pooled'; "
-                             "collect with granularity='layer' or 'head'.")
-        if head is not None and self.granularity != "head":
-            raise ValueError(f"head={head} requested but granularity={self.granularity!r}; "
-                             "collect with granularity='head'.")
-        chosen = [g for key, g in self._groups.items()
-                  if (layer is None or key[0] == layer) and (head is None or key[1] == head)]
-        if not chosen:
-            raise ValueError(f"No accumulator for layer={layer}, head={head}; available layers {self.layers}.")
-        return chosen
-
-    def _total(self, layer, head, field: str) -> tuple[int, torch.Tensor, torch.Tensor]:
-        groups = self._select(layer, head)
-        if getattr(groups[0], field) is None:
-            raise ValueError(f"scope {field!r} was not collected (scopes={self.scopes}); collect with "
-                             f"scopes=(..., {field!r}).")
-        count = sum(g.count for g in groups)
-        total_sum = groups[0].sum.clone() if len(groups) == 1 else sum(g.sum for g in groups)
-        moment = getattr(groups[0], field)
-        if len(groups) > 1:
-            moment = moment.clone()
-            for g in groups[1:]:
-                moment += getattr(g, field)
-        return count, total_sum, moment
-
-    def _row_divisor(self, groups: list[_Moments]) -> torch.Tensor | None:
-        """``(n,)`` per-row counts summed over ``groups``, rows no sequence reached set to 1 (their sums are zero,
-        so they read as zero); None without per-row counts (then every row divides by the one count)."""
-        if groups[0].rows is None:
-            return None
-        rows = sum(g.rows for g in groups)
-        return torch.where(rows > 0, rows, torch.ones_like(rows))
-
-    def row_counts_of(self, layer: int | None = None, head: int | None = None) -> torch.Tensor:
-        """``(n,)`` float64: the score rows that reached each query row (``count`` for every row without
-        per-row counts)."""
-        groups = self._select(layer, head)
-        if groups[0].rows is None:
-            return torch.full((self.seq_len,), float(sum(g.count for g in groups)), dtype=torch.float64)
-        return sum(g.rows for g in groups)
-
-    def mean_per_query(self, layer: int | None = None, head: int | None = None) -> torch.Tensor:
-        """Mean score matrix μ ``(n, n)``; row i is the mean of the per-query vector a_i (zero for a row no
-        sequence reached)."""
-        groups = self._select(layer, head)
-        rows = self._row_divisor(groups)
-        if rows is not None:
-            return sum(g.sum for g in groups) / rows[:, None]
-        return sum(g.sum for g in groups) / sum(g.count for g in groups)
-
-    def mean_whole(self, layer: int | None = None, head: int | None = None) -> torch.Tensor:
-        """Mean of vec(A), ``(n²,)``."""
-        return self.mean_per_query(layer, head).reshape(-1)
-
-    def per_query(self, layer: int | None = None, head: int | None = None,
-                  centered: bool | None = None) -> torch.Tensor:
-        """Per-query covariances ``(n, n, n)`` float64: entry [i] is Q^i, the covariance of row i.
-
-        With per-row counts (inputs shorter than n), Q^i is over the score rows that reached row i; a row that
-        none reached is all zeros (no NaN): the greedy then takes its lowest keys and fits R = 0.
-        """
-        centered = self.centered if centered is None else centered
-        count, total_sum, moment = self._total(layer, head, "per_query")
-        rows = self._row_divisor(self._select(layer, head))
-        if rows is not None:
-            out = moment / rows[:, None, None]
-            mean = total_sum / rows[:, None]  # (n, n)
-        else:
-            out = moment / count
-            mean = total_sum / count  # (n, n)
-        if centered:
-            out = out - mean.unsqueeze(-1) * mean.unsqueeze(-2)  # (n, n, n): μ_i μ_iᵀ per row
-        return out
-
-    def whole(self, layer: int | None = None, head: int | None = None, centered: bool | None = None) -> torch.Tensor:
-        """Whole-matrix covariance C_a ``(n², n²)`` float64 over row-major vec(A)."""
-        centered = self.centered if centered is None else centered
-        count, total_sum, moment = self._total(layer, head, "whole")
-        out = moment / count
-        if centered:
-            mean = (total_sum / count).reshape(-1)
-            out.sub_(torch.outer(mean, mean))
-        return out
-
-    def total_variance(self, layer: int | None = None, head: int | None = None, centered: bool | None = None) -> float:
-        """Tr(C_a) = Σ_i Tr(Q^i), from whichever scope was collected."""
-        centered = self.centered if centered is None else centered
-        groups = self._select(layer, head)
-        rows = self._row_divisor(groups)
-        if rows is not None:  # Σ_i of row i's trace, each over its own count
-            sq = sum(torch.diagonal(g.per_query, dim1=-2, dim2=-1).sum(-1) for g in groups) / rows  # (n,)
-            mean = sum(g.sum for g in groups) / rows[:, None]  # (n, n)
-            return float((sq - (mean.pow(2).sum(-1) if centered else 0.0)).sum())
-        count = sum(g.count for g in groups)
-        if groups[0].per_query is not None:
-            sq = sum(torch.diagonal(g.per_query, dim1=-2, dim2=-1).sum() for g in groups)
-        else:
-            sq = sum(torch.diagonal(g.whole).sum() for g in groups)
-        mean = sum(g.sum for g in groups) / count
-        return float(sq / count - (mean.pow(2).sum() if centered else 0.0))
 
     # ------------------------------------------------------------------ combination
     def _check_compatible(self, other: "ScoreCovariance") -> None:
@@ -376,7 +247,7 @@ class ScoreCovariance:
         cov.num_sequences = int(header.get("num_sequences", 0))
         cov.row_counts = header["row_counts"]
         for key, (count, total, per_query, whole, rows) in groups.items():
-            cov._groups[key] = _Moments(count, total, per_query, whole, rows)
+            cov._groups[key] = Moments(count, total, per_query, whole, rows)
         return cov
 
     def __repr__(self) -> str:

@@ -1,13 +1,15 @@
 """`derive`, one pipeline for every combination of its axes.
 
-    the analysis' covariances: the fixed windows of n, or length buckets            `_kinds`, `_source`
-    → the groups fitted: pooled, per layer, per (layer, head)                        `_groups`
-    → the sets written, each a k per (bucket, layer): one k per file, a bucket's     `_sets`
+    the analysis' covariances: the fixed windows of n, or length buckets            `source_kinds`, `load_source`
+    → the groups fitted: pooled, per layer, per (layer, head)                        `fit_groups`
+    → the sets written, each a k per (bucket, layer): one k per file, a bucket's     `pattern_sets`
       own k (``bucket_k``), or a budget over layers (``saving``, exact layers)       (`budget.budget_sets`)
     → one greedy run per (bucket, group) for every k the sets need, and R            `_fit`
     → each set's P and R as the object its file holds                               `_build`
     → held-out errors, the files and the results.json section                       `_record`: `derive_windows`,
                                                                                      `lengths`, `layers`, `budget`
+
+The first three steps are `derive_plan`'s (each checked before anything is fitted).
 
 A `DeriveRequest` carries every axis (one field per flag of ``hf-partial-attention derive``, which maps its flags onto
 one); `derive_patterns` runs it. `derive`, `derive_lengths`, `derive_layers`, `derive_layer_buckets` and
@@ -20,26 +22,21 @@ and report sections are those each combination wrote before it was one pipeline 
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from collections.abc import Mapping
 from typing import Any
 
-from ..cost import memory_warning
 from ..pattern_buckets import PatternBuckets
 from ..pattern_layers import LayerPatterns
 from .budget import budget_sets, parse_saving
-from .covariance import ScoreCovariance
-from .derive_files import DeriveRequest, Group, PatternSet, Source, bucket_k_suffix, check_granularity, check_ks
-from .derive_windows import checked_ks, curve_ks, record_windows
-from .fit_checks import fit_size_warning
-from .folder import COVARIANCE_FILE, update_results
+from .derive_files import DeriveRequest, Group, PatternSet, Source
+from .derive_plan import fit_groups, load_source, pattern_sets, set_form, source_kinds
+from .derive_windows import curve_ks, record_windows
+from .folder import update_results
 from .layers import record_groups
-from .lengths import HELDOUT_INPUTS_FILE, bucket_covariance_files, record_buckets
+from .lengths import HELDOUT_INPUTS_FILE, record_buckets
 from .selection import select_patterns
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["DeriveRequest", "derive_patterns", "derive", "derive_lengths", "derive_layers", "derive_layer_buckets",
            "derive_budget"]
@@ -158,18 +155,18 @@ def derive_patterns(out: str, request: DeriveRequest) -> list[tuple[str, dict[st
     ``"buckets"``), each result also stored in ``out/results.json`` (and the report re-rendered). Every combination
     of the request's axes is checked before anything is fitted (a ValueError naming the flag to change)."""
     plans = []  # every run planned (and so checked) before the first is fitted
-    for kind in _kinds(out, request):
+    for kind in source_kinds(out, request):
         if request.saving is not None:  # its allocation runs the greedy: its time counts from here
             plans.append((kind, time.perf_counter(), *budget_sets(out, request)))
             continue
-        source = _source(out, kind)
-        groups = _groups(out, source, request)
-        plans.append((kind, None, source, groups, _sets(out, source, groups, request), None))
+        source = load_source(out, kind)
+        groups = fit_groups(out, source, request)
+        plans.append((kind, None, source, groups, pattern_sets(out, source, groups, request), None))
     results = []
     for kind, start, source, groups, sets, record in plans:
         start = start or time.perf_counter()
         fitted = _fit(out, source, groups, sets, request, getattr(record, "orders", None))
-        built = {s.name: _build(source, groups, s, fitted, request, form=_form(source, request)) for s in sets}
+        built = {s.name: _build(source, groups, s, fitted, request, form=set_form(source, request)) for s in sets}
         result = _record(out, source, groups, sets, built, fitted, request, record)
         result["rank_deficient"] = _rank_deficient(source, groups)
         result["seconds"] = round(time.perf_counter() - start, 1)
@@ -186,103 +183,6 @@ def _rank_deficient(source: Source, groups: list[Group]) -> list[int]:
     return sorted(int(b) for b, cov in source.covs.items() if cov.count / len(groups) < int(b))
 
 
-def _kinds(out: str, req: DeriveRequest) -> list[str]:
-    """The sources to run, in order; the combinations that cannot run refused in one line."""
-    if req.inputs not in ("auto", "windows", "buckets"):
-        raise ValueError(f"inputs must be 'auto', 'windows' or 'buckets', got {req.inputs!r}.")
-    if req.saving is not None and req.inputs != "auto":
-        raise ValueError(f"inputs={req.inputs!r} with a saving: a budget fits on the length buckets when the folder "
-                         "has them, else on the fixed windows; leave inputs='auto'.")
-    if req.inputs != "auto":
-        return [req.inputs]
-    buckets = bool(bucket_covariance_files(out))
-    if req.saving is not None:
-        if req.scope != "per_query" or req.bucket_k:
-            raise ValueError("--saving chooses every bucket's k per layer itself: drop --scope and --bucket-k.")
-        return ["buckets" if buckets else "windows"]
-    if req.exact_layers:
-        raise ValueError("--exact-layers leaves layers exact out of a --saving budget: give --saving too.")
-    if req.bucket_k and not buckets:
-        raise ValueError(f"--bucket-k {sorted(req.bucket_k.items())} needs length buckets: {out!r} holds no "
-                         "covariance_len*.safetensors (run `analyze --inputs ...` into it first).")
-    if buckets and req.scope != "per_query":
-        raise ValueError(f"--scope {req.scope} with length buckets: buckets hold per-query patterns; drop --scope or "
-                         "derive from a folder without covariance_len*.safetensors.")
-    if req.granularity != "pooled":
-        if req.scope != "per_query":
-            raise ValueError(f"--granularity {req.granularity} fits per-query patterns; drop --scope {req.scope}.")
-        return ["buckets" if buckets else "windows"]
-    # the fixed windows first: their per_query_k<k> patterns are what the buckets are compared with
-    windows = os.path.isfile(os.path.join(out, COVARIANCE_FILE)) or not buckets
-    return ["windows"] * windows + ["buckets"] * buckets
-
-
-def _source(out: str, kind: str) -> Source:
-    if kind == "windows":
-        cov = ScoreCovariance.load(os.path.join(out, COVARIANCE_FILE))
-        return Source(kind, {cov.seq_len: cov})
-    files = bucket_covariance_files(out)
-    if not files:
-        raise ValueError(f"{out!r} holds no covariance_len*.safetensors; run `analyze --inputs ...` into it first.")
-    return Source(kind, {b: ScoreCovariance.load(p) for b, p in files.items()})
-
-
-def _groups(out: str, source: Source, req: DeriveRequest) -> list[Group]:
-    """``[(None, None)]`` pooled; every (layer, None) or (layer, head) of the analysis otherwise, checked to have
-    been collected that finely."""
-    if req.granularity == "pooled":
-        if req.family != "per_query" and req.scope != "per_query":
-            raise ValueError(f"family={req.family!r} constrains per-query patterns; use scope='per_query'.")
-        return [(None, None)]
-    if req.granularity not in ("layer", "head"):
-        raise ValueError(f"granularity must be 'pooled', 'layer' or 'head', got {req.granularity!r}.")
-    check_granularity(source.covs.values(), req.granularity, out, f"P and R per {req.granularity}",
-                      inputs=source.kind == "buckets")
-    longest = source.covs[source.n]
-    heads = longest.heads if req.granularity == "head" else [None]
-    return [(layer, head) for layer in longest.layers for head in heads]
-
-
-def _sets(out: str, source: Source, groups: list[Group], req: DeriveRequest) -> list[PatternSet]:
-    """One set per k of ``req.ks``, each k checked against the analysis (warnings logged for a fit on too few
-    windows, a k that saves nothing and R that needs much memory)."""
-    n, pooled = source.n, groups == [(None, None)]
-    if source.kind == "windows":
-        if pooled:
-            ks = checked_ks(source.covs[n], out, req.ks, req.scope)
-        else:
-            ks = check_ks(req.ks, n, out, f"n = {n}, the seq_len")
-            cov = source.covs[n]
-            if warning := fit_size_warning(cov.num_sequences, n):
-                logger.warning(warning)
-            heads = len(cov.heads) if req.granularity == "head" else None
-            for k in ks:  # stated before anything is fitted: the file holds every layer's R
-                if warning := memory_warning(n, k, len(cov.layers), heads):
-                    logger.warning("k=%d: %s", k, warning)
-        return [PatternSet(f"{req.tag}_k{k}", lambda b, layer, k=k: k, k) for k in ks]
-    lengths = source.lengths
-    bucket_k = {int(b): int(k) for b, k in (req.bucket_k or {}).items()}
-    bad = {b: k for b, k in bucket_k.items() if b not in lengths[:-1] or not 1 <= k <= b}
-    if bad:
-        raise ValueError(f"bucket_k={bad}: each entry must be a bucket of {lengths[:-1]} (not the longest, whose k is "
-                         "--k) with its k in [1, b]; give e.g. {64: 24}.")
-    if pooled:
-        ks = check_ks(req.ks, n, out, "the longest bucket")
-        for b, cov in source.covs.items():
-            if any(bucket_k.get(b, k) < b for k in ks) and (warning := fit_size_warning(cov.num_sequences, b)):
-                logger.warning("Bucket %d: %s", b, warning)
-    else:
-        ks = check_ks(req.ks, n - 1, out, f"below the longest bucket, {n},")
-    stem, suffix = "buckets" if pooled else f"buckets_{req.tag}", bucket_k_suffix(bucket_k)
-    return [PatternSet(f"{stem}_k{k}{suffix}", lambda b, layer, k=k: bucket_k.get(b, k), k) for k in ks]
-
-
-def _form(source: Source, req: DeriveRequest) -> str:
-    """What a set's file holds per group: ``"pattern"`` (one k per file on the fixed windows: every k is fitted, k = n
-    included) or ``"buckets"`` (a `PatternBuckets`: the buckets with k < b fitted, the others exact)."""
-    return "pattern" if source.kind == "windows" and req.saving is None else "buckets"
-
-
 def _fit(out: str, source: Source, groups: list[Group], sets: list[PatternSet], req: DeriveRequest,
          orders: dict | None) -> dict[tuple, dict[int, Any]]:
     """``{(b, layer, head): {k: pattern}}``: every k any set needs of each (bucket, group), from one greedy run per
@@ -291,7 +191,7 @@ def _fit(out: str, source: Source, groups: list[Group], sets: list[PatternSet], 
     predicted errors on the fixed windows, and in the held-out measure on buckets); on the pooled fixed windows, the
     error curve's ks too (the greedy is nested: one run gives both)."""
     wanted: dict[tuple, set[int]] = {}
-    form = _form(source, req)
+    form = set_form(source, req)
     reference = req.saving is None and (form == "pattern" or (
         req.evaluate and os.path.isfile(os.path.join(out, HELDOUT_INPUTS_FILE))))
     for s in sets:

@@ -121,12 +121,7 @@ def analyze_lengths(model: Any, inputs: Any = None, out: str = "runs/lengths", *
     documents = inputs if _is_documents(inputs) else load_inputs(inputs, kind, columns=columns,
                                                                   text_column=text_column, split=split)
     fit_docs, held_docs = split_heldout(documents, heldout_every) if heldout_every else (documents, [])
-    fit_inputs = flatten(fit_docs)[0][:max_inputs]
-    if not fit_inputs:
-        raise ValueError(f"No inputs to fit on: {len(documents)} document(s) of kind {kind!r}; pass more text or "
-                         "another --inputs kind.")
-    fit = tokenize_inputs(tok, fit_inputs, lengths[-1])
-    held = tokenize_inputs(tok, flatten(held_docs)[0][:max_heldout], lengths[-1])
+    fit, held = _tokenized(tok, documents, fit_docs, held_docs, kind, max_inputs, max_heldout, lengths[-1])
     fit_bucket, held_bucket = _buckets_of(fit.lengths, lengths), _buckets_of(held.lengths, lengths)
     os.makedirs(out, exist_ok=True)
     layers, heads, head_dim = model_shape(model_obj)
@@ -138,20 +133,14 @@ def analyze_lengths(model: Any, inputs: Any = None, out: str = "runs/lengths", *
     for b in lengths:
         index = torch.nonzero(fit_bucket == b).flatten()
         if not len(index):
-            above = [c for c in present if c > b]
-            skipped.append({"length": b, "used_instead": above[0] if above else None})
-            logger.warning("Bucket %d has no fit input: skipped; inputs of its lengths run %s.", b,
-                           f"bucket {above[0]}" if above else "no bucket (there is none longer)")
+            skipped.append(_skipped_bucket(b, present))
             continue
         meta = dict(model=source, model_id=identity, kind=kind, seq_len=b, lengths=lengths, num_layers=layers,
                     num_heads=heads, head_dim=head_dim, model_type=getattr(model_obj.config, "model_type", ""))
         row = _collect_bucket(model_obj, fit, index, b, granularity, centered, batch_size, pad, progress, meta,
                               os.path.join(out, f"covariance_len{b}.safetensors"))
         rows.append({**row, "heldout_inputs": int((held_bucket == b).sum())})
-    for s in skipped:  # held-out inputs of a skipped bucket are measured in the bucket they run
-        for r in rows:
-            if r["length"] == s["used_instead"]:
-                r["heldout_inputs"] += int((held_bucket == s["length"]).sum())
+    _count_skipped_heldout(rows, skipped, held_bucket)
     if len(held):
         save_file({name: v.contiguous() for name, v in held.tensors().items()}, os.path.join(out, HELDOUT_INPUTS_FILE),
                   metadata={"model": source, "kind": kind, "lengths": json.dumps(lengths)})
@@ -162,6 +151,36 @@ def analyze_lengths(model: Any, inputs: Any = None, out: str = "runs/lengths", *
                "seconds": round(time.perf_counter() - start, 1)}
     update_results(out, section, summary)
     return summary
+
+
+def _tokenized(tok, documents: list, fit_docs: list, held_docs: list, kind: str, max_inputs: int | None,
+               max_heldout: int | None, longest: int) -> tuple[TokenizedInputs, TokenizedInputs]:
+    """The fit and held-out inputs (at most ``max_inputs`` / ``max_heldout``, in document order), tokenized up to the
+    longest bucket; a ValueError when nothing is left to fit on."""
+    fit_inputs = flatten(fit_docs)[0][:max_inputs]
+    if not fit_inputs:
+        raise ValueError(f"No inputs to fit on: {len(documents)} document(s) of kind {kind!r}; pass more text or "
+                         "another --inputs kind.")
+    fit = tokenize_inputs(tok, fit_inputs, longest)
+    held = tokenize_inputs(tok, flatten(held_docs)[0][:max_heldout], longest)
+    return fit, held
+
+
+def _skipped_bucket(b: int, present: list[int]) -> dict[str, Any]:
+    """The entry of a bucket with no fit input in ``skipped``: the bucket its inputs run instead (the next one up
+    that has fit inputs, or None), with a warning."""
+    above = [c for c in present if c > b]
+    logger.warning("Bucket %d has no fit input: skipped; inputs of its lengths run %s.", b,
+                   f"bucket {above[0]}" if above else "no bucket (there is none longer)")
+    return {"length": b, "used_instead": above[0] if above else None}
+
+
+def _count_skipped_heldout(rows: list[dict], skipped: list[dict], held_bucket: torch.Tensor) -> None:
+    """Held-out inputs of a skipped bucket are measured in the bucket they run: add them to its row."""
+    for s in skipped:
+        for r in rows:
+            if r["length"] == s["used_instead"]:
+                r["heldout_inputs"] += int((held_bucket == s["length"]).sum())
 
 
 def _length_summary(fit: TokenizedInputs, held: TokenizedInputs, lengths: list[int], kind: str,

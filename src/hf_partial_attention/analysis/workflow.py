@@ -98,24 +98,10 @@ def analyze(model: Any, texts: Any = None, out: str = "runs/analysis", *, tokeni
     start = time.perf_counter()
     model_obj, tok = load_model_and_tokenizer(model, tokenizer)
     check_seq_len(model_obj, seq_len)
-    all_texts = load_texts(texts, split=text_split) if not isinstance(texts, torch.Tensor) else texts
-    want_heldout = bool(heldout_every and heldout_sequences)
-    if want_heldout and not isinstance(all_texts, torch.Tensor):
-        fit_texts, held_texts = split_heldout(all_texts, heldout_every)
-        if not held_texts:
-            raise ValueError(f"No held-out data: {len(all_texts)} text(s), of which every {heldout_every}th is held "
-                             "out, leave none. Pass more documents (a text file is split into paragraphs by "
-                             "blank lines), a smaller heldout_every (--heldout-every), or heldout_every=0 to skip "
-                             "the held-out measurement.")
-    else:
-        fit_texts, held_texts = all_texts, []
+    fit_texts, held_texts = _fit_and_heldout_texts(texts, text_split, heldout_every, heldout_sequences)
     windows = None
     if held_texts:  # before the collection: a corpus too short for held-out windows fails in seconds, not after it
-        try:
-            windows = make_windows(tok, held_texts, seq_len, heldout_sequences)
-        except ValueError as err:
-            raise ValueError(f"No held-out windows of {seq_len} tokens from {len(held_texts)} held-out text(s): "
-                             f"{err} Pass more text or heldout_every=0 to skip the held-out measurement.") from err
+        windows = _heldout_windows(tok, held_texts, seq_len, heldout_sequences)
     cov_path = os.path.join(out, COVARIANCE_FILE)
     created = not os.path.exists(out)
     os.makedirs(out, exist_ok=True)
@@ -148,3 +134,29 @@ def analyze(model: Any, texts: Any = None, out: str = "runs/analysis", *, tokeni
                    seconds=round(time.perf_counter() - start, 1))
     update_results(out, section, summary)
     return summary
+
+
+def _fit_and_heldout_texts(texts: Any, text_split: str, heldout_every: int, heldout_sequences: int) -> tuple:
+    """(texts to fit on, held-out texts): every ``heldout_every``-th text held out when held-out data is asked for
+    (a ValueError when none results), else every text fitted on; ready windows (a tensor) are all fitted on."""
+    all_texts = load_texts(texts, split=text_split) if not isinstance(texts, torch.Tensor) else texts
+    want_heldout = bool(heldout_every and heldout_sequences)
+    if not want_heldout or isinstance(all_texts, torch.Tensor):
+        return all_texts, []
+    fit_texts, held_texts = split_heldout(all_texts, heldout_every)
+    if not held_texts:
+        raise ValueError(f"No held-out data: {len(all_texts)} text(s), of which every {heldout_every}th is held "
+                         "out, leave none. Pass more documents (a text file is split into paragraphs by "
+                         "blank lines), a smaller heldout_every (--heldout-every), or heldout_every=0 to skip "
+                         "the held-out measurement.")
+    return fit_texts, held_texts
+
+
+def _heldout_windows(tok, held_texts: list, seq_len: int, heldout_sequences: int) -> torch.Tensor:
+    """Up to ``heldout_sequences`` windows of ``seq_len`` tokens from the held-out texts (a ValueError naming the
+    remedy when there are none)."""
+    try:
+        return make_windows(tok, held_texts, seq_len, heldout_sequences)
+    except ValueError as err:
+        raise ValueError(f"No held-out windows of {seq_len} tokens from {len(held_texts)} held-out text(s): "
+                         f"{err} Pass more text or heldout_every=0 to skip the held-out measurement.") from err

@@ -142,12 +142,7 @@ def build_model(head: str, model_args, tokenizer=None, max_seq_length: int | Non
         setattr(config, key, value)
 
     if model_args.attention == "exact":
-        if is_partial:
-            raise ValueError(f"{path or model_args.config_name} is a partial {arch.model_type} model "
-                             f"({config.model_type}); --attention exact needs a {arch.model_type} checkpoint or "
-                             "config (or --model_type).")
-        model = source_cls.from_pretrained(path, config=config, **load_kw) if path else source_cls(config)
-        return BuiltModel(model, path, "exact attention (no partial computation)")
+        return _exact_model(source_cls, config, arch, model_args, is_partial, load_kw)
 
     pattern = load_pattern_file(model_args.pattern) if model_args.pattern else None
     if pattern is not None and max_seq_length is not None and pattern.seq_len < max_seq_length:
@@ -157,21 +152,8 @@ def build_model(head: str, model_args, tokenizer=None, max_seq_length: int | Non
     if is_partial:
         return _partial_checkpoint(partial_cls, config, model_args, pattern, layers, head_kwargs, load_kw)
 
-    overrides = dict(head_kwargs)
-    if model_args.reconstruction is not None:
-        overrides["reconstruction"] = model_args.reconstruction
-    elif not isinstance(pattern, LayerPatterns):
-        overrides["reconstruction"] = "common"  # (P and R per layer or head: R per layer, as `convert` makes it)
-    if layers is not None:
-        overrides["partial_layers"] = layers
-    if pattern is None:
-        n = max_seq_length or DEFAULT_SEQ_LEN
-        k = model_args.partial_k or DEFAULT_K
-        pattern = AttentionPattern.local(n, k)
-        source = f"the local default pattern (k={k} nearest keys; R optimal for a correlation-0.9 prior)"
-        logger.warning("No --pattern given: using %s. Derive P and R from covariances for the paper's method.", source)
-    else:
-        source = _describe(pattern, model_args.pattern)
+    overrides = _conversion_overrides(model_args, pattern, layers, head_kwargs)
+    pattern, source = _pattern_or_default(pattern, model_args, max_seq_length)
     if path is not None:
         return BuiltModel(partial_cls.from_source(path, pattern, **overrides, **{
             k: v for k, v in load_kw.items() if k in ("revision", "token", "cache_dir") and v is not None}),
@@ -181,6 +163,42 @@ def build_model(head: str, model_args, tokenizer=None, max_seq_length: int | Non
     fresh = source_cls(config)
     model = partial_cls.from_source(fresh, pattern, **{k: v for k, v in overrides.items() if k not in head_kwargs})
     return BuiltModel(model, None, source)
+
+
+def _exact_model(source_cls, config, arch: Architecture, model_args, is_partial: bool, load_kw: dict) -> BuiltModel:
+    """``--attention exact``: the source architecture's own class, from the checkpoint or new (a ValueError for a
+    partial checkpoint or config)."""
+    path = model_args.model_name_or_path
+    if is_partial:
+        raise ValueError(f"{path or model_args.config_name} is a partial {arch.model_type} model "
+                         f"({config.model_type}); --attention exact needs a {arch.model_type} checkpoint or "
+                         "config (or --model_type).")
+    model = source_cls.from_pretrained(path, config=config, **load_kw) if path else source_cls(config)
+    return BuiltModel(model, path, "exact attention (no partial computation)")
+
+
+def _conversion_overrides(model_args, pattern: Pattern | None, layers: list[int] | None, head_kwargs: dict) -> dict:
+    """The config fields a conversion sets: the head's, R's mode and the partial layers."""
+    overrides = dict(head_kwargs)
+    if model_args.reconstruction is not None:
+        overrides["reconstruction"] = model_args.reconstruction
+    elif not isinstance(pattern, LayerPatterns):
+        overrides["reconstruction"] = "common"  # (P and R per layer or head: R per layer, as `convert` makes it)
+    if layers is not None:
+        overrides["partial_layers"] = layers
+    return overrides
+
+
+def _pattern_or_default(pattern: Pattern | None, model_args, max_seq_length: int | None) -> tuple[Pattern, str]:
+    """``(pattern, where it came from)``: ``--pattern``'s, else the local default pattern (with a warning)."""
+    if pattern is not None:
+        return pattern, _describe(pattern, model_args.pattern)
+    n = max_seq_length or DEFAULT_SEQ_LEN
+    k = model_args.partial_k or DEFAULT_K
+    pattern = AttentionPattern.local(n, k)
+    source = f"the local default pattern (k={k} nearest keys; R optimal for a correlation-0.9 prior)"
+    logger.warning("No --pattern given: using %s. Derive P and R from covariances for the paper's method.", source)
+    return pattern, source
 
 
 def _partial_checkpoint(partial_cls, config, model_args, pattern, layers, head_kwargs, load_kw) -> BuiltModel:
