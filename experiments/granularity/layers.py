@@ -73,6 +73,21 @@ def _layer_k(path: str, layer: int) -> list[int] | str:
     return patterns.layer_lengths_k(layer) if layer in patterns.layers else "exact"
 
 
+def _arm_files(fit: str, uniform_file: str, calibrated_file: str, exact_layer: int, k: int,
+               objective: str) -> tuple[dict[str, str], str | None]:
+    """The arms' bucket files (uniform, budget, calibrated, and ``exact_layer`` left exact at the same saving), and
+    why the last is missing (None: it is there)."""
+    arms = {"head uniform": uniform_file, "head budget": arm_patterns_file(fit, "head", "budget", k, objective),
+            "head calibrated": calibrated_file}
+    try:
+        arms[f"head exact{exact_layer}"] = derive_budget(fit, f"k{k}", granularity="head", objective=objective,
+                                                         exact_layers=[exact_layer])["budget_path"]
+        exact_skipped = None
+    except ValueError as error:  # a saving too high to pay for a dense layer (small k at short lengths)
+        exact_skipped = str(error)
+    return arms, exact_skipped
+
+
 def run_granularity_layers(lengths_run: str = "runs/granularity_lengths", results: str = "results/granularity_layers",
                            model: str | None = None, *, k: int = 16, objective: str = "fisher",
                            calibration_windows: int = 64, max_heldout: int = 600, heldout_windows: int = 64,
@@ -112,14 +127,7 @@ def run_granularity_layers(lengths_run: str = "runs/granularity_lengths", result
     # the layer whose exactness lowers the calibration error most, left exact at the same saving (its dense cost
     # taken out of the budget, the rest spread over the other layers)
     exact_layer = min(layers, key=lambda layer: exact[str(layer)]["calibration"])
-    arms = {"head uniform": uniform_file, "head budget": arm_patterns_file(fit, "head", "budget", k, objective),
-            "head calibrated": budget["budget_path"]}
-    try:
-        arms[f"head exact{exact_layer}"] = derive_budget(fit, f"k{k}", granularity="head", objective=objective,
-                                                         exact_layers=[exact_layer])["budget_path"]
-        exact_skipped = None
-    except ValueError as error:  # a saving too high to pay for a dense layer (small k at short lengths)
-        exact_skipped = str(error)
+    arms, exact_skipped = _arm_files(fit, uniform_file, budget["budget_path"], exact_layer, k, objective)
     models = {arm: PartialBertModel.from_bert(original, LayerPatterns.load(path), reconstruction="fixed").eval()
               for arm, path in arms.items()}
     rows = measure(original, models, {**tokens, "windows": held}, sorted(paths), batch_size)

@@ -124,21 +124,10 @@ def _layer_savings(pattern, layers, lengths, d_head: int, real) -> dict:
             "ks": {str(layer): ks[layer] for layer in layers}}
 
 
-def run_granularity_lengths(out: str = "runs/granularity_lengths", results: str = "results/granularity_lengths",
-                            model: str | None = None, *, k: int = 16, lengths=LENGTHS, objective: str = "fisher",
-                            arms=ARMS, fit_inputs: int | None = None, fit_windows: int = 320, max_heldout: int = 600,
-                            heldout_windows: int = 64, batch_size: int = 16, progress: bool = True,
-                            command: str | None = None) -> dict:
-    """Fit, derive, convert and measure every arm (module docstring); writes ``results``/granularity_lengths.json and
-    .md and returns the result."""
-    start, steps = time.perf_counter(), {}
-    model_path, model_id = resolve_model(model)
-    lengths = tuple(sorted(int(b) for b in lengths))
-    t = time.perf_counter()
-    paths = _fit(out, model_path, model_id, lengths, fit_inputs, fit_windows, batch_size, progress)
-    lengths = tuple(sorted(paths))
-    steps["analyses (per head)"] = time.perf_counter() - t
-    t = time.perf_counter()
+def _arm_patterns(arms, paths: dict, lengths: tuple[int, ...], k: int, objective: str) -> tuple[dict, dict]:
+    """Each arm's P and R (``{(granularity, choice): buckets}``): the pooled buckets (saved for
+    `granularity-recover`), or the per-layer / per-head uniform or budgeted sets of `derive_budget`, whose results
+    (``{name: result}``) come back beside them."""
     sets, budgets = {}, {}
     for granularity, choice in arms:
         if granularity == "pooled":
@@ -159,6 +148,25 @@ def run_granularity_lengths(out: str = "runs/granularity_lengths", results: str 
         if granularity not in budgets:
             budgets[granularity] = derive_budget(fit_dir, f"k{k}", granularity=granularity, objective=objective)
         sets[(granularity, choice)] = LayerPatterns.load(budgets[granularity][f"{choice}_path"])
+    return sets, budgets
+
+
+def run_granularity_lengths(out: str = "runs/granularity_lengths", results: str = "results/granularity_lengths",
+                            model: str | None = None, *, k: int = 16, lengths=LENGTHS, objective: str = "fisher",
+                            arms=ARMS, fit_inputs: int | None = None, fit_windows: int = 320, max_heldout: int = 600,
+                            heldout_windows: int = 64, batch_size: int = 16, progress: bool = True,
+                            command: str | None = None) -> dict:
+    """Fit, derive, convert and measure every arm (module docstring); writes ``results``/granularity_lengths.json and
+    .md and returns the result."""
+    start, steps = time.perf_counter(), {}
+    model_path, model_id = resolve_model(model)
+    lengths = tuple(sorted(int(b) for b in lengths))
+    t = time.perf_counter()
+    paths = _fit(out, model_path, model_id, lengths, fit_inputs, fit_windows, batch_size, progress)
+    lengths = tuple(sorted(paths))
+    steps["analyses (per head)"] = time.perf_counter() - t
+    t = time.perf_counter()
+    sets, budgets = _arm_patterns(arms, paths, lengths, k, objective)
     steps["P and R (uniform and budgeted)"] = time.perf_counter() - t
 
     t = time.perf_counter()

@@ -164,31 +164,15 @@ def _card(model, folder: str, result: dict, model_id: str) -> None:
                      base_model=model_id, training_details=details, eval_results=evals, sentence_transformers=True)
 
 
-def run_recover(out: str = "runs/recover", results: str = "results/recovery", model: str | None = None, *,
-                k: int = 16, buckets: str | None = None, objective: str = DEFAULT_OBJECTIVE, steps: int = 300,
-                batch_size: int = 32, learning_rate: float = 1e-4, reconstruction_learning_rate: float = 3e-3,
-                train_inputs: int | None = None, fit_inputs: int | None = None, max_heldout: int = 600,
-                seed: int = 0, trainable: str = "query_key", progress: bool = True,
-                command: str | None = None, bucket_k: dict[int, int] | None = None) -> dict:
-    """Buckets, conversion, recovery, measurement, checkpoint (see the module docstring); returns the result."""
-    from transformers import AutoTokenizer, BertModel, DataCollatorWithPadding
+def _distill(out: str, student, original, tokenizer, train, *, objective: str, steps: int, batch_size: int,
+             learning_rate: float, reconstruction_learning_rate: float, seed: int, trainable: str,
+             progress: bool):
+    """The recovery: ``student`` trained against the exact ``original`` with ``objective`` on ``train``, resumed from
+    the last checkpoint under ``out``/trainer if there is one; returns (the trainer, its training seconds)."""
+    from transformers import DataCollatorWithPadding
 
-    from hf_partial_attention.analysis.workflow import convert
-    from hf_partial_attention.modeling_partial_bert import PartialBertModel
-    from hf_partial_attention.sentence_folder import write_sentence_transformers_files
     from hf_partial_attention.training import PartialAttentionTrainer, PartialAttentionTrainingArguments
 
-    start = time.perf_counter()
-    model_path, model_id = resolve_model(model)
-    buckets_path = _buckets(out, model_path, model_id, k, buckets, fit_inputs, progress, bucket_k)
-    converted_dir, recovered_dir = os.path.join(out, "converted"), os.path.join(out, "recovered")
-    convert(buckets_path, converted_dir, model_path, reconstruction="per_layer", command=command)
-    tokenizer = AutoTokenizer.from_pretrained(converted_dir)
-    original = BertModel.from_pretrained(model_path, add_pooling_layer=False).eval()
-    student = PartialBertModel.from_pretrained(converted_dir, add_pooling_layer=False)
-    n = student.config.partial_seq_len
-    lengths = list(student.config.partial_lengths)
-    train = _training_set(tokenizer, n, train_inputs)
     args = PartialAttentionTrainingArguments(
         output_dir=os.path.join(out, "trainer"), max_steps=steps, per_device_train_batch_size=batch_size,
         learning_rate=learning_rate, reconstruction_learning_rate=reconstruction_learning_rate,
@@ -203,7 +187,37 @@ def run_recover(out: str = "runs/recover", results: str = "results/recovery", mo
 
     last = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
     trainer.train(resume_from_checkpoint=last)
-    train_seconds = time.perf_counter() - t
+    return trainer, time.perf_counter() - t
+
+
+def run_recover(out: str = "runs/recover", results: str = "results/recovery", model: str | None = None, *,
+                k: int = 16, buckets: str | None = None, objective: str = DEFAULT_OBJECTIVE, steps: int = 300,
+                batch_size: int = 32, learning_rate: float = 1e-4, reconstruction_learning_rate: float = 3e-3,
+                train_inputs: int | None = None, fit_inputs: int | None = None, max_heldout: int = 600,
+                seed: int = 0, trainable: str = "query_key", progress: bool = True,
+                command: str | None = None, bucket_k: dict[int, int] | None = None) -> dict:
+    """Buckets, conversion, recovery, measurement, checkpoint (see the module docstring); returns the result."""
+    from transformers import AutoTokenizer, BertModel
+
+    from hf_partial_attention.analysis.workflow import convert
+    from hf_partial_attention.modeling_partial_bert import PartialBertModel
+    from hf_partial_attention.sentence_folder import write_sentence_transformers_files
+
+    start = time.perf_counter()
+    model_path, model_id = resolve_model(model)
+    buckets_path = _buckets(out, model_path, model_id, k, buckets, fit_inputs, progress, bucket_k)
+    converted_dir, recovered_dir = os.path.join(out, "converted"), os.path.join(out, "recovered")
+    convert(buckets_path, converted_dir, model_path, reconstruction="per_layer", command=command)
+    tokenizer = AutoTokenizer.from_pretrained(converted_dir)
+    original = BertModel.from_pretrained(model_path, add_pooling_layer=False).eval()
+    student = PartialBertModel.from_pretrained(converted_dir, add_pooling_layer=False)
+    n = student.config.partial_seq_len
+    lengths = list(student.config.partial_lengths)
+    train = _training_set(tokenizer, n, train_inputs)
+    trainer, train_seconds = _distill(out, student, original, tokenizer, train, objective=objective, steps=steps,
+                                      batch_size=batch_size, learning_rate=learning_rate,
+                                      reconstruction_learning_rate=reconstruction_learning_rate, seed=seed,
+                                      trainable=trainable, progress=progress)
     drift = trainer.reconstruction_stats().get("reconstruction_drift/mean", 0.0)
     student.eval()
     converted_model = PartialBertModel.from_pretrained(converted_dir, add_pooling_layer=False).eval()

@@ -198,14 +198,8 @@ def run_lengths(out: str = "runs/lengths", results: str = "results/lengths", mod
     derive(windows_dir, ks, "per_query", baselines=False, progress=progress)
     steps["windows: analyze + derive"] = time.perf_counter() - t
     t = time.perf_counter()
-    analyze_lengths(model_path, fit_documents(), buckets_dir, lengths=lengths, kind="sentence", model_id=model_id,
-                    max_inputs=fit_inputs, progress=progress, batch_size=batch_size)
-    os.makedirs(os.path.join(buckets_dir, "patterns"), exist_ok=True)
-    for k in ks:  # the zero-fill reference of derive_lengths' score errors
-        AttentionPattern.load(os.path.join(windows_dir, "patterns", f"per_query_k{k}.safetensors")).save(
-            os.path.join(buckets_dir, "patterns", f"per_query_k{k}.safetensors"))
-    derived = derive_lengths(buckets_dir, ks, objective=objective, progress=progress,  # the buckets' greedy objective
-                             bucket_k=bucket_k)
+    derived = _fit_buckets(model_path, model_id, windows_dir, buckets_dir, ks, lengths, objective, fit_inputs,
+                           batch_size, progress, bucket_k)
     steps["buckets: analyze_lengths + derive_lengths"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -213,51 +207,19 @@ def run_lengths(out: str = "runs/lengths", results: str = "results/lengths", mod
     original.eval()
     tokens, windows = held_out_inputs(tok, max_heldout, heldout_windows)
     cov = ScoreCovariance.load(os.path.join(windows_dir, COVARIANCE_FILE))
-    rows = []
+    inputs, rows = [*tokens.items(), ("windows", windows)], []
     for k in ks:
-        zero = AttentionPattern.load(os.path.join(windows_dir, "patterns", f"per_query_k{k}.safetensors"))
-        buckets = PatternBuckets.load(os.path.join(buckets_dir, "patterns",
-                                                   f"buckets_k{k}{bucket_k_suffix(bucket_k)}.safetensors"))
-        arms = {"zero-fill": PartialBertModel.from_bert(original, zero, reconstruction="fixed").eval(),
-                "buckets": PartialBertModel.from_bert(original, buckets, reconstruction="fixed").eval(),
-                "conditional": PartialBertModel.from_bert(original, zero, reconstruction="fixed").eval(),
-                "bucket-conditional": PartialBertModel.from_bert(original, buckets, reconstruction="fixed").eval()}
-        bucket_covs = bucket_covariance_files(buckets_dir)
-        installers = {
-            "conditional": _conditional_installer(arms["conditional"], PatternBuckets.single(zero), {
-                zero.seq_len: ConditionalReconstructor.for_pattern(cov, zero)}),
-            "bucket-conditional": _conditional_installer(arms["bucket-conditional"], buckets, {
-                b: ConditionalReconstructor.for_pattern(ScoreCovariance.load(bucket_covs[b]), buckets[b])
-                for b in buckets.partial_lengths})}
-        for kind, tk in [*tokens.items(), ("windows", windows)]:
-            bucket_of = [bucket_for(list(lengths), int(x)) for x in tk.lengths]
-            for b in lengths:
-                index = [i for i, bb in enumerate(bucket_of) if bb == b]
-                if len(index) < 3:
-                    continue
-                ref = run_inputs(original, tk, index, batch_size)
-                for arm, m in arms.items():
-                    install = installers.get(arm)
-                    got = run_inputs(m, tk, index, batch_size, install)
-                    row = {"k": k, "arm": arm, "inputs_kind": kind, "bucket": b,
-                           "lengths": [int(tk.lengths[i]) for i in index], **embedding_metrics(ref, got)}
-                    rows.append(row)
-                    logger.info("k=%d %s %s b=%d: 1-cos %.4f, spearman %s", k, arm, kind, b, row["one_minus_cos"],
-                                row["spearman"])
+        rows += _measure_k(k, original, cov, windows_dir, buckets_dir, bucket_k, inputs, lengths, batch_size)
     steps["held-out measurement"] = time.perf_counter() - t
     d_head = original.config.hidden_size // original.config.num_attention_heads
     real = [int(x) for tk in tokens.values() for x in tk.lengths]  # every held-out real input's length
-    lengths_k = {k: [bucket_k.get(b, k) for b in lengths] for k in ks}  # each bucket's k (min(k, b) in cost)
-    saving = {str(k): {"buckets": distribution_saving(lengths, lengths_k[k], d_head, real),
-                       "zero_fill": distribution_saving([lengths[-1]], k, d_head, real),
-                       "per_bucket": {str(b): v for b, v in bucket_savings(lengths, lengths_k[k], d_head).items()}}
-              for k in ks}
     result = {"command": command or "python -m experiments lengths", "model": model_id, "lengths": list(lengths),
               "ks": list(ks), "objective": objective,
               "bucket_k": {str(b): v for b, v in sorted(bucket_k.items())},
               "fit": {"windows": fit_windows, "bucket_inputs": json.loads(json.dumps(
                   {row["length"]: row["fit_inputs"] for row in derived["ks"][str(ks[0])]["buckets"]}))},
-              "score_errors": derived["ks"], "rows": rows, "head_dim": d_head, "saving": saving,
+              "score_errors": derived["ks"], "rows": rows, "head_dim": d_head,
+              "saving": _savings(ks, lengths, bucket_k, d_head, real),
               "heldout_lengths": {"median": sorted(real)[len(real) // 2], "p10": sorted(real)[len(real) // 10],
                                   "p90": sorted(real)[9 * len(real) // 10]},
               "seconds": {name: round(s, 1) for name, s in steps.items()},
@@ -267,3 +229,64 @@ def run_lengths(out: str = "runs/lengths", results: str = "results/lengths", mod
     result["figures"] = {name: os.path.relpath(path, results) for name, path in figures.items()}  # no machine paths
     write_study(results, "lengths", result, render(result))
     return result
+
+
+def _fit_buckets(model_path: str, model_id: str, windows_dir: str, buckets_dir: str, ks, lengths: tuple[int, ...],
+                 objective: str, fit_inputs: int | None, batch_size: int, progress: bool,
+                 bucket_k: dict[int, int]) -> dict:
+    """P and R per length bucket (`analyze_lengths` + `derive_lengths`), the windows' zero-fill patterns copied
+    beside them; returns `derive_lengths`' result."""
+    analyze_lengths(model_path, fit_documents(), buckets_dir, lengths=lengths, kind="sentence", model_id=model_id,
+                    max_inputs=fit_inputs, progress=progress, batch_size=batch_size)
+    os.makedirs(os.path.join(buckets_dir, "patterns"), exist_ok=True)
+    for k in ks:  # the zero-fill reference of derive_lengths' score errors
+        AttentionPattern.load(os.path.join(windows_dir, "patterns", f"per_query_k{k}.safetensors")).save(
+            os.path.join(buckets_dir, "patterns", f"per_query_k{k}.safetensors"))
+    return derive_lengths(buckets_dir, ks, objective=objective, progress=progress,  # the buckets' greedy objective
+                          bucket_k=bucket_k)
+
+
+def _measure_k(k: int, original, cov: ScoreCovariance, windows_dir: str, buckets_dir: str, bucket_k: dict[int, int],
+               inputs: list, lengths: tuple[int, ...], batch_size: int) -> list[dict]:
+    """The rows of k: each arm (zero-fill, buckets, and their conditional R) against the original model on each
+    kind of held-out ``inputs`` (``(kind, tokens)``), per length bucket with at least 3 inputs."""
+    zero = AttentionPattern.load(os.path.join(windows_dir, "patterns", f"per_query_k{k}.safetensors"))
+    buckets = PatternBuckets.load(os.path.join(buckets_dir, "patterns",
+                                               f"buckets_k{k}{bucket_k_suffix(bucket_k)}.safetensors"))
+    arms = {"zero-fill": PartialBertModel.from_bert(original, zero, reconstruction="fixed").eval(),
+            "buckets": PartialBertModel.from_bert(original, buckets, reconstruction="fixed").eval(),
+            "conditional": PartialBertModel.from_bert(original, zero, reconstruction="fixed").eval(),
+            "bucket-conditional": PartialBertModel.from_bert(original, buckets, reconstruction="fixed").eval()}
+    bucket_covs = bucket_covariance_files(buckets_dir)
+    installers = {
+        "conditional": _conditional_installer(arms["conditional"], PatternBuckets.single(zero), {
+            zero.seq_len: ConditionalReconstructor.for_pattern(cov, zero)}),
+        "bucket-conditional": _conditional_installer(arms["bucket-conditional"], buckets, {
+            b: ConditionalReconstructor.for_pattern(ScoreCovariance.load(bucket_covs[b]), buckets[b])
+            for b in buckets.partial_lengths})}
+    rows = []
+    for kind, tk in inputs:
+        bucket_of = [bucket_for(list(lengths), int(x)) for x in tk.lengths]
+        for b in lengths:
+            index = [i for i, bb in enumerate(bucket_of) if bb == b]
+            if len(index) < 3:
+                continue
+            ref = run_inputs(original, tk, index, batch_size)
+            for arm, m in arms.items():
+                install = installers.get(arm)
+                got = run_inputs(m, tk, index, batch_size, install)
+                row = {"k": k, "arm": arm, "inputs_kind": kind, "bucket": b,
+                       "lengths": [int(tk.lengths[i]) for i in index], **embedding_metrics(ref, got)}
+                rows.append(row)
+                logger.info("k=%d %s %s b=%d: 1-cos %.4f, spearman %s", k, arm, kind, b, row["one_minus_cos"],
+                            row["spearman"])
+    return rows
+
+
+def _savings(ks, lengths: tuple[int, ...], bucket_k: dict[int, int], d_head: int, real: list[int]) -> dict:
+    """QKᵀ savings per k at the held-out inputs' own lengths (``real``): the buckets, zero fill, each bucket."""
+    lengths_k = {k: [bucket_k.get(b, k) for b in lengths] for k in ks}  # each bucket's k (min(k, b) in cost)
+    return {str(k): {"buckets": distribution_saving(lengths, lengths_k[k], d_head, real),
+                     "zero_fill": distribution_saving([lengths[-1]], k, d_head, real),
+                     "per_bucket": {str(b): v for b, v in bucket_savings(lengths, lengths_k[k], d_head).items()}}
+            for k in ks}

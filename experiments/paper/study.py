@@ -147,11 +147,17 @@ def run_paper(out: str = "runs/paper", results_dir: str | None = "results/paper"
     ]
     results = update_results(out, "notes", notes)
     if results_dir is not None:
-        os.makedirs(results_dir, exist_ok=True)
-        shutil.copyfile(os.path.join(out, "report.md"), os.path.join(results_dir, "report.md"))
-        with open(os.path.join(out, "results.json")) as f:  # paths of this machine become paths in the run folder
-            text = f.read().replace(os.path.abspath(out), os.path.basename(os.path.normpath(out)))
-        with open(os.path.join(results_dir, "results.json"), "w") as f:
-            f.write(text.replace(out, os.path.basename(os.path.normpath(out))))
-        shutil.copytree(os.path.join(out, "figures"), os.path.join(results_dir, "figures"), dirs_exist_ok=True)
+        _copy_results(out, results_dir)
     return results
+
+
+def _copy_results(out: str, results_dir: str) -> None:
+    """The report, ``results.json`` (with the run folder's name in place of this machine's paths) and the figures
+    of ``out`` copied to ``results_dir``."""
+    os.makedirs(results_dir, exist_ok=True)
+    shutil.copyfile(os.path.join(out, "report.md"), os.path.join(results_dir, "report.md"))
+    with open(os.path.join(out, "results.json")) as f:  # paths of this machine become paths in the run folder
+        text = f.read().replace(os.path.abspath(out), os.path.basename(os.path.normpath(out)))
+    with open(os.path.join(results_dir, "results.json"), "w") as f:
+        f.write(text.replace(out, os.path.basename(os.path.normpath(out))))
+    shutil.copytree(os.path.join(out, "figures"), os.path.join(results_dir, "figures"), dirs_exist_ok=True)

@@ -145,18 +145,7 @@ def write_recall_report(a: RecallArguments, store: JobStore, command: str) -> di
     lines += ["", "Exact solves: " + ", ".join(f"{t}: {'yes' if s else 'no'}" for t, s in solved.items()) + ".", ""]
     if figure:
         lines += [f"![accuracy per task and arm]({os.path.basename(figure)})", ""]
-    lines += ["## Verdicts", ""]
-    names = {"e1": "(e1) R earns its cost on far-by-position dependencies (P + R ahead of P alone)",
-             "e2": "(e2) recall by content beyond P: exact only", "e3": "(e3) one exact layer restores it"}
-    for key, text in names.items():
-        v = result["verdicts"].get(key)
-        if v is None:
-            lines.append(f"- {text}: void (exact does not solve its task, or its arms did not run).")
-            continue
-        parts = [f"{n}: {100 * c['difference']:+.1f}" + (f" ± {100 * c['se']:.1f}" if c["se"] is not None else "")
-                 for n, c in v["comparisons"].items() if c]
-        state = {True: "holds", False: "does not hold", None: "undecided: its runs have not all finished"}[v["holds"]]
-        lines.append(f"- {text}: **{state}** ({v['rule']}; points: " + (", ".join(parts) or "none yet") + ").")
+    lines += ["## Verdicts", "", *_verdict_lines(result["verdicts"])]
     if patterns:
         lines += ["", "## P and R from the exact model", "",
                   "Predicted normalised error of R on the exact model's scores, and P's mean key distance |i − j|:", ""]
@@ -165,6 +154,23 @@ def write_recall_report(a: RecallArguments, store: JobStore, command: str) -> di
                                                 for name, err in p["error"].items()))
     write_study(a.output_dir, "recall", result, "\n".join(lines) + "\n")
     return result
+
+
+def _verdict_lines(verdicts: dict) -> list[str]:
+    """One line per verdict: holds, does not hold, undecided or void, with its rule and the differences behind it."""
+    lines = []
+    names = {"e1": "(e1) R earns its cost on far-by-position dependencies (P + R ahead of P alone)",
+             "e2": "(e2) recall by content beyond P: exact only", "e3": "(e3) one exact layer restores it"}
+    for key, text in names.items():
+        v = verdicts.get(key)
+        if v is None:
+            lines.append(f"- {text}: void (exact does not solve its task, or its arms did not run).")
+            continue
+        parts = [f"{n}: {100 * c['difference']:+.1f}" + (f" ± {100 * c['se']:.1f}" if c["se"] is not None else "")
+                 for n, c in v["comparisons"].items() if c]
+        state = {True: "holds", False: "does not hold", None: "undecided: its runs have not all finished"}[v["holds"]]
+        lines.append(f"- {text}: **{state}** ({v['rule']}; points: " + (", ".join(parts) or "none yet") + ").")
+    return lines
 
 
 def _figure(result: dict, tasks, arms, path: str) -> str | None:

@@ -101,71 +101,85 @@ def run_recall(a: RecallArguments, argv: list[str] | None = None) -> dict:
     if a.report_only:
         return write_recall_report(a, store, command)
     study = RecallStudy(a, store)
-    arms, tasks, seeds = list(study.arms.values()), list(study.tasks.values()), a.seed_list()
+    arms, tasks = list(study.arms.values()), list(study.tasks.values())
     exact, others = arms[0], arms[1:]
-    bar = tqdm(desc="recall jobs", disable=not a.progress)
-
-    def job(name, fn) -> None:
-        if store.done(name) or not _claim(lock := os.path.join(a.run_dir, "locks", f"{name}.lock")):
-            return
-        try:
-            store.run(name, fn, bar, "recall")
-        finally:
-            os.remove(lock)
-
-    def wait(names) -> None:  # for jobs another process holds
-        while not all(store.done(n) for n in names):
-            time.sleep(5)
-
-    def sweeps(arm_list, task_list):
-        names = []
-        for arm in arm_list:
-            for task in task_list:
-                for lr, ratio in sweep(a, arm):
-                    name = job_name(arm, task, lr, ratio, seeds[0])
-                    save = store.model_dir(name) if arm.kind == "exact" else None
-                    job(name, lambda arm=arm, task=task, lr=lr, ratio=ratio, save=save:
-                        study.train(arm, task, lr, ratio, seeds[0], save))
-                    names.append(name)
-        wait(names)
-
-    def other_seeds(arm_list, task_list):
-        names = []
-        for arm in arm_list:
-            for task in task_list:
-                lr, ratio = chosen(store, arm, task, a)
-                for seed in seeds[1:]:
-                    name = job_name(arm, task, seed=seed)
-                    job(name, lambda arm=arm, task=task, lr=lr, ratio=ratio, seed=seed:
-                        study.train(arm, task, lr, ratio, seed))
-                    names.append(name)
-        return names
-
-    job("estimate", lambda: {"step_seconds": (s := _step_seconds(study)),
-                             "estimate_seconds": estimate_seconds(a, s)})
-    wait(["estimate"])
+    jobs = _Jobs(study, tqdm(desc="recall jobs", disable=not a.progress))
+    jobs.job("estimate", lambda: {"step_seconds": (s := _step_seconds(study)),
+                                  "estimate_seconds": estimate_seconds(a, s)})
+    jobs.wait(["estimate"])
     estimate = store.load("estimate")
     logger.warning("recall: estimated %.1f h for the whole study in one process on this machine (%.3f s a step); "
                    "it resumes after a kill.", estimate["estimate_seconds"] / 3600, estimate["step_seconds"])
-    sweeps([exact], tasks)
+    jobs.sweeps([exact], tasks)
     if others:
         for task in tasks:
             lr, ratio = chosen(store, exact, task, a)
-            exact_dir = store.model_dir(job_name(exact, task, lr, ratio, seeds[0]))
-            job(f"patterns/{task.name}", lambda task=task, exact_dir=exact_dir: study.patterns(task, exact_dir))
-        wait([f"patterns/{task.name}" for task in tasks])
-    names = other_seeds([exact], tasks)
-    # Cells of (two arms, one task), each finished (sweeps and seeds) before the next, so a run stopped early has
-    # whole cells: first the verdicts' (MQAR, then far copy, for the first four arms: P + R trained and P alone,
-    # every layer partial and the last exact), then the rest two arms at a time, the band's arms before the greedy's.
+            exact_dir = store.model_dir(job_name(exact, task, lr, ratio, jobs.seeds[0]))
+            jobs.job(f"patterns/{task.name}", lambda task=task, exact_dir=exact_dir: study.patterns(task, exact_dir))
+        jobs.wait([f"patterns/{task.name}" for task in tasks])
+    names = jobs.other_seeds([exact], tasks)
+    for pair, task in _cells(others, tasks):
+        jobs.sweeps(pair, [task])
+        names += jobs.other_seeds(pair, [task])
+    jobs.wait(names)
+    jobs.bar.close()
+    return write_recall_report(a, store, command)
+
+
+def _cells(others: list, tasks: list) -> list[tuple[list, object]]:
+    """The (two arms, one task) cells in the order they run, each finished (sweeps and seeds) before the next, so a
+    run stopped early has whole cells: first the verdicts' (MQAR, then far copy, for the first four arms: P + R
+    trained and P alone, every layer partial and the last exact), then the rest two arms at a time, the band's arms
+    before the greedy's."""
     ordered = [arm for arm in others if not arm.greedy] + [arm for arm in others if arm.greedy]
     pairs = [ordered[i:i + 2] for i in range(0, len(ordered), 2)]
     first = [(pair, task) for task in tasks if task.name in VERDICT_TASKS for pair in pairs[:2]]
-    cells = first + [(pair, task) for pair in pairs for task in tasks
-                     if not any(pair is p and task is t for p, t in first)]
-    for pair, task in cells:
-        sweeps(pair, [task])
-        names += other_seeds(pair, [task])
-    wait(names)
-    bar.close()
-    return write_recall_report(a, store, command)
+    return first + [(pair, task) for pair in pairs for task in tasks
+                    if not any(pair is p and task is t for p, t in first)]
+
+
+class _Jobs:
+    """The study's jobs in one process among several on one ``run_dir``: a job runs here only when no other process
+    holds it (its lock file), and a phase waits for the jobs others hold."""
+
+    def __init__(self, study: RecallStudy, bar):
+        self.study, self.a, self.store, self.bar = study, study.a, study.store, bar
+        self.seeds = self.a.seed_list()
+
+    def job(self, name, fn) -> None:
+        if self.store.done(name) or not _claim(lock := os.path.join(self.a.run_dir, "locks", f"{name}.lock")):
+            return
+        try:
+            self.store.run(name, fn, self.bar, "recall")
+        finally:
+            os.remove(lock)
+
+    def wait(self, names) -> None:  # for jobs another process holds
+        while not all(self.store.done(n) for n in names):
+            time.sleep(5)
+
+    def sweeps(self, arm_list, task_list) -> None:
+        """The learning-rate sweeps of the arms on the tasks (first seed), waited for."""
+        names, seeds = [], self.seeds
+        for arm in arm_list:
+            for task in task_list:
+                for lr, ratio in sweep(self.a, arm):
+                    name = job_name(arm, task, lr, ratio, seeds[0])
+                    save = self.store.model_dir(name) if arm.kind == "exact" else None
+                    self.job(name, lambda arm=arm, task=task, lr=lr, ratio=ratio, save=save:
+                             self.study.train(arm, task, lr, ratio, seeds[0], save))
+                    names.append(name)
+        self.wait(names)
+
+    def other_seeds(self, arm_list, task_list) -> list[str]:
+        """The other seeds' runs of the arms on the tasks at their chosen rates; returns their job names."""
+        names = []
+        for arm in arm_list:
+            for task in task_list:
+                lr, ratio = chosen(self.store, arm, task, self.a)
+                for seed in self.seeds[1:]:
+                    name = job_name(arm, task, seed=seed)
+                    self.job(name, lambda arm=arm, task=task, lr=lr, ratio=ratio, seed=seed:
+                             self.study.train(arm, task, lr, ratio, seed))
+                    names.append(name)
+        return names

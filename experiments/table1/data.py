@@ -76,20 +76,43 @@ def _spread(dataset, count: int):
 
 
 def load_study_data(a) -> StudyData:
-    from datasets import Dataset, DatasetDict
     from transformers import AutoTokenizer
 
-    from hf_partial_attention.analysis.corpus import pydoc_paragraphs
     from hf_partial_attention.analysis.defaults import resolve_model
-    from hf_partial_attention.training import (
-        MlmDataArguments, MnliDataArguments, group_into_windows, load_mnli, load_text_datasets, tokenize_pairs,
-    )
-    from hf_partial_attention.training.pair_task import (
-        NEXT_SENTENCE_LABELS, PAIR_LABELS, next_sentence_examples, sentence_order_examples, stdlib_docstring_documents,
-    )
+    from hf_partial_attention.training import tokenize_pairs
 
     path, hub_id = resolve_model(a.model_name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path)
+    raw, fit_documents, corpus, prose = _mlm_text(a)
+    windows = _mlm_windows(a, raw, tokenizer)
+    pairs_raw, labels = _pair_examples(a, prose)
+    if a.max_finetune_eval:
+        pairs_raw["validation"] = pairs_raw["validation"].select(range(min(a.max_finetune_eval,
+                                                                           len(pairs_raw["validation"]))))
+    pairs = tokenize_pairs(pairs_raw, tokenizer, a.max_seq_length, pad=False)
+    lengths = [len(x) for x in pairs["validation"]["input_ids"]]
+    pairs["validation"] = pairs["validation"].add_column("length", lengths).sort("length").remove_columns("length")
+    mlm_pairs = _spread(pairs["validation"], a.mlm_eval_pairs).remove_columns("label")
+    recovery_inputs = _recovery_inputs(windows["train"], pairs["train"], tokenizer)
+    sizes = {"mlm_windows": {k: len(v) for k, v in windows.items()}, "pairs": {k: len(v) for k, v in pairs.items()},
+             "mlm_pairs": len(mlm_pairs), "recovery_inputs": len(recovery_inputs),
+             "bucket_fit_documents": len(fit_documents),
+             "bucket_fit_inputs_available": sum(len(d) for d in fit_documents)}
+    pooler = _start_pooler(path)
+    return StudyData(path, hub_id or a.model_name_or_path, tokenizer, windows, pairs, mlm_pairs, fit_documents,
+                     labels, corpus, sizes, pooler, recovery_inputs)
+
+
+def _mlm_text(a):
+    """The MLM text as (train / selection / validation documents, bucket-fit documents, corpus name, prose): the
+    given dataset or files, else the default corpus, whose (train, selection, held-out) documents are ``prose``
+    (None for a given dataset)."""
+    from datasets import Dataset, DatasetDict
+
+    from hf_partial_attention.analysis.corpus import pydoc_paragraphs
+    from hf_partial_attention.training import MlmDataArguments, load_text_datasets
+    from hf_partial_attention.training.pair_task import stdlib_docstring_documents
+
     prose = None  # (train, selection, held-out) documents of the default corpus
     if a.pretrain_dataset_name or a.pretrain_train_file:
         raw = load_text_datasets(MlmDataArguments(dataset_name=a.pretrain_dataset_name,
@@ -109,6 +132,13 @@ def load_study_data(a) -> StudyData:
                            for split, docs in zip(("train", "selection", "validation"), prose)})
         fit_documents = bucket_fit_documents(train_docs)
         corpus = f"pydoc_data.topics + standard-library docstrings (CPython {sys.version.split()[0]})"
+    return raw, fit_documents, corpus, prose
+
+
+def _mlm_windows(a, raw, tokenizer):
+    """The MLM text in windows of n tokens; the selection and validation splits cut to ``mlm_eval_windows``."""
+    from hf_partial_attention.training import group_into_windows
+
     windows = group_into_windows(raw, tokenizer, a.max_seq_length)
     for split in ("selection", "validation"):  # the first mlm_eval_windows of each (the selection has fewer)
         windows[split] = windows[split].select(range(min(a.mlm_eval_windows, len(windows[split]))))
@@ -116,6 +146,20 @@ def load_study_data(a) -> StudyData:
         if not len(windows[split]):
             raise ValueError(f"The {split} split has no window of max_seq_length={a.max_seq_length} tokens; give "
                              "more text, a smaller --max_seq_length or a larger --selection_every.")
+    return windows
+
+
+def _pair_examples(a, prose):
+    """The fine-tuning task's (train, validation) examples, untokenized, and its labels: MNLI, or next-sentence or
+    sentence-order pairs from the default corpus's training and held-out documents (``prose``, or split here)."""
+    from datasets import Dataset, DatasetDict
+
+    from hf_partial_attention.analysis.corpus import pydoc_paragraphs
+    from hf_partial_attention.training import MnliDataArguments, load_mnli
+    from hf_partial_attention.training.pair_task import (
+        NEXT_SENTENCE_LABELS, PAIR_LABELS, next_sentence_examples, sentence_order_examples, stdlib_docstring_documents,
+    )
+
     if a.task == "mnli":
         pairs_raw = load_mnli(MnliDataArguments(dataset_name=a.finetune_dataset_name,
                                                 dataset_config_name=a.finetune_dataset_config_name,
@@ -131,21 +175,7 @@ def load_study_data(a) -> StudyData:
                         (sentence_order_examples, PAIR_LABELS))
         pairs_raw = DatasetDict(train=Dataset.from_list(make(prose[0], seed=a.seed, all_variants=True)),
                                 validation=Dataset.from_list(make(prose[2], seed=a.seed + 1)))
-    if a.max_finetune_eval:
-        pairs_raw["validation"] = pairs_raw["validation"].select(range(min(a.max_finetune_eval,
-                                                                           len(pairs_raw["validation"]))))
-    pairs = tokenize_pairs(pairs_raw, tokenizer, a.max_seq_length, pad=False)
-    lengths = [len(x) for x in pairs["validation"]["input_ids"]]
-    pairs["validation"] = pairs["validation"].add_column("length", lengths).sort("length").remove_columns("length")
-    mlm_pairs = _spread(pairs["validation"], a.mlm_eval_pairs).remove_columns("label")
-    recovery_inputs = _recovery_inputs(windows["train"], pairs["train"], tokenizer)
-    sizes = {"mlm_windows": {k: len(v) for k, v in windows.items()}, "pairs": {k: len(v) for k, v in pairs.items()},
-             "mlm_pairs": len(mlm_pairs), "recovery_inputs": len(recovery_inputs),
-             "bucket_fit_documents": len(fit_documents),
-             "bucket_fit_inputs_available": sum(len(d) for d in fit_documents)}
-    pooler = _start_pooler(path)
-    return StudyData(path, hub_id or a.model_name_or_path, tokenizer, windows, pairs, mlm_pairs, fit_documents,
-                     labels, corpus, sizes, pooler, recovery_inputs)
+    return pairs_raw, labels
 
 
 def _recovery_inputs(train_windows, train_pairs, tokenizer):

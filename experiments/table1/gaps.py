@@ -54,73 +54,93 @@ def gap_decomposition(arms: StudyArms, losses: dict[str, ArmLosses], phase1: dic
 
     ``zero_fill[str(k)]``: the zero-fill conversion's test losses ``{"windows", "pairs"}`` at k (absent: not run).
     """
-    by_name = arms.by_name()
-    exact = Arm().name
     out = {}
     for k in dict.fromkeys(arm.k for arm in arms.finetune if not arm.is_exact):
         mode = _mode(arms)
         steps = []
-
-        def add(step, comparison, windows=None, pairs=None, accuracy=None):
-            steps.append({"step": step, "comparison": comparison, "windows": windows, "pairs": pairs,
-                          "accuracy": accuracy})
-
-        buckets = next((arm for arm in arms.finetune if arm.k == k and arm.lengths == "buckets"
-                        and losses[arm.name].converted is not None), None)
-        zf = zero_fill.get(str(k))
-        for kind in ("windows", "pairs"):
-            step = "(i) conversion at full windows" if kind == "windows" else "(ii) conversion at the pairs' lengths"
-            if zf is not None:
-                add(step, "zero-fill converted − exact (phase 1)", **{kind: _mlm(
-                    zf[kind], phase1[kind], f"zero_fill_converted.{k}.{kind}", f"phase1_mlm_loss.{kind}")})
-            if buckets is not None:
-                add(step, "buckets converted − exact (phase 1)", **{kind: _mlm(
-                    losses[buckets.name].converted[kind], phase1[kind], f"rows.{buckets.name}.mlm_converted_{kind}",
-                    f"phase1_mlm_loss.{kind}")})
-        if zf is not None and buckets is not None:
-            add("(ii) conversion at the pairs' lengths", "buckets − zero-fill (converted)", pairs=_mlm(
-                losses[buckets.name].converted["pairs"], zf["pairs"], f"rows.{buckets.name}.mlm_converted_pairs",
-                f"zero_fill_converted.{k}.pairs"))
+        _conversion_steps(steps, k, arms, losses, phase1, zero_fill.get(str(k)))
         twins = {recovery: Arm(k, mode, recovery) for recovery in ("none", "mlm", "distill")}
         controls = [arm for arm in arms.finetune if arm.k == k and arm.lengths == "zero_fill"]
-        exact_after = losses[exact].recovered
-        for arm in [*(a for a in twins.values() if a.name in by_name), *controls]:
-            own = losses[arm.name]
-            label = f"{arm.recovery}" + (" (zero-fill control)" if arm.lengths == "zero_fill" else "")
-            if arm.trains:
-                add("(iii) recovery", f"{label}: {arm.name} after − exact after phase 2", **{kind: _mlm(
-                    own.recovered[kind], exact_after[kind], f"rows.{arm.name}.mlm_{kind}", f"rows.{exact}.mlm_{kind}")
-                    for kind in ("windows", "pairs")})
-            else:
-                add("(iii) recovery", f"{label}: {arm.name} (converted) − exact (phase 1)", **{kind: _mlm(
-                    own.converted[kind], phase1[kind], f"rows.{arm.name}.mlm_converted_{kind}",
-                    f"phase1_mlm_loss.{kind}") for kind in ("windows", "pairs")})
-        accuracy_steps, versus_exact = [], {}
-        for recovery, arm in twins.items():
-            if arm.name in by_name:
-                add("(iv) fine-tuning", f"{recovery}: {arm.name} − exact", accuracy=_acc(
-                    finetune[arm.name], finetune[exact], f"rows.{arm.name}.accuracy.mean",
-                    f"rows.{exact}.accuracy.mean"))
-                versus_exact[recovery] = steps[-1]["accuracy"]
-        for arm in controls:
-            twin = arm.twin(lengths="buckets").name
-            add("(iv) fine-tuning", f"zero-fill control: {arm.name} − {twin}", accuracy=_acc(
-                finetune[arm.name], finetune[twin], f"rows.{arm.name}.accuracy.mean", f"rows.{twin}.accuracy.mean"))
-            accuracy_steps.append((f"zero-fill instead of buckets ({arm.name} − {twin})", steps[-1]["accuracy"]))
-        if "none" in versus_exact:  # the accuracy chain: conversion, then what each recovery changes
-            none = twins["none"].name
-            accuracy_steps.append((f"conversion ({none}, fine-tuned without recovery, − exact)", versus_exact["none"]))
-            for recovery in ("mlm", "distill"):
-                arm = twins[recovery].name
-                if arm in by_name:
-                    accuracy_steps.append((f"recovery by {recovery} instead of none ({arm} − {none})", _acc(
-                        finetune[arm], finetune[none], f"rows.{arm}.accuracy.mean", f"rows.{none}.accuracy.mean")))
+        _recovery_steps(steps, arms, losses, phase1, twins, controls)
+        accuracy_steps = _accuracy_steps(steps, arms, finetune, twins, controls)
         loser = min(accuracy_steps, key=lambda s: s[1]["diff"]) if accuracy_steps else None
         out[str(k)] = {"k": k, "mode": mode, "steps": steps,
                        "accuracy_steps": [{"step": name, **m} for name, m in accuracy_steps],
                        "loses_most": None if loser is None else {"step": loser[0], **loser[1]},
                        "sentence": _sentence(k, loser, accuracy_steps)}
     return out
+
+
+def _add(steps: list, step, comparison, windows=None, pairs=None, accuracy=None) -> None:
+    steps.append({"step": step, "comparison": comparison, "windows": windows, "pairs": pairs, "accuracy": accuracy})
+
+
+def _conversion_steps(steps: list, k: int, arms: StudyArms, losses: dict[str, ArmLosses], phase1: dict,
+                      zf: dict | None) -> None:
+    """Steps (i) and (ii): the zero-fill and the buckets conversion of k against the exact model, on full windows and
+    at the pairs' lengths, and buckets against zero fill there (``zf``: the zero-fill losses, None: not run)."""
+    buckets = next((arm for arm in arms.finetune if arm.k == k and arm.lengths == "buckets"
+                    and losses[arm.name].converted is not None), None)
+    for kind in ("windows", "pairs"):
+        step = "(i) conversion at full windows" if kind == "windows" else "(ii) conversion at the pairs' lengths"
+        if zf is not None:
+            _add(steps, step, "zero-fill converted − exact (phase 1)", **{kind: _mlm(
+                zf[kind], phase1[kind], f"zero_fill_converted.{k}.{kind}", f"phase1_mlm_loss.{kind}")})
+        if buckets is not None:
+            _add(steps, step, "buckets converted − exact (phase 1)", **{kind: _mlm(
+                losses[buckets.name].converted[kind], phase1[kind], f"rows.{buckets.name}.mlm_converted_{kind}",
+                f"phase1_mlm_loss.{kind}")})
+    if zf is not None and buckets is not None:
+        _add(steps, "(ii) conversion at the pairs' lengths", "buckets − zero-fill (converted)", pairs=_mlm(
+            losses[buckets.name].converted["pairs"], zf["pairs"], f"rows.{buckets.name}.mlm_converted_pairs",
+            f"zero_fill_converted.{k}.pairs"))
+
+
+def _recovery_steps(steps: list, arms: StudyArms, losses: dict[str, ArmLosses], phase1: dict, twins: dict[str, Arm],
+                    controls: list[Arm]) -> None:
+    """Step (iii): each recovery twin's and zero-fill control's MLM gap to the exact model (after phase 2 when the
+    arm trains, else as converted)."""
+    by_name, exact = arms.by_name(), Arm().name
+    exact_after = losses[exact].recovered
+    for arm in [*(a for a in twins.values() if a.name in by_name), *controls]:
+        own = losses[arm.name]
+        label = f"{arm.recovery}" + (" (zero-fill control)" if arm.lengths == "zero_fill" else "")
+        if arm.trains:
+            _add(steps, "(iii) recovery", f"{label}: {arm.name} after − exact after phase 2", **{kind: _mlm(
+                own.recovered[kind], exact_after[kind], f"rows.{arm.name}.mlm_{kind}", f"rows.{exact}.mlm_{kind}")
+                for kind in ("windows", "pairs")})
+        else:
+            _add(steps, "(iii) recovery", f"{label}: {arm.name} (converted) − exact (phase 1)", **{kind: _mlm(
+                own.converted[kind], phase1[kind], f"rows.{arm.name}.mlm_converted_{kind}",
+                f"phase1_mlm_loss.{kind}") for kind in ("windows", "pairs")})
+
+
+def _accuracy_steps(steps: list, arms: StudyArms, finetune: dict[str, list], twins: dict[str, Arm],
+                    controls: list[Arm]) -> list[tuple[str, dict]]:
+    """Step (iv), fine-tuned accuracy differences; returns the accuracy chain (name, difference): zero fill instead
+    of buckets, then conversion and what each recovery changes."""
+    by_name, exact = arms.by_name(), Arm().name
+    accuracy_steps, versus_exact = [], {}
+    for recovery, arm in twins.items():
+        if arm.name in by_name:
+            _add(steps, "(iv) fine-tuning", f"{recovery}: {arm.name} − exact", accuracy=_acc(
+                finetune[arm.name], finetune[exact], f"rows.{arm.name}.accuracy.mean",
+                f"rows.{exact}.accuracy.mean"))
+            versus_exact[recovery] = steps[-1]["accuracy"]
+    for arm in controls:
+        twin = arm.twin(lengths="buckets").name
+        _add(steps, "(iv) fine-tuning", f"zero-fill control: {arm.name} − {twin}", accuracy=_acc(
+            finetune[arm.name], finetune[twin], f"rows.{arm.name}.accuracy.mean", f"rows.{twin}.accuracy.mean"))
+        accuracy_steps.append((f"zero-fill instead of buckets ({arm.name} − {twin})", steps[-1]["accuracy"]))
+    if "none" in versus_exact:  # the accuracy chain: conversion, then what each recovery changes
+        none = twins["none"].name
+        accuracy_steps.append((f"conversion ({none}, fine-tuned without recovery, − exact)", versus_exact["none"]))
+        for recovery in ("mlm", "distill"):
+            arm = twins[recovery].name
+            if arm in by_name:
+                accuracy_steps.append((f"recovery by {recovery} instead of none ({arm} − {none})", _acc(
+                    finetune[arm], finetune[none], f"rows.{arm}.accuracy.mean", f"rows.{none}.accuracy.mean")))
+    return accuracy_steps
 
 
 def _sentence(k: int, loser, accuracy_steps) -> str:

@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,63 +49,24 @@ def collect(a: StudyArguments, store, data, command: str) -> dict[str, Any]:
     mlm = {arm.name: store.load(f"mlm_{arm.name}") for arm in arms.mlm}
     conv = {arm.name: store.load(f"conv_{arm.name}") for arm in arms.converted}
     ft = {arm.name: [store.load(f"ft_{arm.name}_s{s}") for s in a.seeds] for arm in arms.finetune}
-    losses = {}
-    for arm in arms.finetune:
-        job = mlm.get(arm.name) or conv[arm.name]
-        losses[arm.name] = ArmLosses(job.get("converted"), job.get("recovered"), job.get("r_drift"),
-                                     job.get("r_drift_max"))
-    zero_fill = {str(arm.k): conv[arm.name]["zero_fill_converted"] for arm in arms.converted
-                 if "zero_fill_converted" in conv[arm.name]}
-    for arm in arms.finetune:
-        if arm.lengths == "zero_fill" and losses[arm.name].converted is not None:
-            zero_fill.setdefault(str(arm.k), losses[arm.name].converted)
+    losses = _arm_losses(arms, mlm, conv)
+    zero_fill = _zero_fill_losses(arms, conv, losses)
     config = AutoConfig.from_pretrained(store.model_dir("phase1"))
-    d_head, layers, n = config.hidden_size // config.num_attention_heads, config.num_hidden_layers, a.max_seq_length
-    pair_lengths = [len(x) for x in data.pairs["validation"]["input_ids"]]
-    rows = {}
-    for arm in arms.finetune:
-        job, own = mlm.get(arm.name) or conv[arm.name], losses[arm.name]
-        lengths = None if arm.is_exact else (patterns["buckets"][str(arm.k)]["lengths"] if arm.lengths == "buckets"
-                                             else [n])
-        saving = 0.0 if arm.is_exact else score_cost(n, arm.k, d_head).saving
-        pairs_saving = 0.0 if arm.is_exact else distribution_saving(lengths, arm.k, d_head, pair_lengths)
-        error = None if arm.is_exact else (patterns["buckets"][str(arm.k)]["normalized_error"][str(n)]
-                                           if arm.lengths == "buckets" else patterns["normalized_error"][str(arm.k)])
-        if not arm.is_exact and arm.budget:  # each partial layer its own k: the mean of their savings
-            layers_k = patterns.get("layers", {})[layers_key(arm.k, arm.granularity, arm.exact_layers)]["layers_k"]
-            # the budget's layers, all but the last (an exact one among them has k = b in every bucket: no saving)
-            ks = [layers_k[str(layer)] for layer in range(layers - 1)]
-            saving = sum(score_cost(n, row[-1], d_head).saving for row in ks) / len(ks)
-            pairs_saving = sum(distribution_saving(lengths, row, d_head, pair_lengths) for row in ks) / len(ks)
-        if not arm.is_exact and arm.granularity != "pooled":
-            error = None  # the pooled fit's prediction does not describe P and R per layer or head
-        converted, recovered = _losses(own.converted), _losses(own.recovered)
-        rows[arm.name] = {
-            "k": arm.k, "mode": arm.mode, "recovery": arm.recovery,
-            "lengths": None if arm.is_exact else arm.lengths + ("" if arm.form == "pooled" else f" ({arm.form})"),
-            "partial_lengths": lengths, "qk_saving_partial_layers": saving,
-            "qk_saving_model": saving * (layers - 1) / layers,  # all layers but the last are partial
-            "qk_saving_pairs": pairs_saving, "predicted_normalized_error": error,
-            "mlm_converted_windows": converted and converted["windows"],
-            "mlm_converted_pairs": converted and converted["pairs"],
-            "mlm_windows": recovered and recovered["windows"], "mlm_pairs": recovered and recovered["pairs"],
-            "r_drift": own.r_drift, "r_drift_max": own.r_drift_max,
-            "recovery_seconds": job.get("train_seconds"), "recovery_steps": job.get("steps"),
-            "reused_from": job.get("reused_from"), "accuracy": accuracy_summary(ft[arm.name]),
-        }
+    shape = _Shape(config.hidden_size // config.num_attention_heads, config.num_hidden_layers, a.max_seq_length,
+                   [len(x) for x in data.pairs["validation"]["input_ids"]])
+    d_head, layers, pair_lengths = shape.d_head, shape.layers, shape.pair_lengths
+    rows = {arm.name: _row(arm, mlm.get(arm.name) or conv[arm.name], losses[arm.name], ft[arm.name], patterns, shape)
+            for arm in arms.finetune}
     seconds = {"phase1": phase1["seconds"], "patterns": patterns["seconds"], "rlr": rlr["seconds"],
                "phase2": sum(j["seconds"] for j in mlm.values()) + phase1_eval["seconds"],
                "conv": sum(j["seconds"] for j in conv.values()),
                "finetune": sum(r["seconds"] for runs in ft.values() for r in runs), "timing": timing["seconds"]}
     seconds["total"] = sum(seconds.values())
-    selection = {"arm": rlr["arm"], "chosen": rlr["chosen"], "windows": rlr.get("selection_windows"),
-                 "candidates": [{k: c[k] for k in ("reconstruction_learning_rate", "selection_loss", "r_drift",
-                                                   "r_drift_max", "train_seconds")} for c in rlr["candidates"]]}
     return {
         "command": command, "arguments": a.result_fields(), "model": data.model_id, "corpus": data.corpus,
         "task": a.task, "labels": list(data.labels), "sizes": data.sizes, "d_head": d_head, "layers": layers,
         "phase1_mlm_loss": _losses(phase1_eval), "phase1_selection_loss": mlm_loss(phase1["selection"]),
-        "phase1_train_losses": phase1["train_losses"], "selection": selection,
+        "phase1_train_losses": phase1["train_losses"], "selection": _selection(rlr),
         "patterns": {"normalized_error": patterns["normalized_error"], "buckets": patterns["buckets"],
                      "bucket_fit": patterns["bucket_fit"], "bucket_objective": patterns["bucket_objective"],
                      "layers": patterns.get("layers", {})},
@@ -118,6 +80,78 @@ def collect(a: StudyArguments, store, data, command: str) -> dict[str, Any]:
                     "cpus": os.cpu_count(), "torch": torch.__version__, "python": sys.version.split()[0],
                     "threads": timing["threads"]},
     }
+
+
+def _arm_losses(arms: StudyArms, mlm: dict, conv: dict) -> dict[str, ArmLosses]:
+    """Each fine-tuned arm's `ArmLosses`, from its phase-2 job or, without recovery, its conversion job."""
+    losses = {}
+    for arm in arms.finetune:
+        job = mlm.get(arm.name) or conv[arm.name]
+        losses[arm.name] = ArmLosses(job.get("converted"), job.get("recovered"), job.get("r_drift"),
+                                     job.get("r_drift_max"))
+    return losses
+
+
+def _zero_fill_losses(arms: StudyArms, conv: dict, losses: dict[str, ArmLosses]) -> dict[str, dict]:
+    """The zero-fill conversion's test losses per k: scored beside the first converted arm of each k, else taken
+    from a zero-fill arm's own conversion."""
+    zero_fill = {str(arm.k): conv[arm.name]["zero_fill_converted"] for arm in arms.converted
+                 if "zero_fill_converted" in conv[arm.name]}
+    for arm in arms.finetune:
+        if arm.lengths == "zero_fill" and losses[arm.name].converted is not None:
+            zero_fill.setdefault(str(arm.k), losses[arm.name].converted)
+    return zero_fill
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What the savings depend on: the head width, the layer count, n, and the test pairs' lengths."""
+
+    d_head: int
+    layers: int
+    n: int
+    pair_lengths: list[int]
+
+
+def _row(arm: Arm, job: dict, own: ArmLosses, runs: list[dict], patterns: dict, shape: _Shape) -> dict[str, Any]:
+    """One arm's row of the table: its buckets, QKᵀ savings, predicted error, MLM losses, R drift, recovery cost and
+    accuracy over seeds (``runs``)."""
+    d_head, layers, n, pair_lengths = shape.d_head, shape.layers, shape.n, shape.pair_lengths
+    lengths = None if arm.is_exact else (patterns["buckets"][str(arm.k)]["lengths"] if arm.lengths == "buckets"
+                                         else [n])
+    saving = 0.0 if arm.is_exact else score_cost(n, arm.k, d_head).saving
+    pairs_saving = 0.0 if arm.is_exact else distribution_saving(lengths, arm.k, d_head, pair_lengths)
+    error = None if arm.is_exact else (patterns["buckets"][str(arm.k)]["normalized_error"][str(n)]
+                                       if arm.lengths == "buckets" else patterns["normalized_error"][str(arm.k)])
+    if not arm.is_exact and arm.budget:  # each partial layer its own k: the mean of their savings
+        layers_k = patterns.get("layers", {})[layers_key(arm.k, arm.granularity, arm.exact_layers)]["layers_k"]
+        # the budget's layers, all but the last (an exact one among them has k = b in every bucket: no saving)
+        ks = [layers_k[str(layer)] for layer in range(layers - 1)]
+        saving = sum(score_cost(n, row[-1], d_head).saving for row in ks) / len(ks)
+        pairs_saving = sum(distribution_saving(lengths, row, d_head, pair_lengths) for row in ks) / len(ks)
+    if not arm.is_exact and arm.granularity != "pooled":
+        error = None  # the pooled fit's prediction does not describe P and R per layer or head
+    converted, recovered = _losses(own.converted), _losses(own.recovered)
+    return {
+        "k": arm.k, "mode": arm.mode, "recovery": arm.recovery,
+        "lengths": None if arm.is_exact else arm.lengths + ("" if arm.form == "pooled" else f" ({arm.form})"),
+        "partial_lengths": lengths, "qk_saving_partial_layers": saving,
+        "qk_saving_model": saving * (layers - 1) / layers,  # all layers but the last are partial
+        "qk_saving_pairs": pairs_saving, "predicted_normalized_error": error,
+        "mlm_converted_windows": converted and converted["windows"],
+        "mlm_converted_pairs": converted and converted["pairs"],
+        "mlm_windows": recovered and recovered["windows"], "mlm_pairs": recovered and recovered["pairs"],
+        "r_drift": own.r_drift, "r_drift_max": own.r_drift_max,
+        "recovery_seconds": job.get("train_seconds"), "recovery_steps": job.get("steps"),
+        "reused_from": job.get("reused_from"), "accuracy": accuracy_summary(runs),
+    }
+
+
+def _selection(rlr: dict) -> dict[str, Any]:
+    """The R-learning-rate selection as the report shows it: the arm, the winner and each candidate's numbers."""
+    return {"arm": rlr["arm"], "chosen": rlr["chosen"], "windows": rlr.get("selection_windows"),
+            "candidates": [{k: c[k] for k in ("reconstruction_learning_rate", "selection_loss", "r_drift",
+                                              "r_drift_max", "train_seconds")} for c in rlr["candidates"]]}
 
 
 def _f(value, digits=4):
@@ -160,26 +194,59 @@ def _timing_table(t: dict) -> list[str]:
 
 def render(report: dict) -> str:
     """table1.md."""
-    a, rows, t = report["arguments"], report["rows"], report["timing"]
-    n_eval = report["sizes"]["pairs"]["validation"]
-    chance = 1 / len(report["labels"])
-    exact = rows[Arm().name]["accuracy"]
+    t = report["timing"]
     verdict_lines = []
     for key, v in report["verdicts"].items():
         verdict_lines.append(f"- **({key}) {v['claim']}: {v['verdict']}.**")
         verdict_lines += [f"  - {line}" for line in v["evidence"]]
-    s, m, est, sel = report["seconds"], report["machine"], report["estimate"], report["selection"]
-    fit, p1 = report["patterns"]["bucket_fit"], report["phase1_mlm_loss"]
-    candidates = ", ".join(f"{c['reconstruction_learning_rate']:g}: {c['selection_loss']:.4f} nats (R drift "
-                           f"{_f(c['r_drift_max'], 3)})" for c in sel["candidates"]) or "one candidate, not trained"
-    pl = report["pair_lengths"]
     return "\n".join([
+        *_header(report), *_setup(report),
+        *_table(report), "",
+        "Saving: QKᵀ multiply-adds per query, `1 − (k·d_h + (n−k)·k)/(n·d_h)` at n; at the pairs' lengths each pair "
+        "runs its bucket (zero-fill: n) against dense attention over its own tokens (negative: more work than "
+        "dense). MLM losses: nats per masked token, the same test examples and masks for every arm. R drift: "
+        "‖R − R₀‖/‖R₀‖ after phase 2 over the model's R tensors (n's and each bucket's; phase 2 runs the training "
+        "windows and the training pairs at their own lengths, so each bucket's R trains on the inputs of its "
+        "range).", "",
+        "## Verdicts", "",
+        "A difference counts when it exceeds twice its standard error (MLM: paired over test windows; accuracy: "
+        f"seeds and examples) and {MIN_EFFECT_NATS} nats (MLM) or 1 point (accuracy). MLM losses on the windows "
+        "decide; the pairs' losses and accuracies are shown beside them.", "",
+        *verdict_lines, "", *render_gaps(report["decomposition"]), *render_goals(report["goals"]),
+        f"## Cost: measured time at B = {t['batch']}, n = {t['n']} (medians of {t['repeats']} interleaved repeats)",
+        "", "Partial models (buckets; at n every input runs n's bucket) run the `auto` kernel in their partial layers "
+        "and the named attention in the exact last layer; `fixed` R is frozen (its W is cached), `common` R is "
+        "trained. The training step is forward and backward of the masked-only MLM loss.", "",
+        *_timing_table(t), "",
+    ])
+
+
+def _header(report: dict) -> list[str]:
+    """table1.md's title and the command that made it, with the wall time and the machine."""
+    s, m = report["seconds"], report["machine"]
+    return [
         f"# Table 1 v2 on the pretrained `{report['model'] or 'model'}`: exact vs partial attention at the inputs' own "
         "lengths", "",
         f"Command (wall time {s['total'] / 60:.1f} min: phase 1 {s['phase1']:.0f} s, P and R {s['patterns']:.0f} s, "
         f"R learning rate {s['rlr']:.0f} s, phase 2 {s['phase2']:.0f} s, conversions {s['conv']:.0f} s, fine-tuning "
         f"{s['finetune']:.0f} s, timing {s['timing']:.0f} s; {m['cpus']} CPUs, {m['threads']} torch threads, torch "
         f"{m['torch']}, Python {m['python']}, {m['platform']}):", "", "```", report["command"], "```", "",
+    ]
+
+
+def _setup(report: dict) -> list[str]:
+    """table1.md's bullets on the setup: budget, model and patterns, MLM text, R's learning rate, phase 2,
+    fine-tuning and the exact arm's accuracy."""
+    a, rows = report["arguments"], report["rows"]
+    n_eval = report["sizes"]["pairs"]["validation"]
+    chance = 1 / len(report["labels"])
+    exact = rows[Arm().name]["accuracy"]
+    est, sel = report["estimate"], report["selection"]
+    fit, p1 = report["patterns"]["bucket_fit"], report["phase1_mlm_loss"]
+    candidates = ", ".join(f"{c['reconstruction_learning_rate']:g}: {c['selection_loss']:.4f} nats (R drift "
+                           f"{_f(c['r_drift_max'], 3)})" for c in sel["candidates"]) or "one candidate, not trained"
+    pl = report["pair_lengths"]
+    return [
         f"- Budget: issue 24 asks for ≤ {BUDGET_SECONDS / 3600:.0f} h on 2 cores; the estimate for these arguments "
         f"(`budget`, step times measured on 2 cores at n = 128) is {est['total'] / 3600:.2f} h.",
         f"- Model: `{report['model']}` ({report['layers']} layers, d_h = {report['d_head']}); n = "
@@ -206,24 +273,7 @@ def render(report: dict) -> str:
         f"steps, batch {a['finetune_batch_size']}, lr {a['finetune_learning_rate']}, seeds {a['finetune_seeds']}.",
         f"- Exact arm: {100 * exact['mean']:.1f} % ({100 * (exact['mean'] - chance):.1f} points above chance); one "
         f"run's binomial standard error on {n_eval} test pairs: {100 * exact['binomial_se']:.2f} points.", "",
-        *_table(report), "",
-        "Saving: QKᵀ multiply-adds per query, `1 − (k·d_h + (n−k)·k)/(n·d_h)` at n; at the pairs' lengths each pair "
-        "runs its bucket (zero-fill: n) against dense attention over its own tokens (negative: more work than "
-        "dense). MLM losses: nats per masked token, the same test examples and masks for every arm. R drift: "
-        "‖R − R₀‖/‖R₀‖ after phase 2 over the model's R tensors (n's and each bucket's; phase 2 runs the training "
-        "windows and the training pairs at their own lengths, so each bucket's R trains on the inputs of its "
-        "range).", "",
-        "## Verdicts", "",
-        "A difference counts when it exceeds twice its standard error (MLM: paired over test windows; accuracy: "
-        f"seeds and examples) and {MIN_EFFECT_NATS} nats (MLM) or 1 point (accuracy). MLM losses on the windows "
-        "decide; the pairs' losses and accuracies are shown beside them.", "",
-        *verdict_lines, "", *render_gaps(report["decomposition"]), *render_goals(report["goals"]),
-        f"## Cost: measured time at B = {t['batch']}, n = {t['n']} (medians of {t['repeats']} interleaved repeats)",
-        "", "Partial models (buckets; at n every input runs n's bucket) run the `auto` kernel in their partial layers "
-        "and the named attention in the exact last layer; `fixed` R is frozen (its W is cached), `common` R is "
-        "trained. The training step is forward and backward of the masked-only MLM loss.", "",
-        *_timing_table(t), "",
-    ])
+    ]
 
 
 def _form_phrase(arm) -> str:

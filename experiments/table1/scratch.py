@@ -1,6 +1,7 @@
 """Table 1 as the paper ran it: BERT pretrained *from scratch* with partial attention built in, beside the exact
 model, P alone, and the exact model converted (issue 41). ``python -m experiments table1-scratch`` (``make
-table1-scratch``); the arms are `scratch_spec`'s, the report `scratch_report`'s.
+table1-scratch``); the arms are `scratch_spec`'s, the held-out curve `scratch_curve`'s, the wall-time estimate
+`scratch_budget`'s, the report `scratch_report`'s.
 
 1. **Exact** (job ``pretrain_exact``): a BERT with BERT-base's head width (d_h = 64) pretrained by MLM from scratch
    on the corpus's training windows through `build_model` and `PartialAttentionTrainer`, the held-out MLM loss
@@ -27,72 +28,21 @@ import shlex
 import time
 
 import torch
-from transformers import TrainerCallback, set_seed
-from tqdm.auto import tqdm
+from transformers import set_seed
 
 from . import steps
 from .stats import mlm_loss
+from .scratch_budget import estimate_seconds, measure_step_seconds
+from .scratch_curve import HeldOutCurve
 from .scratch_data import load_scratch_data
 from .p_only import P_ONLY, install_p_only
+from .runner import JobRunner
 from ..store import JobStore
 from .scratch_spec import COMMAND, ScratchArguments, ScratchArm
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["run_table1_scratch", "ScratchArguments"]
-
-
-@torch.no_grad()
-def attention_diagnostics(model, windows, batch: int = 8) -> dict:
-    """What a diverging arm would show: the largest |R| (``max_abs_r``, None without R), and per layer the mean
-    entropy of the attention rows (``entropy``, nats) and of each row's largest probability (``max_prob``), on the first
-    ``batch`` windows; none for P alone, whose attention function returns no map."""
-    r = model.reconstruction_tensors() if hasattr(model, "reconstruction_tensors") else {}
-    ids = torch.tensor(windows[:batch]["input_ids"], device=next(model.parameters()).device)  # (b, n)
-    was_training, implementation = model.training, model.config._attn_implementation
-    # the exact model under SDPA: eager gives the same attention and returns its maps (a partial model returns
-    # them itself; P alone's function has none)
-    eager = not r and implementation == "sdpa"
-    model.eval()
-    if eager:
-        model.set_attn_implementation("eager")
-    try:
-        maps = () if implementation == P_ONLY else model(
-            input_ids=ids, attention_mask=torch.ones_like(ids), output_attentions=True).attentions or ()
-    finally:
-        model.train(was_training)
-        if eager:
-            model.set_attn_implementation("sdpa")
-    entropy = [None if p is None else float(-(p * p.clamp_min(1e-12).log()).sum(-1).mean()) for p in maps]
-    return {"max_abs_r": max((float(t.abs().max()) for t in r.values()), default=None), "entropy": entropy,
-            "max_prob": [None if p is None else float(p.amax(-1).mean()) for p in maps]}
-
-
-class _Curve(TrainerCallback):
-    """The held-out MLM loss every ``every`` steps and at the end, with the training seconds to that step (the
-    evaluation's own time left out) and `attention_diagnostics`."""
-
-    def __init__(self, windows, tokenizer, seed: int, every: int):
-        self.windows, self.tokenizer, self.seed, self.every = windows, tokenizer, seed, every
-        self.points, self.eval_seconds, self.start = [], 0.0, None
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.start = time.perf_counter()
-
-    def on_step_end(self, args, state, control, model=None, **kwargs):
-        if state.global_step % self.every and state.global_step != state.max_steps:
-            return
-        t0 = time.perf_counter()
-        result = steps.mlm_window_losses(model, self.tokenizer, self.windows, self.seed)
-        model.train()
-        self.points.append({"step": state.global_step, "loss": sum(result["loss_sums"]) / sum(result["token_counts"]),
-                            "train_seconds": t0 - self.start - self.eval_seconds,
-                            **attention_diagnostics(model, self.windows)})
-        # logged as well: a run killed before its job is saved still shows where its curve went
-        logger.info("step %d: held-out MLM %.4f nats, max |R| %s, attention entropy %s, max probability %s",
-                    state.global_step, self.points[-1]["loss"], self.points[-1]["max_abs_r"],
-                    self.points[-1]["entropy"], self.points[-1]["max_prob"])
-        self.eval_seconds += time.perf_counter() - t0
 
 
 class _Study:
@@ -165,7 +115,7 @@ class _Study:
         args = steps.train_args(self.store.model_dir("tmp"), count, a.pretrain_batch_size, a.pretrain_learning_rate,
                                 a.seed, a.seed, mlm=True, reconstruction_learning_rate=r_lr)
         curve_windows = data.windows["test"].select(range(min(a.curve_windows, len(data.windows["test"]))))
-        curve = _Curve(curve_windows, data.tokenizer, self.eval_seed, a.eval_every)
+        curve = HeldOutCurve(curve_windows, data.tokenizer, self.eval_seed, a.eval_every)
         from hf_partial_attention.training import MlmCollator, PartialAttentionTrainer
 
         collator = MlmCollator(data.tokenizer, a.mlm_probability, seed=a.seed)
@@ -257,46 +207,6 @@ class _Study:
                 "threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
-def estimate_seconds(a: ScratchArguments, step_seconds: float, pair_fraction: float = 0.35) -> float:
-    """The study's wall time from one measured pretraining step: every from-scratch arm's steps, the convert-train
-    arms' tenth, the curves' evaluations (a forward is about a third of a step), the fine-tuning runs (pairs are
-    about ``pair_fraction`` of n long) and a tenth more for the analysis, the evaluations and the timing; all of it
-    once per pretraining seed, and the trained-R arms once more per further candidate of R's own rate."""
-    arms = a.arm_list()
-    pretrain = sum(a.pretrain_steps for arm in arms if arm.from_scratch)
-    pretrain += sum(a.convert_train_steps() for arm in arms if arm.kind == "convert_train")
-    batches = a.pretrain_batch_size
-    curve = len([arm for arm in arms if arm.from_scratch or arm.kind == "convert_train"]) * \
-        (a.pretrain_steps // a.eval_every + 1) * a.curve_windows / batches / 3
-    finetune = len(arms) * len(a.seed_list()) * a.finetune_steps * a.finetune_batch_size / batches * pair_fraction
-    # R's own rate chosen on the first seed: its trained-R arms run once per candidate rate, not once
-    rates = len(a.reconstruction_lr_list())
-    extra = 0 if rates < 2 else (rates - 1) * sum(
-        (a.convert_train_steps() if arm.kind == "convert_train" else a.pretrain_steps) + curve / len(arms)
-        for arm in arms if arm.trains_r)
-    return 1.1 * step_seconds * ((pretrain + curve + finetune) * len(a.pretrain_seed_list()) + extra)
-
-
-def _step_seconds(study: _Study) -> float:
-    """The median time of a few pretraining steps of the exact model (forward, backward, AdamW)."""
-    from hf_partial_attention.training.trainer import masked_only_mlm_loss
-
-    model = study.new_model(study.arms["exact"]).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    from hf_partial_attention.training import MlmCollator
-
-    batch = MlmCollator(study.data.tokenizer, study.a.mlm_probability, seed=0)(
-        [study.data.windows["train"][i] for i in range(study.a.pretrain_batch_size)])
-    times = []
-    for _ in range(4):
-        t0 = time.perf_counter()
-        masked_only_mlm_loss(model, batch)["loss"].backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
-
-
 def _chosen_r_lr(one: "_Study", first: "_Study", arm: ScratchArm, run_first) -> dict:
     """An arm with trained R at R's own learning rate, chosen among ``reconstruction_learning_rates`` by the
     validation MLM loss of the first pretraining seed's runs (jobs ``pretrain_<arm>_rlr<rate>``, each model in
@@ -345,14 +255,10 @@ def run_table1_scratch(a: ScratchArguments, argv: list[str] | None = None) -> di
     per_seed = ([f"pretrain_{arm.name}" for arm in arms if arm.kind != "convert"] + ["patterns"]
                 + [f"convert_{arm.name}" for arm in arms if arm.kind == "convert"]
                 + [f"ft_{arm.name}_s{seed}" for arm in arms for seed in a.seed_list()])
-    bar = tqdm(total=len(per_seed) * len(studies) + 2, desc="table1-scratch jobs", disable=not a.progress)
-    bar.update(sum(s.store.done(j) for s in studies for j in per_seed) + store.done("estimate")
-               + store.done("timing"))
-
-    def job(name, fn, where: JobStore = store):
-        return where.run(name, fn, bar, "table1-scratch")
-
-    estimate = job("estimate", lambda: {"step_seconds": (s := _step_seconds(study)),
+    job = JobRunner(store, "table1-scratch", len(per_seed) * len(studies) + 2,
+                    sum(s.store.done(j) for s in studies for j in per_seed) + store.done("estimate")
+                    + store.done("timing"), a.progress)
+    estimate = job("estimate", lambda: {"step_seconds": (s := measure_step_seconds(study)),
                                         "estimate_seconds": estimate_seconds(a, s)})
     logger.warning("table1-scratch: estimated %.1f h for the whole study on this machine (%.2f s a pretraining "
                    "step); it resumes after a kill.", estimate["estimate_seconds"] / 3600, estimate["step_seconds"])
@@ -377,5 +283,5 @@ def run_table1_scratch(a: ScratchArguments, argv: list[str] | None = None) -> di
             for seed in a.seed_list():
                 run(f"ft_{arm.name}_s{seed}", lambda arm=arm, seed=seed: one.finetune(arm, seed))
     job("timing", study.timing)
-    bar.close()
+    job.close()
     return write_scratch_report(a, [one.store for one in studies], study.data, command)

@@ -221,13 +221,7 @@ def render_scratch(report: dict) -> str:
         "| arm | k | R | QKᵀ saving | held-out MLM (nats) | vs exact | accuracy (mean ± sd) | vs exact |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for name, r in report["rows"].items():
-        acc = r["accuracy"]
-        vs_mlm = "" if name == "exact" else fmt_difference(*r["mlm_vs_exact"])
-        vs_acc = "" if name == "exact" else fmt_difference(*r["accuracy_vs_exact"], "acc")
-        saving = "—" if r["qk_saving"] is None else f"{100 * r['qk_saving']:.1f} %"
-        lines.append(f"| {name} | {r['k'] or '—'} | {r['reconstruction'] or '—'} | {saving} | {_f(r['mlm_windows'])} | "
-                     f"{vs_mlm} | {100 * acc['mean']:.1f} ± {100 * acc['sd']:.1f} | {vs_acc} |")
+    lines += _arm_rows(report)
     lines += ["", "## Verdicts", ""]
     for claim, pairs in report["verdicts"].items():
         lines.append(f"**{_CLAIMS[claim]}**" + ("" if pairs else ": not run (its arms are not in --arms)."))
@@ -237,16 +231,34 @@ def render_scratch(report: dict) -> str:
         lines.append("")
     lines += ["## Goals", "", "| goal | met | figure |", "|---|---|---|"]
     lines += [f"| {g['goal']} | {'**met**' if g['met'] else '**not met**'} | {g['figure']} |" for g in report["goals"]]
-    t = report["timing"]
-    lines += ["", f"## Cost (batch {t['batch']}, n = {t['n']}, median of {t['repeats']}, {t['threads']} threads, "
-                  f"interleaved)", "", "| model | inference ms | training step ms | step / exact SDPA |",
-              "|---|---|---|---|"]
-    base = t["ms"]["exact/sdpa"]["train_step"]
-    lines += [f"| {name} | {row['inference']:.1f} | {row['train_step']:.1f} | {row['train_step'] / base:.3f} |"
-              for name, row in t["ms"].items()]
+    lines += _cost(report["timing"])
     lines += ["", "Held-out MLM loss against steps and training time: `figures/curves.png`; accuracy against QKᵀ "
                   "saving: `figures/accuracy_saving.png`.", ""]
     return "\n".join(lines)
+
+
+def _arm_rows(report: dict) -> list[str]:
+    """The table's row per arm: k, R, saving, held-out MLM loss and accuracy, each against exact."""
+    lines = []
+    for name, r in report["rows"].items():
+        acc = r["accuracy"]
+        vs_mlm = "" if name == "exact" else fmt_difference(*r["mlm_vs_exact"])
+        vs_acc = "" if name == "exact" else fmt_difference(*r["accuracy_vs_exact"], "acc")
+        saving = "—" if r["qk_saving"] is None else f"{100 * r['qk_saving']:.1f} %"
+        lines.append(f"| {name} | {r['k'] or '—'} | {r['reconstruction'] or '—'} | {saving} | {_f(r['mlm_windows'])} | "
+                     f"{vs_mlm} | {100 * acc['mean']:.1f} ± {100 * acc['sd']:.1f} | {vs_acc} |")
+    return lines
+
+
+def _cost(t: dict) -> list[str]:
+    """The cost section: each model's inference and training-step time, the step against exact (SDPA)."""
+    lines = ["", f"## Cost (batch {t['batch']}, n = {t['n']}, median of {t['repeats']}, {t['threads']} threads, "
+                 f"interleaved)", "", "| model | inference ms | training step ms | step / exact SDPA |",
+             "|---|---|---|---|"]
+    base = t["ms"]["exact/sdpa"]["train_step"]
+    lines += [f"| {name} | {row['inference']:.1f} | {row['train_step']:.1f} | {row['train_step'] / base:.3f} |"
+              for name, row in t["ms"].items()]
+    return lines
 
 
 def _figures(report: dict, folder: str) -> dict[str, str]:

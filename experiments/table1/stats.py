@@ -152,16 +152,23 @@ def verdicts(arms: StudyArms, losses: dict[str, ArmLosses], phase1: dict,
     also on the zero-fill conversion); (c) and (d) on the recovered arms, distill and MLM, and say whether R
     measurably trained.
     """
-    out: dict[str, dict[str, Any]] = {}
-    exact = Arm().name
     # the paper's claims are about one pooled P and R: arms with P and R per layer or head are reported beside them
     partial = [arm for arm in arms.finetune if not arm.is_exact and arm.granularity == "pooled"]
     recovered = [arm for arm in partial if arm.trains and arm.lengths == "buckets"]
     ks = list(dict.fromkeys(arm.k for arm in partial))
     modes = list(dict.fromkeys(arm.reconstruction for arm in partial))
     recoveries = [r for r in ("distill", "mlm") if any(arm.recovery == r for arm in recovered)]
-    # (a) conversion alone loses: converted loss above the exact model it was converted from (the same weights for
-    # every R mode of one k and pattern: one line each).
+    return {"a": _claim_conversion_loses(partial, losses, phase1, finetune),
+            "b": _claim_training_recovers(recovered, losses, phase1, finetune),
+            "c": _claim_trained_r(recoveries, ks, modes, losses, finetune),
+            "d": _claim_common_vs_per_layer(recoveries, ks, modes, losses, finetune)}
+
+
+def _claim_conversion_loses(partial: list[Arm], losses: dict[str, ArmLosses], phase1: dict,
+                            finetune: dict[str, list[dict]]) -> dict[str, Any]:
+    """Claim (a), conversion alone loses: converted loss above the exact model it was converted from (the same
+    weights for every R mode of one k and pattern: one line each)."""
+    exact = Arm().name
     lines, votes, seen = [], [], set()
     for arm in partial:
         if (arm.k, arm.lengths) in seen or losses[arm.name].converted is None:
@@ -176,10 +183,15 @@ def verdicts(arms: StudyArms, losses: dict[str, ArmLosses], phase1: dict,
     for arm in [a for a in partial if not a.trains]:
         diff, se = accuracy_difference(finetune[arm.name], finetune[exact])
         lines.append(f"{arm.name} fine-tuned without recovery − exact: {_fmt(diff, se, 'acc')}")
-    out["a"] = {"claim": "inserting the approximation into an exactly trained model loses accuracy",
-                "verdict": _combine(votes) if votes else "not run", "evidence": lines}
-    # (b) training recovers: the gap to the exact arm after phase 2 is smaller than right after conversion, by at
-    # least half ("most"), and the fine-tuned accuracy is not distinguishable from the exact arm's.
+    return {"claim": "inserting the approximation into an exactly trained model loses accuracy",
+            "verdict": _combine(votes) if votes else "not run", "evidence": lines}
+
+
+def _claim_training_recovers(recovered: list[Arm], losses: dict[str, ArmLosses], phase1: dict,
+                             finetune: dict[str, list[dict]]) -> dict[str, Any]:
+    """Claim (b), training recovers: the gap to the exact arm after phase 2 is smaller than right after
+    conversion, by at least half ("most"), and the fine-tuned accuracy is not distinguishable from the exact arm's."""
+    exact = Arm().name
     lines, votes, acc_lost = [], [], []
     for arm in recovered:
         own = losses[arm.name]
@@ -201,9 +213,13 @@ def verdicts(arms: StudyArms, losses: dict[str, ArmLosses], phase1: dict,
     if acc_lost:
         verdict += (f" for the MLM loss; the accuracy is not recovered ({len(acc_lost)} of {len(recovered)} arms "
                     "below the exact arm by more than twice the standard error)")
-    out["b"] = {"claim": "training with partial attention built in recovers most of what conversion loses",
-                "verdict": verdict, "evidence": lines}
-    # (c) trained R beats fixed R, per recovery.
+    return {"claim": "training with partial attention built in recovers most of what conversion loses",
+            "verdict": verdict, "evidence": lines}
+
+
+def _claim_trained_r(recoveries: list[str], ks: list[int], modes: list[str], losses: dict[str, ArmLosses],
+                     finetune: dict[str, list[dict]]) -> dict[str, Any]:
+    """Claim (c): trained R beats fixed R, per recovery."""
     lines, votes, trained_names = [], [], []
     for recovery in recoveries:
         for k in ks:
@@ -220,9 +236,13 @@ def verdicts(arms: StudyArms, losses: dict[str, ArmLosses], phase1: dict,
                 lines.append(f"{recovery}, k={k} {mode} − fixed: MLM {_fmt(diff, se)}, accuracy {_fmt(*acc, 'acc')}; "
                              f"R drift {own.r_drift_max:.3f} (largest)")
     verdict = _combine(votes) if votes else "not run"
-    out["c"] = {"claim": "trained R beats fixed R", "verdict": verdict + (f"; {_drift_note(losses, trained_names)}"
-                                                                          if votes else ""), "evidence": lines}
-    # (d) common R better at the smallest k, per-layer R at the largest, per recovery.
+    return {"claim": "trained R beats fixed R", "verdict": verdict + (f"; {_drift_note(losses, trained_names)}"
+                                                                      if votes else ""), "evidence": lines}
+
+
+def _claim_common_vs_per_layer(recoveries: list[str], ks: list[int], modes: list[str],
+                               losses: dict[str, ArmLosses], finetune: dict[str, list[dict]]) -> dict[str, Any]:
+    """Claim (d): common R better at the smallest k, per-layer R at the largest, per recovery."""
     lines, votes, trained_names = [], [], []
     if {"common", "per_layer"} <= set(modes) and len(ks) > 1:
         for recovery in recoveries:
@@ -236,6 +256,5 @@ def verdicts(arms: StudyArms, losses: dict[str, ArmLosses], phase1: dict,
                 lines.append(f"{recovery}, k={k} common − per_layer: MLM {_fmt(diff, se)}, accuracy "
                              f"{_fmt(*acc, 'acc')}")
     verdict = _combine(votes) if votes else "not run"
-    out["d"] = {"claim": "a common R is better at small k, per-layer R at larger k",
-                "verdict": verdict + (f"; {_drift_note(losses, trained_names)}" if votes else ""), "evidence": lines}
-    return out
+    return {"claim": "a common R is better at small k, per-layer R at larger k",
+            "verdict": verdict + (f"; {_drift_note(losses, trained_names)}" if votes else ""), "evidence": lines}
