@@ -54,25 +54,40 @@ def greedy_select(cov: torch.Tensor, k: int, groups: torch.Tensor | None = None,
     if not 1 <= k <= l:
         raise ValueError(f"k must be in [1, {l}] for covariances of size {l}, got k={k}.")
     c = cov.reshape(-1, l, l)  # (R, l, l), read only: S = C − L Lᵀ is never formed
-    r = c.shape[0]
-    rows = torch.arange(r)
-    groups, candidates = _constraint(r, l, groups, candidates)
+    groups, candidates = _constraint(c.shape[0], l, groups, candidates)
     m = None if metric is None else metric.reshape(-1, l, l).to(cov.dtype)  # (R, l, l)
-    num_groups = int(groups.max()) + 1
-    chosen = torch.zeros(r, l, dtype=torch.bool)
-    picks = torch.empty(r, k, dtype=torch.long)
     # The residual S = C − L Lᵀ (L: the steps' normalised columns) is tracked through its diagonal and the
     # energies ‖S[:, j]‖²_M; each step then costs one product of C with a vector, not an update of all of S.
     diag = torch.diagonal(c, dim1=-2, dim2=-1).clone()  # (R, l)
     tol = rel_tol * diag.amax(-1, keepdim=True).clamp_min(torch.finfo(cov.dtype).tiny)  # (R, 1)
     # M C, once: M's column j of S is then read from it and M L (each step's M u kept), not computed by a product
     mc = None if m is None else torch.bmm(m, c)  # (R, l, l)
+    picks, diag, basis, m_basis, path = _steps(c, mc, diag, tol, k, groups, candidates, tie_rtol, order)
+    if m is None:
+        residual = diag.clamp_min(0).sum(-1)  # (R,): Tr(S)
+    else:
+        residual, metric_path = _metric_residual(c, m, basis, m_basis)
+        path = metric_path if path is not None else None
+    if order:
+        return picks.reshape(*lead, k), path.reshape(*lead, k)
+    return torch.sort(picks, dim=-1).values.reshape(*lead, k), residual.reshape(lead)
+
+
+def _steps(c, mc, diag, tol, k: int, groups, candidates, tie_rtol: float, order: bool):
+    """`greedy_select`'s k steps on ``c`` ``(R, l, l)`` (and ``mc`` = M C): ``(picks (R, k) in the order taken, the
+    residual's diagonal (R, l), Lᵀ (R, k, l), (M L)ᵀ or None, and without a metric, with ``order``, the residual
+    after each step (R, k), else None)``."""
+    r, l = c.shape[0], c.shape[-1]
+    rows = torch.arange(r)
+    num_groups = int(groups.max()) + 1
+    chosen = torch.zeros(r, l, dtype=torch.bool)
+    picks = torch.empty(r, k, dtype=torch.long)
     energy = _column_energy(c, mc)  # (R, l)
     # Lᵀ and (M L)ᵀ, a step per row: the products below are then row vectors times row-major matrices, the form
     # MKL's batched product runs fastest (2-3x the column form at l = 128, float64, one thread)
-    basis = torch.zeros(r, k, l, dtype=cov.dtype)  # (R, k, l): Lᵀ
-    m_basis = None if m is None else torch.zeros_like(basis)  # (R, k, l): (M L)ᵀ
-    path = torch.empty(r, k, dtype=cov.dtype) if order else None  # residual after each step
+    basis = torch.zeros(r, k, l, dtype=c.dtype)  # (R, k, l): Lᵀ
+    m_basis = None if mc is None else torch.zeros_like(basis)  # (R, k, l): (M L)ᵀ
+    path = torch.empty(r, k, dtype=c.dtype) if order else None  # residual after each step
     # (G, 1): gains closer than this tie (tie_rtol times each group's largest first-step gain)
     tie = tie_rtol * _best_candidate(_gain(diag, energy, tol), chosen, groups, candidates, num_groups, None)[1]
     # a progress bar where a run takes minutes (whole-matrix covariances, l = n² >= 4096)
@@ -85,16 +100,9 @@ def greedy_select(cov: torch.Tensor, k: int, groups: torch.Tensor | None = None,
         basis[:, step] = u
         if m_basis is not None:
             m_basis[:, step] = w
-        if path is not None and m is None:
+        if path is not None and mc is None:
             path[:, step] = diag.clamp_min(0).sum(-1)
-    if m is None:
-        residual = diag.clamp_min(0).sum(-1)  # (R,): Tr(S)
-    else:
-        residual, metric_path = _metric_residual(c, m, basis, m_basis)
-        path = metric_path if path is not None else None
-    if order:
-        return picks.reshape(*lead, k), path.reshape(*lead, k)
-    return torch.sort(picks, dim=-1).values.reshape(*lead, k), residual.reshape(lead)
+    return picks, diag, basis, m_basis, path
 
 
 def _gain(diag: torch.Tensor, energy: torch.Tensor, tol: torch.Tensor) -> torch.Tensor:

@@ -222,14 +222,8 @@ def select_patterns(cov, ks, scope: str = "per_query", *, family: str = "per_que
     prepared = covariance_for(cov, scope, centered, mean, layer, head)
     c = prepared[0]
     l = c.shape[-1]
-    ks = sorted({int(k) for k in ks})
-    if not ks or not 1 <= ks[0] <= ks[-1] <= l:
-        raise ValueError(f"k must be in [1, {l}] for scope={scope!r} at this seq_len, got k={ks}.")
-    if objective != "paper" and scope != "per_query":
-        raise ValueError(f"objective={objective!r} is defined for per-query rows; use scope='per_query'.")
+    ks = _checked_ks(ks, l, scope, family, objective)
     if family == "shared_blocks":
-        if objective != "paper":
-            raise ValueError(f"family='shared_blocks' selects with objective='paper' only, got {objective!r}.")
         return _select_shared(cov, prepared, ks, block_rows, bias, ridge, layer, head, metadata)
     metric = objective_metric(objective, c.shape[0], prepared[1]) if scope == "per_query" else None
     if family != "windows":
@@ -240,23 +234,43 @@ def select_patterns(cov, ks, scope: str = "per_query", *, family: str = "per_que
         norm = _trace(c) if metric is None else float((metric * c).sum())
     patterns = {}
     for k in ks:
-        meta: dict[str, Any] = {"method": "greedy" if family == "per_query" else f"greedy_{family}", "k": k}
+        error = {}
         if family == "windows":
             indices = window_indices(c.shape[0], k)
         else:
             indices = torch.sort(picks[..., :k], dim=-1).values
             key = "greedy_normalized_error" if metric is None else "objective_normalized_error"
-            meta[key] = float(path[..., k - 1].sum()) / norm
-        if objective != "paper":
-            meta["objective"] = objective
-        if family != "per_query":
-            meta["family"] = family
-        if family == "blocks":
-            meta["block_rows"] = _block_rows(c.shape[0], block_rows)
-        meta.update(metadata or {})
+            error[key] = float(path[..., k - 1].sum()) / norm
+        meta = _selection_metadata(k, error, family, objective, c.shape[0], block_rows, metadata)
         patterns[k] = fit_pattern(cov, indices, scope, centered=prepared[2], bias=bias, mean=mean, ridge=ridge,
                                   layer=layer, head=head, metadata=meta, _prepared=prepared)
     return patterns
+
+
+def _checked_ks(ks, l: int, scope: str, family: str, objective: str) -> list[int]:
+    """`select_patterns`' ks, sorted, each in [1, l]; its objective checked against the scope and family."""
+    ks = sorted({int(k) for k in ks})
+    if not ks or not 1 <= ks[0] <= ks[-1] <= l:
+        raise ValueError(f"k must be in [1, {l}] for scope={scope!r} at this seq_len, got k={ks}.")
+    if objective != "paper" and scope != "per_query":
+        raise ValueError(f"objective={objective!r} is defined for per-query rows; use scope='per_query'.")
+    if family == "shared_blocks" and objective != "paper":
+        raise ValueError(f"family='shared_blocks' selects with objective='paper' only, got {objective!r}.")
+    return ks
+
+
+def _selection_metadata(k: int, error: dict[str, float], family: str, objective: str, n: int,
+                        block_rows: int | None, metadata: dict[str, Any] | None) -> dict[str, Any]:
+    """What a selected pattern records of how it was chosen (its method, k, the greedy's ``error``, objective,
+    family), then ``metadata``."""
+    meta: dict[str, Any] = {"method": "greedy" if family == "per_query" else f"greedy_{family}", "k": k, **error}
+    if objective != "paper":
+        meta["objective"] = objective
+    if family != "per_query":
+        meta["family"] = family
+    if family == "blocks":
+        meta["block_rows"] = _block_rows(n, block_rows)
+    return {**meta, **(metadata or {})}
 
 
 def _select_shared(cov, prepared, ks, block_rows, bias, ridge, layer, head, metadata) -> dict[int, AttentionPattern]:
