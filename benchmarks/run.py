@@ -173,11 +173,19 @@ def model_rows(spec: dict, repeats: int) -> list[dict]:
     return rows
 
 
+# Whole-model rows run in a fresh process (`model_rows_in_a_fresh_process`). Only tests that check what the rows
+# record, never their speed, turn it off (the ~10 s of imports a child pays, four times in `--quick`): the model
+# study's test keeps the fresh processes.
+FRESH_PROCESSES = True
+
+
 def model_rows_in_a_fresh_process(spec: dict, repeats: int, threads: int | None = None) -> list[dict]:
     """`model_rows` in a child process (same environment, so the same allocator settings). A process that has run
     the attention cases before times whole models differently (BertModel eager at n = 512: 4.7 s there, in
     `make bench` at commit c793ca8, and 6.7 s in a fresh process in the committed results; SDPA 4.7 s and 5.4 s):
-    a fresh process is what a user's job is."""
+    a fresh process is what a user's job is. With `FRESH_PROCESSES` off (tests of the records), in this process."""
+    if not FRESH_PROCESSES:
+        return mixed_length_rows(spec, repeats) if "lengths" in spec else model_rows(spec, repeats)
     command = [sys.executable, str(Path(__file__).resolve()), "--model-spec", json.dumps(spec),
                "--model-repeats", str(repeats), *(["--threads", str(threads)] if threads else [])]
     done = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True)

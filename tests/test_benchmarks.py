@@ -36,7 +36,12 @@ def _import(name):
 def quick_run(tmp_path_factory):
     """`benchmarks/run.py --quick` once (its tables and its result) for the tests that read it."""
     out = tmp_path_factory.mktemp("quick")
-    return out, _import("run").main(["--quick", "--repeats", "1", "--out", str(out)])
+    run = _import("run")
+    run.FRESH_PROCESSES = False  # what the rows record, not their speed: test_model_study_... keeps the processes
+    try:
+        return out, run.main(["--quick", "--repeats", "1", "--out", str(out)])
+    finally:
+        run.FRESH_PROCESSES = True
 
 
 @pytest.mark.slow
