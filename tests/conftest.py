@@ -15,11 +15,14 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # start, in the temp folder rather than the user's ~/.cache.
 os.environ.setdefault("HF_PARTIAL_ATTENTION_CACHE", os.path.join(tempfile.gettempdir(), f"hpa_tests_{os.getuid()}"))
 
-# `make test` and `make test-all` run across both cores (pytest-xdist), one torch thread per worker so that two
-# workers do not oversubscribe two cores; the processes a test starts (accelerate launch, torch.multiprocessing)
-# inherit OMP_NUM_THREADS=1. No test times anything it asserts on: the benchmarks' tests check what a benchmark
-# records (every case once, ratios from the kept rounds, verdicts from the ratios), never a speed, so a busy core
-# changes their figures and none of their assertions.
+# `make test-all` runs the suite in two passes: every test but the `serial` ones across both cores (pytest-xdist, one
+# torch thread per worker so two workers do not oversubscribe two cores), then the `serial` ones alone with every
+# thread: those that spawn processes of their own (accelerate launch, torch.multiprocessing), which would fight the
+# other worker for the cores. The benchmarks' tests are not among them: they check what a benchmark records (every
+# case once, ratios from the kept rounds, verdicts from the ratios), never a speed, so a busy core changes their
+# figures and none of their assertions. `make test` (the unit tier) runs in one pass across both cores: the serial
+# modules' tests that are not slow start at most one process.
+SERIAL_MODULES = {"test_examples", "test_examples_encoders", "test_analysis_distributed"}
 
 # Two tiers, as transformers has them (its @slow / RUN_SLOW=1): `make test` runs every test not marked `slow`, the
 # unit tier (every architecture, the common model tests, the clients) in a few minutes on 2 cores, setup included;
@@ -58,6 +61,8 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     for item in items:
         module = item.module.__name__.rpartition(".")[2]
+        if module in SERIAL_MODULES:
+            item.add_marker(pytest.mark.serial)
         name = item.originalname or item.name
         if module == "test_transformers_common" and (
                 name in SLOW_COMMON or (name.startswith(SLOW_COMMON_UNLESS_FP32) and "_fp32_" not in name)):
