@@ -139,6 +139,18 @@ def test_resume_runs_only_missing_jobs(tiny_run):
         run_table1_scratch(tiny_args(pathlib.Path(a.run_dir).parent, pretrain_steps=30), [])
 
 
+@pytest.mark.slow
+def test_a_study_of_head_budget_arms_alone_fits_no_pooled_pattern(tmp_path):
+    """`--arms exact,k8_head_budget` (the head-budget diagnostic): no pooled k to derive, so no pooled analysis
+    (which refused an empty list of ks, ending the study after its exact pretraining); the per-head budget is
+    fitted and the arm trains."""
+    a = tiny_args(tmp_path, arms="exact,k8_head_budget", pretrain_seeds="0", eval_every=20)
+    report = run_table1_scratch(a, ["--tiny"])
+    assert list(report["rows"]) == ["exact", "k8_head_budget"]
+    assert not (tmp_path / "run" / "analysis").exists() and (tmp_path / "run" / "analysis_head").is_dir()
+    assert math.isfinite(report["rows"]["k8_head_budget"]["mlm_windows"])
+
+
 def test_a_difference_over_pretraining_seeds_adds_their_spread():
     from experiments.table1.stats import paired_loss_difference, seeds_loss_difference
 

@@ -146,12 +146,13 @@ class _Study:
         exact_dir = self.store.model_dir("exact")
         pooled_ks = sorted({arm.k for arm in self.arms.values() if arm.k and arm.kind != "head_budget"})
         head_ks = sorted({arm.k for arm in self.arms.values() if arm.kind == "head_budget"})
-        out = {"windows": int(windows.shape[0])}
-        folder = os.path.join(a.run_dir, "analysis")
-        analyze(exact_dir, windows, folder, tokenizer=data.tokenizer, seq_len=a.max_seq_length, heldout_every=0,
-                centered=False, batch_size=32, progress=a.progress, model_id=f"table1-scratch exact ({a.corpus})")
-        derived = derive(folder, pooled_ks, evaluate=False, progress=a.progress)
-        out["pooled"] = {str(r["k"]): r["predicted"] for r in derived["patterns"]}
+        out = {"windows": int(windows.shape[0]), "pooled": {}}
+        if pooled_ks:  # none where every partial arm is a head budget (`--arms exact,k24_head_budget`)
+            folder = os.path.join(a.run_dir, "analysis")
+            analyze(exact_dir, windows, folder, tokenizer=data.tokenizer, seq_len=a.max_seq_length, heldout_every=0,
+                    centered=False, batch_size=32, progress=a.progress, model_id=f"table1-scratch exact ({a.corpus})")
+            derived = derive(folder, pooled_ks, evaluate=False, progress=a.progress)
+            out["pooled"] = {str(r["k"]): r["predicted"] for r in derived["patterns"]}
         if head_ks:
             folder = os.path.join(a.run_dir, "analysis_head")
             analyze(exact_dir, windows, folder, tokenizer=data.tokenizer, seq_len=a.max_seq_length, heldout_every=0,
