@@ -248,7 +248,7 @@ def _setup(report: dict) -> list[str]:
     pl = report["pair_lengths"]
     return [
         f"- Budget: issue 24 asks for ≤ {BUDGET_SECONDS / 3600:.0f} h on 2 cores; the estimate for these arguments "
-        f"(`budget`, step times measured on 2 cores at n = 128) is {est['total'] / 3600:.2f} h.",
+        f"(`experiments.table1.budget`, step times measured on 2 cores at n = 128) is {est['total'] / 3600:.2f} h.",
         f"- Model: `{report['model']}` ({report['layers']} layers, d_h = {report['d_head']}); n = "
         f"{a['max_seq_length']}; partial in all layers but the last. Zero-fill: greedy P and optimal R (eq. 7) from "
         f"the {a['covariance']} of the phase-1 model's per-query scores on {a['covariance_windows']} training "
