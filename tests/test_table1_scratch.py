@@ -57,6 +57,9 @@ def test_tiny_study_end_to_end(tiny_run):
     point = rows["k8_per_layer"]["curve"][-1]
     assert point["max_abs_r"] > 0 and len(point["entropy"]) == 2 and 0 < point["entropy"][0] < math.log(32)
     assert rows["exact"]["curve"][-1]["max_abs_r"] is None
+    text = open(os.path.join(a.output_dir, "table1.md")).read()  # and the report shows them, point by point
+    assert f"| k8_per_layer | {point['step']} | {point['loss']:.4f} | {point['max_abs_r']:.3g} | " \
+        f"{point['entropy'][0]:.3f}, {point['entropy'][1]:.3f} |" in text
     # trained R moved, fixed R did not
     assert max(rows["k8_per_layer"]["r_drift"].values()) > 0
     assert max(rows["k8_fixed"]["r_drift"].values(), default=0.0) == 0.0

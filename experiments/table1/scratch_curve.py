@@ -17,7 +17,7 @@ from .p_only import P_ONLY
 # logged under the from-scratch study's name, as before this callback moved here: its log lines stay the same
 logger = logging.getLogger(__package__ + ".scratch")
 
-__all__ = ["HeldOutCurve", "attention_diagnostics"]
+__all__ = ["HeldOutCurve", "attention_diagnostics", "render_diagnostics"]
 
 
 @torch.no_grad()
@@ -71,3 +71,24 @@ class HeldOutCurve(TrainerCallback):
                     state.global_step, self.points[-1]["loss"], self.points[-1]["max_abs_r"],
                     self.points[-1]["entropy"], self.points[-1]["max_prob"])
         self.eval_seconds += time.perf_counter() - t0
+
+
+def render_diagnostics(rows: dict) -> list[str]:
+    """The report's section of `attention_diagnostics` at every curve point of every arm that recorded them (none for
+    runs older than the diagnostics): where an arm's held-out loss turns, what its R and attention did."""
+    arms = {name: row["curve"] for name, row in rows.items() if row.get("curve") and "entropy" in row["curve"][0]}
+    if not arms:
+        return []
+    cell = lambda values: ", ".join("—" if v is None else f"{v:.3f}" for v in values) or "—"  # noqa: E731
+    lines = ["", "## Diagnostics along the curves", "",
+             "At each evaluation point, on the first 8 held-out windows: the largest |R| of the arm's R tensors, and "
+             "per layer the mean entropy of the attention rows (nats; uniform over n keys is ln n) and the mean of "
+             "each row's largest probability (— where the attention function returns no map: P alone).", "",
+             "| arm | step | held-out MLM (nats) | max abs(R) | attention entropy per layer "
+             "| max probability per layer |",
+             "|---|---|---|---|---|---|"]
+    for name, curve in arms.items():
+        lines += [f"| {name} | {p['step']} | {p['loss']:.4f} | "
+                  f"{'—' if p['max_abs_r'] is None else format(p['max_abs_r'], '.3g')} | {cell(p['entropy'])} | "
+                  f"{cell(p['max_prob'])} |" for p in curve]
+    return lines

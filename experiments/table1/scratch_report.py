@@ -16,6 +16,7 @@ import platform
 from typing import Any
 
 from ..store import write_study
+from .scratch_curve import render_diagnostics
 from .scratch_spec import ScratchArm, ScratchArguments
 from .stats import accuracy_difference, accuracy_summary, fmt_difference, mlm_loss, seeds_loss_difference
 
@@ -232,6 +233,7 @@ def render_scratch(report: dict) -> str:
     lines += ["## Goals", "", "| goal | met | figure |", "|---|---|---|"]
     lines += [f"| {g['goal']} | {'**met**' if g['met'] else '**not met**'} | {g['figure']} |" for g in report["goals"]]
     lines += _cost(report["timing"])
+    lines += render_diagnostics(report["rows"])
     lines += ["", "Held-out MLM loss against steps and training time: `figures/curves.png`; accuracy against QKᵀ "
                   "saving: `figures/accuracy_saving.png`.", ""]
     return "\n".join(lines)
