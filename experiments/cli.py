@@ -28,6 +28,18 @@ from .table1.cli import DATACLASS_STUDIES as _TABLE1
 
 __all__ = ["main", "build_parser", "COMMANDS", "PROG"]
 
+# The studies, their folders and results:
+# * ``demo`` (`demo/`, `make demo`): the whole analysis on the real MiniLM and pydoc text (``runs/demo``).
+# * ``paper`` (`paper/`): the analysis at the paper's scale, whole matrix at n = 128 (``results/paper``).
+# * ``objectives`` (`objectives/`): paper vs shift-invariant vs Fisher selection objectives at the output
+#   (``results/objectives``).
+# * ``lengths``, ``recover`` (`lengths/`): length buckets on inputs of real lengths, and a bucketed model recovered
+#   by distillation (``results/lengths``, ``results/recovery``).
+# * ``granularity``, ``granularity-lengths``, ``granularity-recover``, ``granularity-layers``, ``granularity-refit``
+#   (`granularity/`): one P and R vs per layer vs per head (``results/granularity*``).
+# * ``table1``, ``table1-scratch`` (`table1/`): the paper's Table 1 on the real MiniLM, and pretrained from scratch
+#   (``results/table1``, ``results/table1_scratch``; resumable job stores, `store`, shared by ``recall``).
+# * ``recall`` (`recall/`): what R earns on tasks where attention matters (``results/recall``).
 # name -> (help, add the flags, run): the studies whose flags are argparse's
 _SUBCOMMANDS = {**_DEMO, **_PAPER, **_OBJECTIVES, **_LENGTHS, **_GRANULARITY}
 # name -> (help, "module:arguments class", "module:run function", report file): flags a dataclass

@@ -1,17 +1,7 @@
 """``python -m experiments demo`` (`make demo`): the whole analysis on the real MiniLM and real English text, offline.
 
-1. Per-query covariance at n = 128 on ``pydoc_data.topics`` prose (documents split fit / held-out), spectra.
-2. Greedy patterns for several k, their held-out error beside the equal-cost baselines.
-3. Whole-matrix covariance per layer at a small n (n²×n² is 2 GiB at n = 128 and the whole-matrix greedy
-   costs O(n⁴) per step), for Fig. 3, 5, 6 (global vs per-query), 8–9 (whole vs per-query), and Fig. 4
-   (overlap with a second corpus: installed packages' READMEs).
-4. Length buckets (16, 32, 64, 128): per-query covariances (one per head) of the text's sentences and paragraphs at
-   their own lengths, P (greedy, Fisher objective) and R per bucket at the converted k, each bucket's held-out error
-   beside the zero fill of n's pattern.
-5. Conversion at the converted k's saving to a PartialBert checkpoint carrying the buckets, P and R per head with a k
-   per layer and the last partial layer exact (`derive --saving --exact-layers`; ``--checkpoint-form head_budget``:
-   no exact layer, ``pooled``: one P and R per bucket), reload with ``AutoModel``,
-   cosine of sentence embeddings beside the one-bucket (zero-fill) models.
+Per-query and whole-matrix covariances, greedy patterns beside the equal-cost baselines, length buckets, and a
+converted PartialBert checkpoint reloaded with ``AutoModel``; `run_demo` lists the steps.
 """
 
 from __future__ import annotations
@@ -146,7 +136,20 @@ def run_demo(out: str = "runs/demo", model: str | None = None, *, seq_len: int =
     ``embedding_paragraphs``: held-out paragraphs whose sentence embeddings compare each model with the original.
     ``bucket_inputs``: the first fit sentences and paragraphs (document order) the length buckets are fitted on, and
     the most held-out ones they are measured on (None: all); ``whole_sequences``: windows of the whole-matrix
-    analysis. Their defaults (half the fit inputs, 320 windows) keep the demo under 2 minutes on 2 cores."""
+    analysis. Their defaults (half the fit inputs, 320 windows) keep the demo under 2 minutes on 2 cores.
+
+    1. Per-query covariance at n = 128 on ``pydoc_data.topics`` prose (documents split fit / held-out), spectra.
+    2. Greedy patterns for several k, their held-out error beside the equal-cost baselines.
+    3. Whole-matrix covariance per layer at a small n (n²×n² is 2 GiB at n = 128 and the whole-matrix greedy
+       costs O(n⁴) per step), for Fig. 3, 5, 6 (global vs per-query), 8–9 (whole vs per-query), and Fig. 4
+       (overlap with a second corpus: installed packages' READMEs).
+    4. Length buckets (16, 32, 64, 128): per-query covariances (one per head) of the text's sentences and paragraphs
+       at their own lengths, P (greedy, Fisher objective) and R per bucket at the converted k, each bucket's
+       held-out error beside the zero fill of n's pattern.
+    5. Conversion at the converted k's saving to a PartialBert checkpoint carrying the buckets, P and R per head with
+       a k per layer and the last partial layer exact (`derive --saving --exact-layers`; ``--checkpoint-form
+       head_budget``: no exact layer, ``pooled``: one P and R per bucket), reload with ``AutoModel``,
+       cosine of sentence embeddings beside the one-bucket (zero-fill) models."""
     bucket_k = dict(DEMO_BUCKET_K if bucket_k is None else bucket_k)
     if checkpoint_form not in CHECKPOINT_FORMS:
         raise ValueError(f"checkpoint_form must be one of {CHECKPOINT_FORMS}, got {checkpoint_form!r}.")

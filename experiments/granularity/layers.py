@@ -3,20 +3,7 @@
 
 `derive --saving` spends the budget where each layer's objective (the greedy's Fisher-weighted residual of the
 scores) falls most, as if a unit of objective cost the same embedding error in every layer. This study measures what
-it costs. It starts from the per-head P and R of a `granularity-lengths` run (its fit covariances and its one-k
-buckets). With every budget layer partial, then with each layer alone partial, then with each layer left exact and
-the others partial, it measures 1 − cos of the mean-pooled embeddings to the original model's on the calibration
-windows and on held-out windows. The calibration windows are n-token windows of the demo text, the fit's own
-text. The held-out windows are the installed packages' descriptions.
-
-Weights, from the calibration windows only: ``w_l`` is the error layer l adds in context (all partial minus l exact)
-over its objective at the one k in the longest bucket. The budget spread with them (`derive_budget(layer_weights=w,
-name="calibrated")`, at the same saving) is measured on every held-out kind and bucket beside the one k and the plain
-budget, as `granularity-lengths` measures its arms.
-
-An exact layer, also chosen on the calibration windows only: the layer whose being left exact lowers the error most
-is left exact at the same saving (`derive_budget(exact_layers=[l])`, ``derive --saving k16 --exact-layers l``): it pays
-dense attention's cost out of the budget, and the other layers share the rest by the plain allocation.
+it costs, weights each layer's objective by it, and picks a layer to leave exact; `run_granularity_layers` says how.
 """
 
 from __future__ import annotations
@@ -92,8 +79,24 @@ def run_granularity_layers(lengths_run: str = "runs/granularity_lengths", result
                            model: str | None = None, *, k: int = 16, objective: str = "fisher",
                            calibration_windows: int = 64, max_heldout: int = 600, heldout_windows: int = 64,
                            batch_size: int = 16, command: str | None = None) -> dict:
-    """The ablation, the weights and the calibrated budget (module docstring); writes
-    ``results``/granularity_layers.json and .md and returns the result."""
+    """The ablation, the weights and the calibrated budget; writes ``results``/granularity_layers.json and .md and
+    returns the result.
+
+    It starts from the per-head P and R of a `granularity-lengths` run (its fit covariances and its one-k buckets).
+    With every budget layer partial, then with each layer alone partial, then with each layer left exact and the
+    others partial, it measures 1 − cos of the mean-pooled embeddings to the original model's on the calibration
+    windows and on held-out windows. The calibration windows are n-token windows of the demo text, the fit's own
+    text. The held-out windows are the installed packages' descriptions.
+
+    Weights, from the calibration windows only: ``w_l`` is the error layer l adds in context (all partial minus l
+    exact) over its objective at the one k in the longest bucket. The budget spread with them
+    (`derive_budget(layer_weights=w, name="calibrated")`, at the same saving) is measured on every held-out kind and
+    bucket beside the one k and the plain budget, as `granularity-lengths` measures its arms.
+
+    An exact layer, also chosen on the calibration windows only: the layer whose being left exact lowers the error
+    most is left exact at the same saving (`derive_budget(exact_layers=[l])`, ``derive --saving k16 --exact-layers
+    l``): it pays dense attention's cost out of the budget, and the other layers share the rest by the plain
+    allocation."""
     start = time.perf_counter()
     fit = os.path.join(lengths_run, "fit")
     uniform_file, uniform, original, tok, model_id = load_per_head_run(lengths_run, model, k, objective)

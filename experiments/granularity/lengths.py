@@ -2,22 +2,9 @@
 inputs of real lengths (issue 34): ``python -m experiments granularity-lengths`` (`make granularity-lengths`) ->
 ``results/granularity_lengths/`` (granularity_lengths.json, .md).
 
-Fit (as the lengths study, `experiments.lengths`): the demo text's sentences and paragraphs at their own lengths, one
-covariance per (layer, head) per bucket (``analyze_lengths(granularity="head")``; the per-layer and pooled ones are its
-sums); the longest bucket's also holds ``fit_windows`` windows of n tokens of the same text (the demo's 320; its
-sentences and paragraphs of 65–128 tokens are few for n = 128 positions per head). Arms, each the original MiniLM
-converted without retraining (R fixed; the paper's partial layers: all but the last), greedy with the Fisher objective,
-at k = 16's saving in every bucket:
-
-- ``pooled`` / ``layer`` / ``head`` × ``uniform``: k = min(16, b) in every layer (pooled: one P and R for every layer,
-  the buckets of `make recover`);
-- ``layer`` / ``head`` × ``budget``: a k per layer (`analysis.derive.derive_budget`, ``derive --saving k16``), costing
-  no more than the uniform k in every bucket.
-
-Measured as the lengths study measures (`recover.measure`): per kind of input (sentences, paragraphs, adjacent-sentence
-pairs, 128-token windows of them) and bucket, the mean 1 − cos of the mean-pooled embeddings to the original model's
-and the Spearman correlation of all pairwise cosine similarities with the original's; the QKᵀ saving over the held-out
-inputs' own lengths. Issue 34's goals are stated as met or not.
+Each arm is the original MiniLM converted without retraining at k = 16's saving in every bucket, measured as the
+lengths study measures; `run_granularity_lengths` says how it fits, the arms and what it measures. Issue 34's goals
+are stated as met or not.
 """
 
 from __future__ import annotations
@@ -156,8 +143,25 @@ def run_granularity_lengths(out: str = "runs/granularity_lengths", results: str 
                             arms=ARMS, fit_inputs: int | None = None, fit_windows: int = 320, max_heldout: int = 600,
                             heldout_windows: int = 64, batch_size: int = 16, progress: bool = True,
                             command: str | None = None) -> dict:
-    """Fit, derive, convert and measure every arm (module docstring); writes ``results``/granularity_lengths.json and
-    .md and returns the result."""
+    """Fit, derive, convert and measure every arm; writes ``results``/granularity_lengths.json and .md and returns
+    the result.
+
+    Fit (as the lengths study, `experiments.lengths`): the demo text's sentences and paragraphs at their own lengths,
+    one covariance per (layer, head) per bucket (``analyze_lengths(granularity="head")``; the per-layer and pooled
+    ones are its sums); the longest bucket's also holds ``fit_windows`` windows of n tokens of the same text (the
+    demo's 320; its sentences and paragraphs of 65–128 tokens are few for n = 128 positions per head). Arms, each the
+    original MiniLM converted without retraining (R fixed; the paper's partial layers: all but the last), greedy with
+    the Fisher objective, at k = 16's saving in every bucket:
+
+    - ``pooled`` / ``layer`` / ``head`` × ``uniform``: k = min(16, b) in every layer (pooled: one P and R for every
+      layer, the buckets of `make recover`);
+    - ``layer`` / ``head`` × ``budget``: a k per layer (`analysis.derive.derive_budget`, ``derive --saving k16``),
+      costing no more than the uniform k in every bucket.
+
+    Measured as the lengths study measures (`recover.measure`): per kind of input (sentences, paragraphs,
+    adjacent-sentence pairs, 128-token windows of them) and bucket, the mean 1 − cos of the mean-pooled embeddings to
+    the original model's and the Spearman correlation of all pairwise cosine similarities with the original's; the
+    QKᵀ saving over the held-out inputs' own lengths."""
     start, steps = time.perf_counter(), {}
     model_path, model_id = resolve_model(model)
     lengths = tuple(sorted(int(b) for b in lengths))

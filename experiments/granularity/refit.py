@@ -2,20 +2,10 @@
 (`make granularity-refit`) -> ``results/granularity_refit/``.
 
 It starts from the per-head P and R of a `granularity-lengths` run, one k (its ``head uniform`` arm), keeps every P
-and refits R and its bias, in the longest bucket, three ways. Each is the least-squares estimator of the fit
-(`reconstruction.solve_reconstruction`, centred, the fit's ridge). Only the data it sees changes:
-
-- ``refit``: the original model's scores on ``windows`` n-token windows of the demo text (the fit's own text, without
-  its sentences and paragraphs). It is the control for the data the other two use.
-- ``refit with docstrings``: the same on as many windows again of the standard library's docstrings, a second
-  real-English text. It asks whether the gap on held-out text comes from the one text the fit saw.
-- ``refit in context``: layer by layer, from the first partial layer up. The exact scores at P come from the model
-  converted so far (the earlier layers refit in context already), that is, what the layer sees once converted. The
-  targets at P̄ are the original model's scores there. It asks whether the error that compounds through the layers
-  can be taken out by R. Layer 0's inputs are the original's, so its R is the plain refit's.
-
-Each arm is converted without retraining (R fixed) and measured as `granularity-lengths` measures its arms, on the
-held-out inputs of the longest bucket (the only one refit) and held-out windows.
+and refits R and its bias, in the longest bucket, three ways that differ only in the data the fit sees (`ARMS`;
+`run_granularity_refit` describes them). Each arm is converted without retraining (R fixed) and measured as
+`granularity-lengths` measures its arms, on the held-out inputs of the longest bucket (the only one refit) and
+held-out windows.
 """
 
 from __future__ import annotations
@@ -126,7 +116,20 @@ def run_granularity_refit(lengths_run: str = "runs/granularity_lengths", results
                           model: str | None = None, *, k: int = 16, objective: str = "fisher", windows: int = 320,
                           max_heldout: int = 600, heldout_windows: int = 64, batch_size: int = 16,
                           command: str | None = None) -> dict:
-    """Refit, convert and measure every arm (module docstring); writes ``results``/granularity_refit.json and .md."""
+    """Refit, convert and measure every arm; writes ``results``/granularity_refit.json and .md.
+
+    Each refit is the least-squares estimator of the fit (`reconstruction.solve_reconstruction`, centred, the fit's
+    ridge). Only the data it sees changes:
+
+    - ``refit``: the original model's scores on ``windows`` n-token windows of the demo text (the fit's own text,
+      without its sentences and paragraphs). It is the control for the data the other two use.
+    - ``refit with docstrings``: the same on as many windows again of the standard library's docstrings, a second
+      real-English text. It asks whether the gap on held-out text comes from the one text the fit saw.
+    - ``refit in context``: layer by layer, from the first partial layer up. The exact scores at P come from the
+      model converted so far (the earlier layers refit in context already), that is, what the layer sees once
+      converted. The targets at P̄ are the original model's scores there. It asks whether the error that compounds
+      through the layers can be taken out by R. Layer 0's inputs are the original's, so its R is the plain refit's.
+    """
     start, steps = time.perf_counter(), {}
     _, fitted, original, tok, model_id = load_per_head_run(lengths_run, model, k, objective)
     n = fitted.seq_len

@@ -2,19 +2,8 @@
 sentence-transformers checkpoint with length buckets, recovered by distillation from the exact model, and
 ``results/recovery/`` (recovery.json, recovery.md).
 
-1. **Buckets.** P and R per length bucket (16, 32, 64, 128; greedy with the Fisher objective) fitted on the demo
-   text's sentences and paragraphs at their own lengths (`analysis.lengths`), reused from ``--buckets`` or the
-   lengths study's run folder when there.
-2. **Conversion** (`workflow.convert`, per-layer R): the unrecovered checkpoint, ``<out>/converted``.
-3. **Recovery** with `PartialAttentionTrainer`: the exact MiniLM is the teacher; the objective (default
-   ``attention_transfer,distill_hidden,embedding``) on the demo text's sentences and paragraphs at their own
-   lengths, batched by length; R at its own learning rate. Resumable (``<out>/trainer`` checkpoints).
-4. **Measure** on documents the fit and the recovery never saw (installed packages' descriptions,
-   `lengths.held_out_documents`): per length bucket, the mean 1 − cos of the mean-pooled embeddings to the original
-   model's and the Spearman correlation of all pairwise similarities with the original's, for the converted and the
-   recovered model, on sentences, paragraphs and adjacent-sentence pairs.
-5. **Checkpoint** ``<out>/recovered``: weights, tokenizer, sentence-transformers modules and a card with
-   ``base_model``, the numbers and the command.
+The steps (buckets, conversion, recovery, measurement on held-out documents, checkpoint) are listed in
+`run_recover`'s docstring.
 """
 
 from __future__ import annotations
@@ -196,7 +185,22 @@ def run_recover(out: str = "runs/recover", results: str = "results/recovery", mo
                 train_inputs: int | None = None, fit_inputs: int | None = None, max_heldout: int = 600,
                 seed: int = 0, trainable: str = "query_key", progress: bool = True,
                 command: str | None = None, bucket_k: dict[int, int] | None = None) -> dict:
-    """Buckets, conversion, recovery, measurement, checkpoint (see the module docstring); returns the result."""
+    """Buckets, conversion, recovery, measurement, checkpoint; returns the result.
+
+    1. **Buckets.** P and R per length bucket (16, 32, 64, 128; greedy with the Fisher objective) fitted on the demo
+       text's sentences and paragraphs at their own lengths (`analysis.lengths`), reused from ``--buckets`` or the
+       lengths study's run folder when there.
+    2. **Conversion** (`workflow.convert`, per-layer R): the unrecovered checkpoint, ``<out>/converted``.
+    3. **Recovery** with `PartialAttentionTrainer`: the exact MiniLM is the teacher; the objective (default
+       ``attention_transfer,distill_hidden,embedding``) on the demo text's sentences and paragraphs at their own
+       lengths, batched by length; R at its own learning rate. Resumable (``<out>/trainer`` checkpoints).
+    4. **Measure** on documents the fit and the recovery never saw (installed packages' descriptions,
+       `lengths.held_out_documents`): per length bucket, the mean 1 − cos of the mean-pooled embeddings to the
+       original model's and the Spearman correlation of all pairwise similarities with the original's, for the
+       converted and the recovered model, on sentences, paragraphs and adjacent-sentence pairs.
+    5. **Checkpoint** ``<out>/recovered``: weights, tokenizer, sentence-transformers modules and a card with
+       ``base_model``, the numbers and the command.
+    """
     from transformers import AutoTokenizer, BertModel
 
     from hf_partial_attention.analysis.workflow import convert

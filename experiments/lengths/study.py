@@ -1,22 +1,9 @@
 """Zero-fill vs length buckets vs conditional R on held-out inputs of real lengths (issue 23): ``python -m experiments
 lengths`` -> ``results/lengths/`` (lengths.json, lengths.md, figures).
 
-Fit (the demo's text, `pydoc_data.topics`): the fixed-window analysis of n = 128 (`analyze` + `derive`: the zero-fill
-pattern) and the bucket analysis on the text's sentences and paragraphs at their own lengths (`analyze_lengths` +
-`derive_lengths`). Measure on documents the fit never saw, of another kind of English (the long descriptions of
-installed packages: `held_out_documents`): their sentences, paragraphs and adjacent-sentence pairs, and 128-token
-windows of them. Arms, each converted from the same MiniLM without retraining, k = 8 and 16:
-
-- ``zero-fill``: n's P and R fitted on windows, an input of T < n tokens padded with zero scores (format 1);
-- ``buckets``: P and R per bucket fitted on real inputs of that length (the smallest bucket >= T);
-- ``conditional``: n's P, and for each T the conditional R_i(T) = C_US C_SS⁻¹ of the window covariance
-  (`analysis.conditional`), installed per input length;
-- ``bucket-conditional``: the buckets, with bucket(T)'s R replaced by the conditional R_i(T) of that bucket's
-  covariance: the keys of [T, b) are left out instead of reconstructed.
-
-Per bucket: mean 1 − cos of mean-pooled embeddings to the original model's, the Spearman correlation of all pairwise
-cosine similarities with the original's, each layer's relative hidden-state error at real positions; and the held-out
-normalised score error of `derive_lengths`.
+Fit on the demo's text, measure on documents the fit never saw (installed packages' descriptions), each arm
+converted from the same MiniLM without retraining, k = 8 and 16: the zero-fill pattern, length buckets, and the
+conditional R. `run_lengths` describes the fit, the arms and the measures.
 """
 
 from __future__ import annotations
@@ -180,8 +167,26 @@ def run_lengths(out: str = "runs/lengths", results: str = "results/lengths", mod
                 ks=(8, 16), lengths=LENGTHS, objective: str = "paper", fit_windows: int = 320,
                 heldout_windows: int = 64, fit_inputs: int | None = None, max_heldout: int = 600, batch_size: int = 16,
                 progress: bool = True, command: str | None = None, bucket_k: dict[int, int] | None = None) -> dict:
-    """Fit, convert and measure (see the module docstring); writes ``results``/lengths.json, lengths.md, figures.
-    ``bucket_k``: ``{b: k_b}``, buckets that take their own k in place of each k (`derive_lengths`)."""
+    """Fit, convert and measure; writes ``results``/lengths.json, lengths.md, figures.
+    ``bucket_k``: ``{b: k_b}``, buckets that take their own k in place of each k (`derive_lengths`).
+
+    Fit (the demo's text, `pydoc_data.topics`): the fixed-window analysis of n = 128 (`analyze` + `derive`: the
+    zero-fill pattern) and the bucket analysis on the text's sentences and paragraphs at their own lengths
+    (`analyze_lengths` + `derive_lengths`). Measure on documents the fit never saw, of another kind of English (the
+    long descriptions of installed packages: `held_out_documents`): their sentences, paragraphs and
+    adjacent-sentence pairs, and 128-token windows of them. Arms, each converted from the same MiniLM without
+    retraining, k = 8 and 16:
+
+    - ``zero-fill``: n's P and R fitted on windows, an input of T < n tokens padded with zero scores (format 1);
+    - ``buckets``: P and R per bucket fitted on real inputs of that length (the smallest bucket >= T);
+    - ``conditional``: n's P, and for each T the conditional R_i(T) = C_US C_SS⁻¹ of the window covariance
+      (`analysis.conditional`), installed per input length;
+    - ``bucket-conditional``: the buckets, with bucket(T)'s R replaced by the conditional R_i(T) of that bucket's
+      covariance: the keys of [T, b) are left out instead of reconstructed.
+
+    Per bucket: mean 1 − cos of mean-pooled embeddings to the original model's, the Spearman correlation of all
+    pairwise cosine similarities with the original's, each layer's relative hidden-state error at real positions;
+    and the held-out normalised score error of `derive_lengths`."""
     bucket_k = {int(b): int(v) for b, v in (bucket_k or {}).items()}
     start = time.perf_counter()
     model_path, model_id = resolve_model(model)

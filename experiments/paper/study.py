@@ -1,16 +1,8 @@
 """`make paper` (``python -m experiments paper``): the analysis at the paper's scale, whole matrix at n = 128,
 on the real MiniLM and the demo's text.
 
-Steps, each a section of ``results.json`` / ``report.md`` (figures in ``figures/``):
-
-1. per-query and whole-matrix covariances (n² × n² = 16384², 2 GiB in float64), pooled over layers and heads;
-   spectra, the top global eigenvectors reshaped n × n (Fig. 5), global vs per-query energy (Fig. 6);
-2. whole-matrix greedy patterns for k̄ up to 2048 (Fig. 8) and the whole vs per-query error curves on the same
-   axis of exact scores k̄ (Fig. 9), with held-out errors of each pattern (documents never fitted on);
-3. each layer's covariance projected on the global eigenspace beside its own spectrum (Fig. 3), one layer at a
-   time so that memory holds two n² × n² matrices, not one per layer;
-4. across datasets (Fig. 4): installed packages' READMEs projected on the pydoc eigenspace;
-5. across training: the Table-1 study's checkpoints on the original eigenspace, when that study has run.
+Each step is a section of ``results.json`` / ``report.md`` (figures in ``figures/``): covariances and spectra,
+whole-matrix greedy patterns, per-layer projections, across datasets and across training (`run_paper` lists them).
 """
 
 from __future__ import annotations
@@ -99,6 +91,15 @@ def run_paper(out: str = "runs/paper", results_dir: str | None = "results/paper"
               second_sequences: int = 160, batch_size: int = 8, progress: bool = True,
               table1_dir: str = "runs/table1", command: str = "run_paper") -> dict:
     """Run every step into ``out`` and copy the report, ``results.json`` and the figures to ``results_dir``.
+
+    1. per-query and whole-matrix covariances (n² × n² = 16384², 2 GiB in float64), pooled over layers and heads;
+       spectra, the top global eigenvectors reshaped n × n (Fig. 5), global vs per-query energy (Fig. 6);
+    2. whole-matrix greedy patterns for k̄ up to 2048 (Fig. 8) and the whole vs per-query error curves on the same
+       axis of exact scores k̄ (Fig. 9), with held-out errors of each pattern (documents never fitted on);
+    3. each layer's covariance projected on the global eigenspace beside its own spectrum (Fig. 3), one layer at a
+       time so that memory holds two n² × n² matrices, not one per layer;
+    4. across datasets (Fig. 4): installed packages' READMEs projected on the pydoc eigenspace;
+    5. across training: the Table-1 study's checkpoints on the original eigenspace, when that study has run.
 
     ``command`` is the command line the report cites (the CLI passes what was typed).
     """

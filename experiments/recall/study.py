@@ -1,19 +1,8 @@
 """Jobs of the recall study: small encoders trained from scratch on each task through the project's own model
 classes (`build_model`) and `PartialAttentionTrainer`, every arm's learning rate chosen on a validation split.
 
-Per task, in order:
-
-1. ``exact/<task>/lr<lr>_s<seed0>``: the exact model at each learning rate (first seed); the rate with the best
-   validation accuracy is the exact arm's.
-2. ``patterns/<task>``: the chosen exact model's per-query score covariance (second moment, pooled over layers and
-   heads) on training examples of the task; for each k, the band of the k nearest keys with its optimal R, and the
-   greedy's P with its R. Every partial arm starts from these (the paper's protocol: R at its optimum).
-3. ``<arm>/<task>/lr<lr>[_r<ratio>]_s<seed0>``: every other arm at each rate (and, with a trained R, each ratio
-   of R's rate to the body's); the best on validation is the arm's.
-4. ``<arm>/<task>/s<seed>``: the other seeds at the arm's chosen rates.
-
-A job's result (validation and test accuracy, training seconds, final loss) is a JSON under ``run_dir/jobs``: a
-killed run started again continues with the job it was in.
+`RecallStudy` lists the jobs of a task, in order: the exact model's sweep, the patterns from it, every other arm's
+sweep, the other seeds. A job's result is stored, so a killed run started again continues with the job it was in.
 """
 
 from __future__ import annotations
@@ -52,7 +41,22 @@ def accuracy(model, data: dict[str, torch.Tensor], batch_size: int = 256) -> flo
 
 
 class RecallStudy:
-    """The study's state: its arguments, job store, and the tasks' evaluation splits (made once)."""
+    """The study's state: its arguments, job store, and the tasks' evaluation splits (made once).
+
+    Per task, in order:
+
+    1. ``exact/<task>/lr<lr>_s<seed0>``: the exact model at each learning rate (first seed); the rate with the best
+       validation accuracy is the exact arm's.
+    2. ``patterns/<task>``: the chosen exact model's per-query score covariance (second moment, pooled over layers
+       and heads) on training examples of the task; for each k, the band of the k nearest keys with its optimal R,
+       and the greedy's P with its R. Every partial arm starts from these (the paper's protocol: R at its optimum).
+    3. ``<arm>/<task>/lr<lr>[_r<ratio>]_s<seed0>``: every other arm at each rate (and, with a trained R, each ratio
+       of R's rate to the body's); the best on validation is the arm's.
+    4. ``<arm>/<task>/s<seed>``: the other seeds at the arm's chosen rates.
+
+    A job's result (validation and test accuracy, training seconds, final loss) is a JSON under ``run_dir/jobs``: a
+    killed run started again continues with the job it was in.
+    """
 
     def __init__(self, a: RecallArguments, store: JobStore):
         self.a, self.store = a, store

@@ -1,25 +1,8 @@
 """The recall study's synthetic tasks: windows of n token ids with labels at the positions to predict (-100
 elsewhere), each example a function of (task, seed, index), so any split is reproducible and never stored.
 
-Token ids: 0 pad (unused: every window is full), 1 filler, then ``symbols`` ids for the tasks' symbols; MQAR's
-keys and values are two disjoint halves of them. Which dependency each task needs (docs/method.md, "What partial
-attention can express"):
-
-- ``mqar`` (far, by content): multi-query associative recall in an encoder's form. ``pairs`` keys at random
-  positions of the window's first quarter, each carrying its value in the same position (the value as the token
-  type: ``token_type_ids`` = 1 + value there, 0 elsewhere), then each key once more at a random position of the
-  second half, labelled with its value: the distances from a key to its query spread over (n/4, n), beyond the
-  reach of a band of k ≤ n/4 keys even over two layers. Finding the key that matches is one content lookup.
-- ``mqar_adjacent``: Zoology's own layout, ``k v k v ...`` at the start (values as tokens) and the queries in the
-  second half; it needs a previous-token step before the lookup. Not a default task: in a throwaway probe before
-  this study (a plain training loop, not in the repository), exact did not leave the level of naming one of the
-  window's values within a few thousand steps, where the one-position form was solved; ``--tasks mqar_adjacent``
-  runs it through the study (not run yet).
-- ``far_copy`` (far, by position): random symbols; position i is labelled with the symbol at i − offset
-  (3n/8: 48 at n = 128, 24 at n = 64).
-- ``near_copy`` (local, the control): the same at offset 2.
-- ``majority`` (content-blind global): random symbols in which one symbol occurs more often than any other
-  (``majority_count`` times, the others at most ``majority_count − 3``); every position is labelled with it.
+`RecallTask` describes each task and which dependency it needs (docs/method.md, "What partial attention can
+express"); `task_tensors` and `TaskDataset` make a split of one.
 """
 
 from __future__ import annotations
@@ -30,6 +13,8 @@ import torch
 
 __all__ = ["TASKS", "ALL_TASKS", "RecallTask", "FILLER", "FIRST_SYMBOL", "TaskDataset", "task_tensors"]
 
+# Token ids: 0 pad (unused: every window is full), 1 filler, then ``symbols`` ids for the tasks' symbols; MQAR's
+# keys and values are two disjoint halves of them.
 FILLER, FIRST_SYMBOL = 1, 2
 TASKS = ("mqar", "far_copy", "near_copy", "majority")  # the defaults
 ALL_TASKS = (*TASKS, "mqar_adjacent")
@@ -37,7 +22,26 @@ ALL_TASKS = (*TASKS, "mqar_adjacent")
 
 @dataclass(frozen=True)
 class RecallTask:
-    """One task at window length ``n`` over ``symbols`` symbols (``pairs``: MQAR's key-value pairs)."""
+    """One task at window length ``n`` over ``symbols`` symbols (``pairs``: MQAR's key-value pairs).
+
+    The tasks, and which dependency each needs:
+
+    - ``mqar`` (far, by content): multi-query associative recall in an encoder's form. ``pairs`` keys at random
+      positions of the window's first quarter, each carrying its value in the same position (the value as the token
+      type: ``token_type_ids`` = 1 + value there, 0 elsewhere), then each key once more at a random position of the
+      second half, labelled with its value: the distances from a key to its query spread over (n/4, n), beyond the
+      reach of a band of k ≤ n/4 keys even over two layers. Finding the key that matches is one content lookup.
+    - ``mqar_adjacent``: Zoology's own layout, ``k v k v ...`` at the start (values as tokens) and the queries in the
+      second half; it needs a previous-token step before the lookup. Not a default task: in a throwaway probe before
+      this study (a plain training loop, not in the repository), exact did not leave the level of naming one of the
+      window's values within a few thousand steps, where the one-position form was solved; ``--tasks
+      mqar_adjacent`` runs it through the study (not run yet).
+    - ``far_copy`` (far, by position): random symbols; position i is labelled with the symbol at i − offset
+      (3n/8: 48 at n = 128, 24 at n = 64).
+    - ``near_copy`` (local, the control): the same at offset 2.
+    - ``majority`` (content-blind global): random symbols in which one symbol occurs more often than any other
+      (``majority_count`` times, the others at most ``majority_count − 3``); every position is labelled with it.
+    """
 
     name: str
     n: int = 64

@@ -1,18 +1,8 @@
 """The Table-1 study's data: the start model, its tokenizer, MLM windows, sentence pairs and the bucket-fit inputs.
 
 Default (offline): the English prose that ships with CPython (``pydoc_data.topics`` and the standard library's
-docstrings), split by document: every `train_every`-th document is for training (MLM, P and R, fine-tuning), the
-others are held out (the test split: MLM losses and accuracies), so no evaluation sentence is seen in training.
-Holding out the larger part buys a held-out pair set big enough for a standard error near one point. Of the
-training documents, every `selection_every`-th is the *selection* split: the validation data of the R learning-rate
-choice, used for nothing else (no training, no fit), so that choice reads neither the test split nor the data it
-trained on.
-
-Splits: ``windows`` train / selection / validation (n-token MLM windows, the last two at most ``mlm_eval_windows``;
-validation = test), ``pairs`` train /
-validation (tokenized at their own lengths, validation sorted by length), ``mlm_pairs`` (held-out pairs spread
-over their lengths, without labels: the MLM losses at the pairs' lengths) and ``fit_documents`` (the training
-documents' sentences and paragraphs, each at its own length: the inputs of the length-bucket fit).
+docstrings), split by document so that no evaluation sentence is seen in training. `load_study_data` describes the
+splits and why they are drawn so.
 """
 
 from __future__ import annotations
@@ -76,6 +66,19 @@ def _spread(dataset, count: int):
 
 
 def load_study_data(a) -> StudyData:
+    """The study's data (`StudyData`) for the arguments ``a``.
+
+    Every `train_every`-th document is for training (MLM, P and R, fine-tuning), the others are held out (the test
+    split: MLM losses and accuracies), so no evaluation sentence is seen in training. Holding out the larger part
+    buys a held-out pair set big enough for a standard error near one point. Of the training documents, every
+    `selection_every`-th is the *selection* split: the validation data of the R learning-rate choice, used for
+    nothing else (no training, no fit), so that choice reads neither the test split nor the data it trained on.
+
+    Splits: ``windows`` train / selection / validation (n-token MLM windows, the last two at most
+    ``mlm_eval_windows``; validation = test), ``pairs`` train / validation (tokenized at their own lengths,
+    validation sorted by length), ``mlm_pairs`` (held-out pairs spread over their lengths, without labels: the MLM
+    losses at the pairs' lengths) and ``fit_documents`` (the training documents' sentences and paragraphs, each at
+    its own length: the inputs of the length-bucket fit)."""
     from transformers import AutoTokenizer
 
     from hf_partial_attention.analysis.defaults import resolve_model

@@ -1,19 +1,9 @@
 """The Table-1 report's gap decomposition and goals (issue 24): where between the exact model and a fine-tuned
 partial one the accuracy goes.
 
-Per k, with the study's common R (else its first R mode), each step is a difference with its standard error, MLM
-losses paired over the test windows or test pairs (`paired_loss_difference`), accuracies over seeds and examples
-(`accuracy_difference`):
-
-- (i) conversion at full windows: converted − exact (phase 1) MLM loss on the windows, zero-fill and buckets;
-- (ii) conversion at the pairs' lengths: the same on the pairs, and buckets − zero-fill;
-- (iii) recovery: MLM loss after phase 2 − the exact arm's after phase 2, for recovery none (the converted model
-  against phase 1, its source), mlm, distill and the zero-fill control, on windows and pairs;
-- (iv) fine-tuning: accuracy − the exact arm's, per recovery, and the zero-fill control − its buckets twin.
-
-Every measure names the two report entries it is the difference of (``of`` − ``minus``: paths into the report,
-``rows.<arm>.mlm_converted_pairs``, ``phase1_mlm_loss.pairs``, ``zero_fill_converted.<k>.windows``, ...), and the
-accuracy steps name the one that loses most. This module imports the spec and the statistics, never the runner.
+Per k, each step (conversion at full windows, at the pairs' lengths, recovery, fine-tuning) is a difference with its
+standard error, naming the two report entries it is the difference of (`gap_decomposition` lists the steps);
+`goals` states issue 24's goals as met or not. This module imports the spec and the statistics, never the runner.
 """
 
 from __future__ import annotations
@@ -53,6 +43,20 @@ def gap_decomposition(arms: StudyArms, losses: dict[str, ArmLosses], phase1: dic
     recovery's change from no recovery, zero-fill − buckets; ``loses_most`` its most negative step.
 
     ``zero_fill[str(k)]``: the zero-fill conversion's test losses ``{"windows", "pairs"}`` at k (absent: not run).
+
+    Per k, with the study's common R (else its first R mode), each step is a difference with its standard error, MLM
+    losses paired over the test windows or test pairs (`paired_loss_difference`), accuracies over seeds and examples
+    (`accuracy_difference`):
+
+    - (i) conversion at full windows: converted − exact (phase 1) MLM loss on the windows, zero-fill and buckets;
+    - (ii) conversion at the pairs' lengths: the same on the pairs, and buckets − zero-fill;
+    - (iii) recovery: MLM loss after phase 2 − the exact arm's after phase 2, for recovery none (the converted model
+      against phase 1, its source), mlm, distill and the zero-fill control, on windows and pairs;
+    - (iv) fine-tuning: accuracy − the exact arm's, per recovery, and the zero-fill control − its buckets twin.
+
+    Every measure names the two report entries it is the difference of (``of`` − ``minus``: paths into the report,
+    ``rows.<arm>.mlm_converted_pairs``, ``phase1_mlm_loss.pairs``, ``zero_fill_converted.<k>.windows``, ...), and
+    the accuracy steps name the one that loses most.
     """
     out = {}
     for k in dict.fromkeys(arm.k for arm in arms.finetune if not arm.is_exact):

@@ -1,22 +1,8 @@
 """Table 1 as the paper ran it: BERT pretrained *from scratch* with partial attention built in, beside the exact
 model, P alone, and the exact model converted (issue 41). ``python -m experiments table1-scratch`` (``make
 table1-scratch``); the arms are `scratch_spec`'s, the held-out curve `scratch_curve`'s, the wall-time estimate
-`scratch_budget`'s, the report `scratch_report`'s.
-
-1. **Exact** (job ``pretrain_exact``): a BERT with BERT-base's head width (d_h = 64) pretrained by MLM from scratch
-   on the corpus's training windows through `build_model` and `PartialAttentionTrainer`, the held-out MLM loss
-   recorded every ``eval_every`` steps (and the training time to that step).
-2. **P and R** (``patterns``) from that model's scores by the project's own analysis: `analyze` on training windows
-   (second moment, the paper's) and `derive` (the pooled greedy, per k); per head, `analyze --granularity head` and
-   `derive_budget` (a k per layer at k's saving).
-3. **Arms from scratch** (``pretrain_<arm>``): the same seed (so the same initial weights: `build_model` converts the
-   exact class's own initialisation), data order, masks and steps, with P and R built in (every layer partial but
-   the last) or P alone; ``convert`` and ``convert_train`` arms start from the exact model.
-4. **Fine-tuning** (``ft_<arm>_s<seed>``) on sentence order (3 classes) at the pairs' own lengths, several seeds.
-5. **Cost** (``timing``): the training step and inference time of the trained-in models beside the exact one (SDPA
-   and eager), interleaved in one process.
-
-Every job's result is a JSON under ``run_dir/jobs``: a killed run started again continues with the job it was in.
+`scratch_budget`'s, the report `scratch_report`'s. The jobs (exact pretraining, P and R, the arms, fine-tuning,
+cost) are listed in `_Study`'s docstring; each job's result is stored, so a killed run continues where it was.
 """
 
 from __future__ import annotations
@@ -47,7 +33,23 @@ __all__ = ["run_table1_scratch", "ScratchArguments"]
 
 class _Study:
     """One pretraining seed's jobs (``a.seed``: initial weights, data order, masks; ``a.run_dir``: its store). The
-    held-out losses use ``eval_seed``'s masks, the same for every pretraining seed, so arms compare paired."""
+    held-out losses use ``eval_seed``'s masks, the same for every pretraining seed, so arms compare paired.
+
+    1. **Exact** (job ``pretrain_exact``): a BERT with BERT-base's head width (d_h = 64) pretrained by MLM from
+       scratch on the corpus's training windows through `build_model` and `PartialAttentionTrainer`, the held-out
+       MLM loss recorded every ``eval_every`` steps (and the training time to that step).
+    2. **P and R** (``patterns``) from that model's scores by the project's own analysis: `analyze` on training
+       windows (second moment, the paper's) and `derive` (the pooled greedy, per k); per head, `analyze
+       --granularity head` and `derive_budget` (a k per layer at k's saving).
+    3. **Arms from scratch** (``pretrain_<arm>``): the same seed (so the same initial weights: `build_model`
+       converts the exact class's own initialisation), data order, masks and steps, with P and R built in (every
+       layer partial but the last) or P alone; ``convert`` and ``convert_train`` arms start from the exact model.
+    4. **Fine-tuning** (``ft_<arm>_s<seed>``) on sentence order (3 classes) at the pairs' own lengths, several seeds.
+    5. **Cost** (``timing``): the training step and inference time of the trained-in models beside the exact one
+       (SDPA and eager), interleaved in one process.
+
+    Every job's result is a JSON under ``run_dir/jobs``: a killed run started again continues with the job it was
+    in."""
 
     def __init__(self, a: ScratchArguments, store: JobStore, data, eval_seed: int | None = None):
         self.a, self.store, self.data = a, store, data

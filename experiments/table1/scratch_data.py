@@ -1,18 +1,7 @@
 """Data of the from-scratch Table 1 study (`scratch`): real English prose, split by document.
 
-Corpora (``--corpus``):
-
-- ``python-docs`` (the default): the prose paragraphs (``<p>``, code blocks left out) of CPython's own HTML
-  documentation as Debian's ``python3.11-doc`` installs it (``/usr/share/doc/python3.11/html``: tutorial, library and
-  language reference, how-tos, FAQs, what's new; ``make python-docs`` installs it), beside the standard library's
-  docstrings; about 1.5 M words after exact duplicates are dropped.
-- ``pydoc``: ``pydoc_data.topics`` and the standard library's docstrings (what the other studies use; small, for the
-  tiny run of the tests).
-
-Every ``test_every``-th document is held out (the test split: MLM losses, the pair task's test pairs); with
-``validation_every``, every so many of the others too (the validation split: MLM losses that choose between arms);
-the rest train (MLM windows, the covariance for P and R, the pair task's training pairs). Splits: ``windows`` train
-/ test (/ validation) (n-token MLM windows), ``pairs`` train / test (sentence order at the pairs' own lengths).
+`load_scratch_data` describes the corpora (``--corpus``: CPython's HTML documentation, or ``pydoc`` for the tests'
+tiny run) and the splits; the rest cuts, dedupes and tokenizes them.
 """
 
 from __future__ import annotations
@@ -169,7 +158,22 @@ def window_passes(train, tokenizer, window: int, passes: int, seed: int, max_win
 
 def load_scratch_data(a) -> ScratchData:
     """Windows and pairs of the study's corpus (`ScratchArguments`: corpus, docs_dir, test_every, max_seq_length,
-    max_train_windows, test_windows, test_pairs, seed)."""
+    max_train_windows, test_windows, test_pairs, seed).
+
+    Corpora (``--corpus``):
+
+    - ``python-docs`` (the default): the prose paragraphs (``<p>``, code blocks left out) of CPython's own HTML
+      documentation as Debian's ``python3.11-doc`` installs it (``/usr/share/doc/python3.11/html``: tutorial, library
+      and language reference, how-tos, FAQs, what's new; ``make python-docs`` installs it), beside the standard
+      library's docstrings; about 1.5 M words after exact duplicates are dropped.
+    - ``pydoc``: ``pydoc_data.topics`` and the standard library's docstrings (what the other studies use; small, for
+      the tiny run of the tests).
+
+    Every ``test_every``-th document is held out (the test split: MLM losses, the pair task's test pairs); with
+    ``validation_every``, every so many of the others too (the validation split: MLM losses that choose between
+    arms); the rest train (MLM windows, the covariance for P and R, the pair task's training pairs). Splits:
+    ``windows`` train / test (/ validation) (n-token MLM windows), ``pairs`` train / test (sentence order at the
+    pairs' own lengths)."""
     from datasets import Dataset, DatasetDict
     from transformers import AutoTokenizer
 

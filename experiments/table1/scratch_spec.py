@@ -5,8 +5,7 @@ An arm is named ``exact`` or ``k<k>_<kind>``, kind one of:
 - ``fixed``, ``common``, ``per_layer``: pretrained from scratch with pooled P and R built in (R fixed at its optimum,
   one trained R, a trained R per layer), every layer partial but the last: the paper's Table 1;
 - ``head_budget``: P and R per head with a k per layer at k's saving (`derive_budget`), R trained per layer;
-- ``p_only``: the same pooled P with every other key masked and no R (sparse attention), trained from scratch:
-  what R adds beyond P;
+- ``p_only``: the same pooled P, every other key masked, no R (sparse attention), from scratch: what R adds beyond P;
 - ``convert``: the exact model converted at the end (R fixed, no training with P and R): the paper's control;
 - ``convert_train``: that conversion followed by MLM training with P and R built in (R per layer) for
   ``convert_train_fraction`` of the pretraining steps: the practitioner's road.

@@ -1,14 +1,9 @@
 """The encoders partial attention runs in: one table entry per architecture, all that is architecture-specific.
 
-An entry says where a model's attention modules are (`Architecture.attention_modules`: ``(layer, module)`` in layer
-order; a module that serves several layers, as in ALBERT, appears once per layer), which module owns the pattern
-modules (P, and R when it is common or fixed: ``<owner>.partial_pattern``), which layers are partial by default and
-which heads exist. Everything else (the attention functions, the pattern modules, length buckets, R modes, kernels,
-loading checks) is shared: `partial_layer`, `partial_pattern`, `modeling_partial`.
-
-Every entry's attention modules call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`` with q and k as the
-model scores them (after RoPE in ModernBERT, NomicBERT, GTE and EuroBERT), so P and R act on the scores the model
-uses. DeBERTa-v2, MPNet and decoders do not qualify (`check_supported` refuses them, naming what is supported).
+An entry (`Architecture`) says where a model's attention modules are, which module owns the pattern modules, which
+layers are partial by default and which heads exist. Everything else (the attention functions, the pattern modules,
+length buckets, R modes, kernels, loading checks) is shared: `partial_layer`, `partial_pattern`, `modeling_partial`.
+DeBERTa-v2, MPNet and decoders do not qualify (`check_supported` refuses them, naming what is supported).
 
 Part of the remote-code bundle (imports: transformers and siblings only).
 """
@@ -46,6 +41,13 @@ def _nested(module, path: str):
 @dataclass(frozen=True)
 class Architecture:
     """Where partial attention goes in one architecture.
+
+    An entry says where a model's attention modules are (`attention_modules`: ``(layer, module)`` in layer order; a
+    module that serves several layers, as in ALBERT, appears once per layer), which module owns the pattern modules
+    (P, and R when it is common or fixed: ``<owner>.partial_pattern``), which layers are partial by default and which
+    heads exist. Every entry's attention modules call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`` with q
+    and k as the model scores them (after RoPE in ModernBERT, NomicBERT, GTE and EuroBERT), so P and R act on the
+    scores the model uses.
 
     Args:
         model_type: the source's ``config.model_type`` (``"roberta"``).

@@ -1,11 +1,7 @@
 """Length buckets at run time: each sequence runs the P and R of the smallest bucket that holds it.
 
-A model with ``config.partial_lengths = [b_1, ..., n]`` holds one P and R per bucket. Each sequence's length T is
-read from its own attention mask (`sequence_lengths`: the last key it attends, plus one), so its bucket, and so its
-output, does not depend on how much padding its batch carries. The batch is split into one group per bucket
-present; a group of bucket b runs on the first min(T_batch, b) positions (positions beyond are padding for every
-sequence of the group), with the bucket's P and R (or exact attention for b <= k), and the outputs are put back in
-batch order, zero at the positions cut off.
+A model with ``config.partial_lengths = [b_1, ..., n]`` holds one P and R per bucket; `bucketed_attention` says how
+a batch is split by bucket and put back together.
 
 Under ``torch.compile`` / ``torch.export`` (no branching on tensor values) every sequence runs the bucket of the
 batch's padded length T instead: one specialisation per bucket, the same numbers as eager for a batch padded to its
@@ -84,6 +80,12 @@ def bucketed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
                        attention_mask: torch.Tensor | None, lengths: list[int], run_bucket: Callable,
                        need_weights: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of a batch whose sequences may fall in different buckets.
+
+    Each sequence's length T is read from its own attention mask (`sequence_lengths`: the last key it attends, plus
+    one), so its bucket, and so its output, does not depend on how much padding its batch carries. The batch is split
+    into one group per bucket present (`bucket_groups`); a group of bucket b runs on the first min(T_batch, b)
+    positions (positions beyond are padding for every sequence of the group), with the bucket's P and R (or exact
+    attention for b <= k), and the outputs are put back in batch order, zero at the positions cut off.
 
     ``run_bucket(b, query, key, value, attention_mask)`` runs one group ``(B_g, H, T_g, D)`` in bucket ``b`` and
     returns ``(output (B_g, T_g, H, D), probabilities (B_g, H, T_g, T_g) or None)``.

@@ -3,17 +3,10 @@ and R (`attention_common.PatternStructure.ROWS_SHARING_P_AND_R`; the ``shared_bl
 
 Part of the remote-code bundle (imports: torch and siblings only).
 
-When the r rows of a block share their key set P_b and their reconstruction R_b, every step of a block is a plain
-matrix product: exact scores ``E_b = Q_b K_{P_b}ᵀ`` ``(r, k)``, full scores ``E_b W_b`` with ``W_b = [I | R_bᵀ]``
-in key order ``(k, n)``, softmax, ``· V``. The kernel runs them tile by tile — one block of rows for a group of
-(batch, head) pairs (`attention_common.tile_groups`), each group through all its blocks before the next so that
-its V stays in cache — so that the scores of a tile are reconstructed, masked, normalised and multiplied by V while
-they are still in cache, in one reused buffer; the n×n scores are never written. Reading and writing them, not the
-arithmetic, bounds the other kernels on a CPU.
-
+The n×n scores are never written: reading and writing them, not the arithmetic, bounds the other kernels on a CPU.
 It is exact for any P and R (a block of one row is every pattern) and equals the reference kernel; it is only fast
 when the shared blocks are large. With autograd the dispatcher runs ``fused`` instead (the committed benchmark
-results show no training case where a tiled backward is fastest).
+results show no training case where a tiled backward is fastest). How it tiles: `tiled_attention`.
 """
 
 from __future__ import annotations
@@ -47,7 +40,14 @@ def tiled_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0, *,
                     partial: PartialTensors, **kwargs) -> tuple[torch.Tensor, None]:
     """Partial attention by the tiled kernel, in transformers' calling convention (arguments as
-    `attention_gather.gather_attention`), without autograd: ``(output (B, T, H, D), None)``."""
+    `attention_gather.gather_attention`), without autograd: ``(output (B, T, H, D), None)``.
+
+    When the r rows of a block share their key set P_b and their reconstruction R_b, every step of a block is a plain
+    matrix product: exact scores ``E_b = Q_b K_{P_b}ᵀ`` ``(r, k)``, full scores ``E_b W_b`` with ``W_b = [I | R_bᵀ]``
+    in key order ``(k, n)``, softmax, ``· V``. The kernel runs them tile by tile — one block of rows for a group of
+    (batch, head) pairs (`attention_common.tile_groups`), each group through all its blocks before the next so that
+    its V stays in cache — so that the scores of a tile are reconstructed, masked, normalised and multiplied by V
+    while they are still in cache, in one reused buffer; the n×n scores are never written."""
     scaling = module.scaling if scaling is None else scaling
     layout = partial.layout
     if needs_grad(query, key, value, partial.reconstruction, partial.bias):

@@ -1,20 +1,8 @@
 """A fused partial-attention kernel in Triton (``partial_implementation="triton"``): the n×n scores are never
 written to memory, forward or backward.
 
-Returns no attention map (like SDPA): the dispatcher runs the reference kernel when the map is asked for.
-
-Per tile of BLOCK_M query rows and each (batch, head), one program computes the k exact scores of every row at
-its P_i (gathered keys, k·d multiply-adds per row), then walks the keys in tiles of BLOCK_N: the reconstructed
-scores ``a_i = s_i W_i (+ bias, + mask)`` with ``W_i = [I | R_iᵀ]`` in key order (the same W the ``fused``
-kernel uses), an online softmax and ``P·V``. It stores the output and each row's log-sum-exp. The backward
-recomputes the scores tile by tile from the log-sum-exp (as FlashAttention does) and accumulates dQ, dK, dV,
-dW (hence dR, by autograd through W) and the bias gradient; keys shared by several row tiles, and W shared by
-every batch and head, are accumulated with atomic adds in float32.
-
-Works for any P (per-query included) and any R mode; the exact scores at masked keys enter R as zero, keys
-beyond a shorter input are dropped, exactly as in the reference kernel (`attention_gather`).
-Inputs in float32, bfloat16 or float16 (accumulation in float32); attention dropout is not supported (set
-``attention_probs_dropout_prob=0`` or evaluate with ``model.eval()``).
+Returns no attention map (like SDPA): the dispatcher runs the reference kernel when the map is asked for. How the
+kernel tiles its work, and which inputs it takes, is `triton_partial_attention`'s docstring.
 
 Runs on CUDA GPUs; with ``TRITON_INTERPRET=1`` set before the first call, Triton's interpreter runs it on CPU
 tensors (slow: that is how the tests check it).
@@ -248,6 +236,19 @@ class _TritonPartial(torch.autograd.Function):
 def triton_partial_attention(query, key, value, w, bias_full, additive_mask, masked_at_p, indices, scaling,
                              blocks: tuple[int, int] = (32, 32)) -> torch.Tensor:
     """``(B, H, T, D)`` output of partial attention by the fused kernel (differentiable in Q, K, V, W, bias).
+
+    Per tile of BLOCK_M query rows and each (batch, head), one program computes the k exact scores of every row at
+    its P_i (gathered keys, k·d multiply-adds per row), then walks the keys in tiles of BLOCK_N: the reconstructed
+    scores ``a_i = s_i W_i (+ bias, + mask)`` with ``W_i = [I | R_iᵀ]`` in key order (the same W the ``fused``
+    kernel uses), an online softmax and ``P·V``. It stores the output and each row's log-sum-exp. The backward
+    recomputes the scores tile by tile from the log-sum-exp (as FlashAttention does) and accumulates dQ, dK, dV,
+    dW (hence dR, by autograd through W) and the bias gradient; keys shared by several row tiles, and W shared by
+    every batch and head, are accumulated with atomic adds in float32.
+
+    Works for any P (per-query included) and any R mode; the exact scores at masked keys enter R as zero, keys
+    beyond a shorter input are dropped, exactly as in the reference kernel (`attention_gather`).
+    Inputs in float32, bfloat16 or float16 (accumulation in float32); attention dropout is not supported (set
+    ``attention_probs_dropout_prob=0`` or evaluate with ``model.eval()``).
 
     Args:
         query, key, value: ``(B, H, T, D)``, D a power of two >= 16.

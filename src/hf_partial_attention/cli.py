@@ -1,16 +1,9 @@
 """``hf-partial-attention``: a thin command line over the library.
 
-Subcommands live in a registry: ``register_command(name, help, add_arguments, run)`` adds one, so other
-modules can extend the CLI without touching `main`. Each ``run(args)`` returns an exit code; ``args.argv`` is the
-command line after the program's name.
-
-Errors a user can cause (`USER_ERRORS`: a wrong value, a missing or unreadable file) print as one line,
-``error: <what and the fix>``, on stderr and exit with 2; ``-v`` shows the traceback instead. The library logs;
-this program prints each command's outputs and a one-line summary on stdout.
-
-The commands are what a user of the plugin runs on their own model: ``analyze``, ``derive``, ``convert``. The
-repository's studies on the packaged MiniLM (``make demo``, ``paper``, ``objectives``, ``table1``) are not part of
-the installed package: ``python -m experiments`` in a checkout runs them.
+The commands are what a user of the plugin runs on their own model: ``analyze``, ``derive``, ``convert``; more can
+be added (`register_command`). A user's error prints as one line (`main`). The repository's studies on the packaged
+MiniLM (``make demo``, ``paper``, ``objectives``, ``table1``) are not part of the installed package: ``python -m
+experiments`` in a checkout runs them.
 """
 
 from __future__ import annotations
@@ -44,7 +37,10 @@ COMMANDS: dict[str, Command] = {}
 
 
 def register_command(name: str, help: str, add_arguments: Callable, run: Callable) -> None:
-    """Add a subcommand; a name already registered raises ValueError (pick another name)."""
+    """Add a subcommand; a name already registered raises ValueError (pick another name).
+
+    Subcommands live in this registry, so other modules can extend the CLI without touching `main`. Each
+    ``run(args)`` returns an exit code; ``args.argv`` is the command line after the program's name."""
     if name in COMMANDS:
         raise ValueError(f"CLI command {name!r} is already registered; choose another name.")
     COMMANDS[name] = Command(help, add_arguments, run)
@@ -246,7 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; returns its exit code (2 for a user error, printed as one line on stderr)."""
+    """Run one command; returns its exit code (2 for a user error, printed as one line on stderr).
+
+    Errors a user can cause (`USER_ERRORS`: a wrong value, a missing or unreadable file) print as one line,
+    ``error: <what and the fix>``, on stderr and exit with 2; ``-v`` shows the traceback instead. The library logs;
+    this program prints each command's outputs and a one-line summary on stdout."""
     argv = sys.argv[1:] if argv is None else list(argv)
     verbose = False
     try:

@@ -1,16 +1,10 @@
 """The partial models of every supported encoder: ``PartialBertModel``, ``PartialRobertaModel``,
 ``PartialModernBertForMaskedLM``, ...
 
-For every entry of `architectures.ARCHITECTURES` that the installed transformers has, ``Partial<Prefix>PreTrainedModel
-(PartialModelMixin, <Prefix>PreTrainedModel)`` and, for every head of it (`Architecture.heads`), the class
-``Partial<Source class name>(Partial<Prefix>PreTrainedModel, <source class>)``: the source's ``__init__``, heads and
-``forward`` unchanged (transformers' own classes, never copies), its attention modules made partial or exact in place
-at ``post_init`` (`modeling_partial`), P and R in ``<owner>.partial_pattern`` (``encoder.partial_pattern.indices`` for
-BERT's layout, ``partial_pattern.indices`` for ModernBERT's, prefixed by the base model's name in the heads) and,
-per layer, ``<attention module>.reconstruction``. The classes are written under the entry's file
-(``modeling_partial_<files>``: PartialBert's under `modeling_partial_bert`, which re-exports them, as its checkpoints'
-``auto_map`` names it). `partial_class_for` finds them; ``PartialRobertaModel.from_source(path, pattern)`` converts a
-checkpoint.
+For every entry of `architectures.ARCHITECTURES` that the installed transformers has, ``Partial<Prefix>PreTrainedModel``
+(`_pretrained_class`) and, for every head of it (`Architecture.heads`), ``Partial<Source class name>``
+(`_partial_class`, which says what it keeps and where P and R live). `partial_class_for` finds them;
+``PartialRobertaModel.from_source(path, pattern)`` converts a checkpoint.
 
 Part of the remote-code bundle (imports: torch, transformers and siblings only).
 """
@@ -42,6 +36,13 @@ def _pretrained_class(arch: Architecture) -> type:
 
 
 def _partial_class(arch: Architecture, auto_name: str, base: type) -> type:
+    """``Partial<Source class name>(Partial<Prefix>PreTrainedModel, <source class>)``: the source's ``__init__``,
+    heads and ``forward`` unchanged (transformers' own classes, never copies), its attention modules made partial or
+    exact in place at ``post_init`` (`modeling_partial`), P and R in ``<owner>.partial_pattern``
+    (``encoder.partial_pattern.indices`` for BERT's layout, ``partial_pattern.indices`` for ModernBERT's, prefixed by
+    the base model's name in the heads) and, per layer, ``<attention module>.reconstruction``. The classes are
+    written under the entry's file (``modeling_partial_<files>``: PartialBert's under `modeling_partial_bert`, which
+    re-exports them, as its checkpoints' ``auto_map`` names it)."""
     source = arch.source_class(auto_name)
     name = "Partial" + source.__name__
     doc = (f"`{source.__name__}` with partial attention in ``config.partial_layers`` (see "

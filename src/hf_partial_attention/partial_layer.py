@@ -1,14 +1,10 @@
 """One attention module of any supported encoder made partial (or kept exact) in place.
 
-Every supported architecture's attention module (BERT's ``BertSelfAttention``, RoBERTa's, ModernBERT's
-``ModernBertAttention``, ...) projects q, k and v itself and then calls
-``ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, ...)``. So a layer is made partial without
-touching its forward: its ``config`` becomes a *view* of the model's config (the same ``__dict__``, so every field
-and every later change is shared) whose ``_attn_implementation`` names this project's function, ``partial_<kernel>``
-for a partial layer, ``partial_exact`` for an exact one. The model's own config keeps the user's setting (sdpa,
-eager), which builds the masks and runs the exact layers. P and R come from the pattern modules of the layer's owner
-(`partial_pattern.PartialPattern`); a per-layer R is registered on the attention module itself. What runs at each
-call (the attention functions transformers calls, the kernel choice) is `attention_dispatch`'s.
+A layer is made partial without touching its forward: its ``config`` becomes a *view* of the model's config whose
+``_attn_implementation`` names this project's function (`config_view` says why that suffices). P and R come from the
+pattern modules of the layer's owner (`partial_pattern.PartialPattern`); a per-layer R is registered on the attention
+module itself. What runs at each call (the attention functions transformers calls, the kernel choice) is
+`attention_dispatch`'s.
 
 Part of the remote-code bundle (imports: torch, transformers and siblings only).
 """
@@ -34,7 +30,14 @@ def _rebuild_view(config, name: str):
 def config_view(config, name: str):
     """A view of ``config`` (same ``__dict__``: every field shared, now and later) whose ``_attn_implementation``
     reads ``name`` (``"partial"`` for a partial layer: ``partial_<config.partial_implementation>``). Copies and pickles
-    of a model keep each view tied to the model's (copied) config."""
+    of a model keep each view tied to the model's (copied) config.
+
+    Why a view suffices: every supported architecture's attention module (BERT's ``BertSelfAttention``, RoBERTa's,
+    ModernBERT's ``ModernBertAttention``, ...) projects q, k and v itself and then calls
+    ``ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, ...)``, so a layer whose ``config``
+    names ``partial_<kernel>`` (a partial layer) or ``partial_exact`` (an exact one) runs this project's function
+    with its forward untouched. The model's own config keeps the user's setting (sdpa, eager), which builds the masks
+    and runs the exact layers."""
     base = type(config)
     while base.__name__.endswith("PartialView"):  # a view of a view: view the config itself
         config, base = config._partial_base, base.__mro__[1]

@@ -1,19 +1,9 @@
 """Where the P and R of a (layer, head, length bucket) live in a partial model: the one answer.
 
-The rules, stated once (``config``: a partial config):
-
-- P of every layer (``partial_granularity="pooled"``) is ``<owner>.partial_pattern<suffix>.indices``; with P per
-  layer or per head (``"layer"``, ``"head"``), layer l's is ``<owner>.partial_pattern_layer{l}<suffix>.indices``, its
-  heads stacked along a leading dimension for ``"head"``. ``<suffix>`` is ``""`` for n and ``_len{b}`` for a bucket
-  b < n (`bucket_suffix`).
-- R (and its bias) sits beside P in the same pattern module (``.reconstruction``, ``.reconstruction_bias``),
-  except for a pooled P with ``reconstruction="per_layer"``: then each partial layer's attention module holds its own
-  (``<attention>.reconstruction<suffix>``, ``.reconstruction_bias<suffix>``).
-- Trainable: every R but ``reconstruction="fixed"``.
-
-Installation (`partial_layer.make_partial`, `PartialModelMixin`), initialisation, loading checks, `get_pattern` /
-`set_pattern`, `reconstruction_tensors`, the state-dict names (`PARTIAL_NAME`) and the model card read these rules
-from here. Part of the remote-code bundle (imports: siblings only).
+The rules are stated once, in `place`'s docstring. Installation (`partial_layer.make_partial`,
+`PartialModelMixin`), initialisation, loading checks, `get_pattern` / `set_pattern`, `reconstruction_tensors`, the
+state-dict names (`PARTIAL_NAME`) and the model card read these rules from here. Part of the remote-code bundle
+(imports: siblings only).
 """
 
 from __future__ import annotations
@@ -81,7 +71,18 @@ class Place(NamedTuple):
 
 def place(config, layer: int | None = None, length: int | None = None, head: int | None = None) -> Place:
     """The `Place` of layer ``layer``'s (None: the layers share it), head ``head``'s, bucket ``length``'s (None: n)
-    P and R. Where P or R is per layer, a layer is required."""
+    P and R. Where P or R is per layer, a layer is required.
+
+    The rules (``config``: a partial config):
+
+    - P of every layer (``partial_granularity="pooled"``) is ``<owner>.partial_pattern<suffix>.indices``; with P per
+      layer or per head (``"layer"``, ``"head"``), layer l's is ``<owner>.partial_pattern_layer{l}<suffix>.indices``,
+      its heads stacked along a leading dimension for ``"head"``. ``<suffix>`` is ``""`` for n and ``_len{b}`` for a
+      bucket b < n (`bucket_suffix`).
+    - R (and its bias) sits beside P in the same pattern module (``.reconstruction``, ``.reconstruction_bias``),
+      except for a pooled P with ``reconstruction="per_layer"``: then each partial layer's attention module holds its
+      own (``<attention>.reconstruction<suffix>``, ``.reconstruction_bias<suffix>``).
+    - Trainable: every R but ``reconstruction="fixed"`` (`r_trainable`)."""
     if r_on_attention(config):
         if layer is None:
             raise ValueError("reconstruction='per_layer': name the layer whose R is meant.")

@@ -2,12 +2,8 @@
 
 Real inputs are shorter than n. A bucket b holds a per-query pattern for inputs of b positions, fitted on inputs
 of that length; an input of T tokens runs the smallest bucket b >= T (`bucket_for`), as if padded to b with keys
-scoring zero (docs/method.md, "Length buckets"). A bucket with b <= k needs no pattern: it runs exactly.
-
-File format (``PATTERN_BUCKETS_FORMAT_VERSION``): tensors ``len{b}.indices``, ``len{b}.reconstruction`` and
-``len{b}.bias`` for each partial bucket, header ``{"format_version", "lengths", "k", "lengths_k", "metadata"}``
-(each bucket's k is its tensors' own; version 2 only where buckets differ in k). `load` also
-reads a single-pattern file (`AttentionPattern.save`) as one bucket of its n.
+scoring zero (docs/method.md, "Length buckets"). A bucket with b <= k needs no pattern: it runs exactly. The file
+format is `PatternBuckets.save`'s.
 
 This file is part of the remote-code bundle (imports: torch, safetensors and siblings only).
 """
@@ -195,7 +191,12 @@ class PatternBuckets:
         return cls(patterns, exact, k=header.get("k"), metadata=header.get("metadata", {}))
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write one safetensors file: every partial bucket's P, R and bias, the lengths and metadata in its header."""
+        """Write one safetensors file: every partial bucket's P, R and bias, the lengths and metadata in its header.
+
+        File format (``PATTERN_BUCKETS_FORMAT_VERSION``): tensors ``len{b}.indices``, ``len{b}.reconstruction`` and
+        ``len{b}.bias`` for each partial bucket, header ``{"format_version", "lengths", "k", "lengths_k",
+        "metadata"}`` (each bucket's k is its tensors' own; version 2 only where buckets differ in k). `load` also
+        reads a single-pattern file (`AttentionPattern.save`) as one bucket of its n."""
         tensors, header = self.to_parts()
         save_file(tensors, os.fspath(path), metadata={_META_KEY: json.dumps(header)})
 

@@ -1,18 +1,10 @@
 """`LayerPatterns`: P and R per layer (each layer's own `PatternBuckets`) or per (layer, head), stored as one
 safetensors file.
 
-The paper fits one P and R on the covariance pooled over layers and heads. Layers differ (MiniLM's layer 0 keeps
-93 % of its score energy in 8 eigenvectors, layer 5 27 %), so ``derive --granularity layer`` fits each layer's P and
-R on that layer's own covariance; a model built from them (``partial_granularity="layer"``) runs layer l with its
-own P and R. ``derive --granularity head`` goes one step further: each head of each layer its own P and R
-(``partial_granularity="head"``). Every group has the same length buckets (and the same exact ones) and the same bias
-flag; k per bucket is the same for every group, so that the QKᵀ cost is the pooled pattern's, except after ``derive
---saving``, which gives each layer its own k (the heads of a layer share it: ``config.partial_layers_k``).
-
-File format (``PATTERN_LAYERS_FORMAT_VERSION``): each group's `PatternBuckets` tensors prefixed ``layer{l}.`` (per
-layer) or ``layer{l}.head{h}.`` (per head), e.g. ``layer{l}.len{b}.indices``; header ``{"format_version", "layers",
-"heads" (null per layer), "lengths", "lengths_k", "buckets": {"l" or "l.h": that group's buckets header},
-"metadata"}`` under its own key, so that a pooled file's reader refuses it by name.
+The paper fits one P and R on the covariance pooled over layers and heads; ``derive --granularity layer`` (``head``)
+fits each layer's (each head's) own, and a model built from them (``partial_granularity="layer"``, ``"head"``) runs
+each with its own P and R. `LayerPatterns` says why and what every group shares; `LayerPatterns.save` the file
+format. `load_patterns` reads any pattern file `derive` writes.
 
 This file is part of the remote-code bundle (imports: torch, safetensors and siblings only).
 """
@@ -42,6 +34,14 @@ class LayerPatterns:
     """P and R per layer, ``{layer: PatternBuckets}`` (or ``AttentionPattern``, one bucket), or per (layer, head),
     ``{layer: [one per head]}``; every group with the same buckets and bias flag, every layer with the same number of
     heads; the heads of a layer with the same k per bucket (layers may differ: `layers_k`).
+
+    Layers differ (MiniLM's layer 0 keeps 93 % of its score energy in 8 eigenvectors, layer 5 27 %), so ``derive
+    --granularity layer`` fits each layer's P and R on that layer's own covariance; a model built from them
+    (``partial_granularity="layer"``) runs layer l with its own P and R. ``derive --granularity head`` goes one step
+    further: each head of each layer its own P and R (``partial_granularity="head"``). Every group has the same
+    length buckets (and the same exact ones) and the same bias flag; k per bucket is the same for every group, so
+    that the QKᵀ cost is the pooled pattern's, except after ``derive --saving``, which gives each layer its own k (the
+    heads of a layer share it: ``config.partial_layers_k``).
 
     Args:
         layers: ``{layer index: pattern}`` or ``{layer index: [pattern of head 0, head 1, ...]}``, at least one.
@@ -160,7 +160,13 @@ class LayerPatterns:
 
     # ------------------------------------------------------------------ io
     def save(self, path: str | os.PathLike) -> None:
-        """Write one safetensors file: every layer's buckets (``layer{l}.`` + the buckets' tensor names)."""
+        """Write one safetensors file: every layer's buckets (``layer{l}.`` + the buckets' tensor names).
+
+        File format (``PATTERN_LAYERS_FORMAT_VERSION``): each group's `PatternBuckets` tensors prefixed ``layer{l}.``
+        (per layer) or ``layer{l}.head{h}.`` (per head), e.g. ``layer{l}.len{b}.indices``; header
+        ``{"format_version", "layers", "heads" (null per layer), "lengths", "lengths_k", "buckets": {"l" or "l.h":
+        that group's buckets header}, "metadata"}`` under its own key, so that a pooled file's reader refuses it by
+        name."""
         tensors, headers = {}, {}
         for layer, group in self.layers.items():
             for head, buckets in ([(None, group)] if self.heads is None else enumerate(group)):

@@ -1,18 +1,7 @@
 """Other ways to cut the cost of ``QKᵀ``, at equal cost on the same scores.
 
-See docs/method.md#equal-cost-baselines-and-error-measures.
-
-At a per-query budget of k exact scores per row:
-
-- ``greedy``: the paper's greedy P_i with optimal R_i;
-- ``band+R``, ``random+R``, ``landmark+R``: P_i a band of diagonals (the k keys nearest query i,
-  `reconstruction.nearest_keys`), a uniformly random subset, or the same k evenly spaced key columns for every
-  query (Nyström-style landmarks), each with its own optimal R_i: same cost as greedy, so only the choice of P
-  differs;
-- ``band only``: no reconstruction, the band widened to the equal cost ``k_eq = k + (n−k)·k/d_h``; the
-  scores outside it are filled with their training mean;
-- ``Nyström CUR``: m evenly spaced landmark rows and columns and ``A[:, L] A[L, L]⁺ A[L, :]`` (truncated
-  pseudo-inverse, see `evaluation.NystromCUR`), with the largest m whose cost fits the same budget.
+See docs/method.md#equal-cost-baselines-and-error-measures. `build_methods` lists the methods at a per-query budget
+of k exact scores per row: other choices of P with their optimal R, a wider band without R, and Nyström CUR.
 """
 
 from __future__ import annotations
@@ -63,6 +52,18 @@ def equal_cost_landmarks(n: int, k: int, d_head: int) -> int:
 def build_methods(cov, k: int, d_head: int, seed: int = 0, centered: bool | None = None,
                   greedy=None) -> dict[str, dict]:
     """Reconstructors for every method at per-query budget k, with their cost and predicted error.
+
+    At a per-query budget of k exact scores per row:
+
+    - ``greedy``: the paper's greedy P_i with optimal R_i;
+    - ``band+R``, ``random+R``, ``landmark+R``: P_i a band of diagonals (the k keys nearest query i,
+      `reconstruction.nearest_keys`), a uniformly random subset, or the same k evenly spaced key columns for every
+      query (Nyström-style landmarks), each with its own optimal R_i: same cost as greedy, so only the choice of P
+      differs;
+    - ``band only``: no reconstruction, the band widened to the equal cost ``k_eq = k + (n−k)·k/d_h``; the
+      scores outside it are filled with their training mean;
+    - ``Nyström CUR``: m evenly spaced landmark rows and columns and ``A[:, L] A[L, L]⁺ A[L, :]`` (truncated
+      pseudo-inverse, see `evaluation.NystromCUR`), with the largest m whose cost fits the same budget.
 
     Args:
         cov: the fitting `ScoreCovariance` (scope per_query).

@@ -1,27 +1,9 @@
 """`derive --saving S`: a k per layer that spends a QKᵀ budget where the greedy's error falls most.
 
-One k for every layer spends the same exact scores where a layer's error is already small and where it is large. Given
-a saving S (the fraction of the partial layers' QKᵀ multiply-adds to save in every length bucket), the uniform k of
-bucket b is the largest k whose saving at b is at least S (`uniform_k`; a bucket where only k = b qualifies runs
-exactly); its cost over the partial layers is the budget. The budgeted choice starts every layer at k = 1 and adds one
-exact score per query at a time to the layer whose greedy error (the objective's residual ``Tr(M S)``, summed over the
-layer's heads when P and R are per head) falls most per multiply-add added (`allocate`), while the budget allows: so
-it never costs more than the uniform k, and its saving in every bucket is at least S. That allocation is optimal when
-the curves are convex; where it would predict more error than the uniform k (curves that are not), the bucket keeps
-the uniform k. The greedy is nested, so one run to a large k gives every layer's whole curve (`objective_curve`).
-
-``saving`` is a fraction (``0.4``) or ``"k16"``: the saving of k = 16 in every bucket (``min(16, b)``: buckets b <= 16
-run exactly), so that the budgeted file compares with ``derive --k 16`` at its cost.
-
-Writes ``patterns/[buckets_]<tag>_saving<S>_budget.safetensors`` (`LayerPatterns`, each layer its own k) beside
-``..._uniform.safetensors`` (the uniform k at the same saving) and the ``budget_<tag>`` section of ``results.json``:
-each layer's k per bucket, each bucket's saving and the greedy's predicted error of both.
-
-``exact_layers`` (``derive --exact-layers``) leaves budget layers exact: each pays dense attention's cost (b·d_h per
-query row) out of the same budget, the other layers share the rest, and a conversion leaves them out of
-``partial_layers``. The greedy's error curves cannot weigh an exact layer against the others (a unit of objective does
-not cost the same embedding error in every layer): which layer to leave exact is measured at the output
-(`experiments.granularity.layers`).
+One k for every layer spends the same exact scores where a layer's error is already small and where it is large. The
+budgeted choice gives exact scores to the layers whose greedy error falls most per multiply-add, at no more cost than
+the uniform k in every length bucket. `budget_sets` describes the allocation, budget layers left exact included;
+`parse_saving` the forms of S; `_Budget` the files and report section written.
 """
 
 from __future__ import annotations
@@ -49,7 +31,11 @@ _K_SAVING = re.compile(r"^k(\d+)$")
 
 
 def parse_saving(text: str | float) -> str | float:
-    """``"k16"`` (kept as the string) or a fraction in (0, 1); a ValueError naming both forms otherwise."""
+    """``"k16"`` (kept as the string) or a fraction in (0, 1); a ValueError naming both forms otherwise.
+
+    A fraction S (``0.4``) is the fraction of the partial layers' QKᵀ multiply-adds to save in every length bucket.
+    ``"k16"`` is the saving of k = 16 in every bucket (``min(16, b)``: buckets b <= 16 run exactly), so that the
+    budgeted file compares with ``derive --k 16`` at its cost."""
     if isinstance(text, str) and _K_SAVING.match(text.strip()):
         return text.strip()
     try:
@@ -125,7 +111,22 @@ def _label(saving: str | float) -> str:
 def budget_sets(out: str, req) -> tuple[Source, list[tuple], list[PatternSet], "_Budget"]:
     """The budget's part of `derive.derive_patterns`: its source, groups and two sets (the budgeted k per layer and
     the uniform k), each bucket's k per layer allocated from the greedy runs (kept for the fit), and what writes its
-    section."""
+    section.
+
+    The uniform k of bucket b is the largest k whose saving at b is at least S (`uniform_k`; a bucket where only
+    k = b qualifies runs exactly); its cost over the partial layers is the budget. The budgeted choice starts every
+    layer at k = 1 and adds one exact score per query at a time to the layer whose greedy error (the objective's
+    residual ``Tr(M S)``, summed over the layer's heads when P and R are per head) falls most per multiply-add added
+    (`allocate`), while the budget allows: so it never costs more than the uniform k, and its saving in every bucket
+    is at least S. That allocation is optimal when the curves are convex; where it would predict more error than the
+    uniform k (curves that are not), the bucket keeps the uniform k. The greedy is nested, so one run to a large k
+    gives every layer's whole curve (`objective_curve`).
+
+    ``exact_layers`` (``derive --exact-layers``) leaves budget layers exact: each pays dense attention's cost (b·d_h
+    per query row) out of the same budget, the other layers share the rest, and a conversion leaves them out of
+    ``partial_layers``. The greedy's error curves cannot weigh an exact layer against the others (a unit of objective
+    does not cost the same embedding error in every layer): which layer to leave exact is measured at the output
+    (`experiments.granularity.layers`)."""
     saving = parse_saving(req.saving)
     plan = _plan(out, saving, req.granularity, req.budget_layers, req.layer_weights, req.exact_layers, req.name)
     runs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (b, layer, head) -> the greedy's order and path
@@ -147,7 +148,11 @@ def budget_sets(out: str, req) -> tuple[Source, list[tuple], list[PatternSet], "
 
 @dataclasses.dataclass
 class _Budget:
-    """The budget's allocation (its rows and greedy runs) and its ``budget_<tag>`` section."""
+    """The budget's allocation (its rows and greedy runs) and its ``budget_<tag>`` section.
+
+    Writes ``patterns/[buckets_]<tag>_saving<S>_budget.safetensors`` (`LayerPatterns`, each layer its own k) beside
+    ``..._uniform.safetensors`` (the uniform k at the same saving) and the ``budget_<tag>`` section of
+    ``results.json``: each layer's k per bucket, each bucket's saving and the greedy's predicted error of both."""
 
     plan: "_Plan"
     saving: str | float

@@ -1,24 +1,9 @@
 """Streaming float64 accumulators of attention-score moments (docs/method.md#scores-and-covariances).
 
-`ScoreCovariance` keeps, for each group (pooled, per layer or per head), the count of score matrices, their
-sum ``Σ A`` ``(n, n)`` and the second moments
-
-- per-query: ``Σ a_i a_iᵀ`` for each row i, ``(n, n, n)``;
-- whole-matrix: ``Σ vec(A) vec(A)ᵀ``, ``(n², n²)`` (row-major, so each per-query block sits on its diagonal).
-
-Only sums are stored, so `merge` and the reduction across processes are exact additions, and centred
-covariance and second moment are both available at read time. The covariance is the population one
-(divided by the count), so the error of eq. 8 is exactly the in-sample mean squared error.
-Finer groups add up to coarser ones: pooled = Σ over layers = Σ over layers and heads.
-
-Inputs shorter than n (`update(..., lengths=...)`, per-query scope only): a sequence of t tokens has query rows
-i < t only, and its keys j >= t score zero (the zero fill the model runs with). Each group then also counts, per
-query row i, the score rows that reached it (``rows``, ``(n,)``): row i's moments are divided by its own count. A
-row no sequence reached (count 0) reads as mean zero and covariance zero. Files with per-row counts are of format
-version 2; files without them (version 1) read with the one count of every row, exactly as before.
-
-The accumulation, combination and files are here; the reads (mean, covariances, total variance) are
-`covariance_reads.CovarianceReads`, which `ScoreCovariance` inherits.
+`ScoreCovariance` keeps, for each group (pooled, per layer or per head), the count of score matrices, their sum and
+their per-query or whole-matrix second moments, for inputs of n tokens or shorter; its docstring says what is
+stored and how shorter inputs count. The accumulation, combination and files are here; the reads (mean,
+covariances, total variance) are `covariance_reads.CovarianceReads`, which `ScoreCovariance` inherits.
 """
 
 from __future__ import annotations
@@ -43,6 +28,22 @@ GRANULARITIES = ("pooled", "layer", "head")
 
 class ScoreCovariance(CovarianceReads):
     """Accumulated moments of attention-score matrices of one sequence length.
+
+    Each group keeps the count of score matrices, their sum ``Σ A`` ``(n, n)`` and the second moments
+
+    - per-query: ``Σ a_i a_iᵀ`` for each row i, ``(n, n, n)``;
+    - whole-matrix: ``Σ vec(A) vec(A)ᵀ``, ``(n², n²)`` (row-major, so each per-query block sits on its diagonal).
+
+    Only sums are stored, so `merge` and the reduction across processes are exact additions, and centred
+    covariance and second moment are both available at read time. The covariance is the population one
+    (divided by the count), so the error of eq. 8 is exactly the in-sample mean squared error.
+    Finer groups add up to coarser ones: pooled = Σ over layers = Σ over layers and heads.
+
+    Inputs shorter than n (`update(..., lengths=...)`, per-query scope only): a sequence of t tokens has query rows
+    i < t only, and its keys j >= t score zero (the zero fill the model runs with). Each group then also counts, per
+    query row i, the score rows that reached it (``rows``, ``(n,)``): row i's moments are divided by its own count.
+    A row no sequence reached (count 0) reads as mean zero and covariance zero. Files with per-row counts are of
+    format version 2; files without them (version 1) read with the one count of every row, exactly as before.
 
     Args:
         seq_len: n, the size of each (square) score matrix.

@@ -1,6 +1,6 @@
 """One group's float64 sums (`Moments`) and the reads of `ScoreCovariance` from them (`CovarianceReads`): counts,
 the groups a read selects, the mean, the per-query and whole-matrix covariances (or second moments) and the total
-variance, each row divided by its own count where per-row counts were kept (see `covariance`'s module docstring).
+variance, each row divided by its own count where per-row counts were kept (see `ScoreCovariance`).
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """`derive`, one pipeline for every combination of its axes.
 
-    the analysis' covariances: the fixed windows of n, or length buckets            `source_kinds`, `load_source`
-    → the groups fitted: pooled, per layer, per (layer, head)                        `fit_groups`
-    → the sets written, each a k per (bucket, layer): one k per file, a bucket's     `pattern_sets`
-      own k (``bucket_k``), or a budget over layers (``saving``, exact layers)       (`budget.budget_sets`)
-    → one greedy run per (bucket, group) for every k the sets need, and R            `_fit`
-    → each set's P and R as the object its file holds                               `_build`
-    → held-out errors, the files and the results.json section                       `_record`: `derive_windows`,
-                                                                                     `lengths`, `layers`, `budget`
-
-The first three steps are `derive_plan`'s (each checked before anything is fitted).
-
 A `DeriveRequest` carries every axis (one field per flag of ``hf-partial-attention derive``, which maps its flags onto
-one); `derive_patterns` runs it. `derive`, `derive_lengths`, `derive_layers`, `derive_layer_buckets` and
-`derive_budget` are that request for one combination, under the names the studies and the Python API use. The files
-and report sections are those each combination wrote before it was one pipeline (`tests/test_derive_golden.py`):
-``patterns/<tag>_k<k>`` (fixed windows: an `AttentionPattern`, or `LayerPatterns` per layer or head),
-``patterns/buckets_k<k>`` (pooled buckets: `PatternBuckets`), ``patterns/buckets_<tag>_k<k>`` (`LayerPatterns` of
-`PatternBuckets`) and ``patterns/[buckets_]<tag>_saving<S>_<name>`` (a budget); the tag is `derive_files.file_tag`.
+one); `derive_patterns` runs it (its docstring gives the pipeline's steps and the files written). `derive`,
+`derive_lengths`, `derive_layers`, `derive_layer_buckets` and `derive_budget` are that request for one combination,
+under the names the studies and the Python API use.
 """
 
 from __future__ import annotations
@@ -124,7 +110,7 @@ def derive_budget(out: str, saving: str | float, *, granularity: str = "layer", 
                   family: str = "per_query", centered: bool | None = None, layers=None,
                   layer_weights: dict[int, float] | None = None, name: str | None = None,
                   exact_layers=None) -> dict[str, Any]:
-    """A k per layer at ``saving`` (`budget`'s module docstring) from the analysis in ``out`` (length buckets when it
+    """A k per layer at ``saving`` (`budget.parse_saving`) from the analysis in ``out`` (length buckets when it
     holds ``covariance_len*``, else the fixed windows' covariance), beside the uniform k at the same saving (the
     budget's run of `derive.derive_patterns`).
 
@@ -153,7 +139,26 @@ def derive_budget(out: str, saving: str | float, *, granularity: str = "layer", 
 def derive_patterns(out: str, request: DeriveRequest) -> list[tuple[str, dict[str, Any]]]:
     """Run ``request`` on the analysis in ``out``: ``[(source, result)]``, one per source run (``"windows"``,
     ``"buckets"``), each result also stored in ``out/results.json`` (and the report re-rendered). Every combination
-    of the request's axes is checked before anything is fitted (a ValueError naming the flag to change)."""
+    of the request's axes is checked before anything is fitted (a ValueError naming the flag to change).
+
+    The pipeline::
+
+        the analysis' covariances: the fixed windows of n, or length buckets          `source_kinds`, `load_source`
+        → the groups fitted: pooled, per layer, per (layer, head)                     `fit_groups`
+        → the sets written, each a k per (bucket, layer): one k per file, a bucket's  `pattern_sets`
+          own k (``bucket_k``), or a budget over layers (``saving``, exact layers)    (`budget.budget_sets`)
+        → one greedy run per (bucket, group) for every k the sets need, and R         `_fit`
+        → each set's P and R as the object its file holds                             `_build`
+        → held-out errors, the files and the results.json section                     `_record`: `derive_windows`,
+                                                                                        `lengths`, `layers`, `budget`
+
+    The first three steps are `derive_plan`'s (each checked before anything is fitted).
+
+    The files and report sections are those each combination wrote before it was one pipeline
+    (`tests/test_derive_golden.py`): ``patterns/<tag>_k<k>`` (fixed windows: an `AttentionPattern`, or
+    `LayerPatterns` per layer or head), ``patterns/buckets_k<k>`` (pooled buckets: `PatternBuckets`),
+    ``patterns/buckets_<tag>_k<k>`` (`LayerPatterns` of `PatternBuckets`) and
+    ``patterns/[buckets_]<tag>_saving<S>_<name>`` (a budget); the tag is `derive_files.file_tag`."""
     plans = []  # every run planned (and so checked) before the first is fitted
     for kind in source_kinds(out, request):
         if request.saving is not None:  # its allocation runs the greedy: its time counts from here

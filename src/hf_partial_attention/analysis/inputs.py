@@ -4,18 +4,6 @@ Real inputs are shorter than the analysis windows (docs/method.md#padding-and-sh
 tokens, sentence pairs 30–75. `load_inputs` reads them as a list of *documents*, each a list of *inputs* (a str,
 or a ``(str, str)`` pair); the held-out split is by document, so that no held-out input shares a paragraph with a
 fitted one. `tokenize_inputs` turns them into `TokenizedInputs`: padded int tensors and each input's length.
-
-Sources and what a document is:
-
-- a UTF-8 text file: paragraphs (blocks separated by blank lines) are the documents; kind ``"sentence"`` splits
-  each into sentences (`split_sentences`), kind ``"paragraph"`` keeps it whole (one input per document);
-- ``None``: the shipped demo text, CPython's ``pydoc_data.topics`` prose (`corpus.pydoc_paragraphs`), one
-  document per topic (its sentences or paragraphs);
-- a sentence-pair file (kind ``"pairs"``): ``.tsv`` (two columns, or a header row naming ``columns``) or
-  ``.jsonl`` (one object per line with the ``columns`` keys); each row is its own document;
-- a ``datasets.Dataset`` (or a ``DatasetDict`` with ``split``): ``columns`` for pairs, ``text_column`` otherwise;
-  each row is its own document;
-- a list: of str (each a document, split by kind), of ``(str, str)`` pairs (each a document), or of documents.
 """
 
 from __future__ import annotations
@@ -137,7 +125,19 @@ def _dataset_documents(dataset, kind, columns, text_column, split, min_words) ->
 
 def load_inputs(source: Any = None, kind: str = "sentence", *, columns: Sequence[str] = DEFAULT_PAIR_COLUMNS,
                 text_column: str = "text", split: str = "train", min_words: int = 3) -> list[list[Input]]:
-    """Documents of inputs from ``source`` (see the module docstring for the sources and what a document is).
+    """Documents of inputs from ``source``.
+
+    Sources and what a document is:
+
+    - a UTF-8 text file: paragraphs (blocks separated by blank lines) are the documents; kind ``"sentence"`` splits
+      each into sentences (`split_sentences`), kind ``"paragraph"`` keeps it whole (one input per document);
+    - ``None``: the shipped demo text, CPython's ``pydoc_data.topics`` prose (`corpus.pydoc_paragraphs`), one
+      document per topic (its sentences or paragraphs);
+    - a sentence-pair file (kind ``"pairs"``): ``.tsv`` (two columns, or a header row naming ``columns``) or
+      ``.jsonl`` (one object per line with the ``columns`` keys); each row is its own document;
+    - a ``datasets.Dataset`` (or a ``DatasetDict`` with ``split``): ``columns`` for pairs, ``text_column``
+      otherwise; each row is its own document;
+    - a list: of str (each a document, split by kind), of ``(str, str)`` pairs (each a document), or of documents.
 
     Args:
         kind: ``"sentence"``, ``"paragraph"`` or ``"pairs"``.

@@ -1,18 +1,10 @@
 """P and R per length bucket, fitted on the inputs a user has (method spec §5, "Real inputs are shorter than n").
 
 `analyze_lengths` runs the model on real inputs (sentences, paragraphs or sentence pairs, `inputs`) at their own
-length: each input of T tokens goes to the smallest bucket b >= T, is padded to b with the real attention mask,
-and its scores enter that bucket's per-query covariance with its rows i >= T left out and its keys >= T zero
-(`ScoreCovariance.update(..., lengths=...)`). Held out: every ``heldout_every``-th document.
-
+length, one covariance per bucket (its docstring says how an input enters one, and the folder layout).
 `derive.derive_lengths` fits, for each k, the greedy P and optimal R of every bucket with b > k (buckets with b <= k
-run exactly) into one `PatternBuckets` file, and `record_buckets` measures each bucket on its held-out inputs at real
-positions beside two other treatments of the same inputs: the zero fill of a fixed-window pattern of n (what a
-single-bucket model runs) and the conditional R (`conditional`) of the n-window covariance and of the bucket's own.
-
-Folder layout (beside `workflow`'s): ``covariance_len{b}.safetensors``, ``heldout_inputs.safetensors``,
-``patterns/buckets_k{k}.safetensors``, ``figures/input_lengths.png``; results in ``results.json``
-(``analyze_lengths``, ``derive_lengths``).
+run exactly) into one `PatternBuckets` file, and `record_buckets` measures each bucket on its held-out inputs at
+real positions beside the zero fill of a fixed-window pattern of n and the conditional R (`conditional`).
 """
 
 from __future__ import annotations
@@ -99,6 +91,14 @@ def analyze_lengths(model: Any, inputs: Any = None, out: str = "runs/lengths", *
                     text_column: str = "text", split: str = "train", model_id: str | None = None,
                     progress: bool = True, section: str = "analyze_lengths") -> dict:
     """One per-query covariance per length bucket from ``model``'s scores on real inputs, and the held-out inputs.
+
+    Each input of T tokens goes to the smallest bucket b >= T, is padded to b with the real attention mask, and its
+    scores enter that bucket's per-query covariance with its rows i >= T left out and its keys >= T zero
+    (`ScoreCovariance.update(..., lengths=...)`). Held out: every ``heldout_every``-th document.
+
+    Folder layout (beside `workflow`'s): ``covariance_len{b}.safetensors``, ``heldout_inputs.safetensors``,
+    ``patterns/buckets_k{k}.safetensors``, ``figures/input_lengths.png``; results in ``results.json``
+    (``analyze_lengths``, ``derive_lengths``).
 
     Args:
         model: path / Hub id or a loaded model (a path is recorded, for `derive_lengths`' held-out measurement).
@@ -244,7 +244,10 @@ def _windows_reference(out: str, tag: str, k: int, centered: bool | None):
 def record_buckets(out: str, covs: dict[int, ScoreCovariance], sets, built: dict, fitted: dict, req, path) -> dict:
     """The pooled buckets' files and section (`derive.derive_patterns`): each k's `PatternBuckets` and, per bucket,
     its predicted error and, on the held-out inputs, its error at real positions beside the zero fill of the
-    fixed-window pattern and the conditional R's."""
+    fixed-window pattern and the conditional R's.
+
+    The zero fill of a fixed-window pattern of n is what a single-bucket model runs; the conditional R
+    (`conditional`) is measured of the n-window covariance and of the bucket's own."""
     lengths, meta = list(covs), covs[max(covs)].metadata
     d_head = meta.get("head_dim")
     by_bucket: dict[int, dict[int, AttentionPattern]] = {}

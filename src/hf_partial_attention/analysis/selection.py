@@ -2,17 +2,7 @@
 
 `select_pattern` turns (covariance, k, family) into an `AttentionPattern`: greedy P (`greedy_select`), then
 the optimal R for it (`fit_pattern`, eq. 7) with its predicted error (eq. 8) normalised by Tr(C_a). The greedy
-takes an optional sharing constraint, which is how the pattern families are built: rows of a group take the
-same candidate at every step, and each candidate maps to a key per row (docs/method.md#greedy-choice-of-p):
-
-- ``"per_query"``: no constraint, each query its own P_i (the paper's setting);
-- ``"columns"``: one key set shared by every query (the exact part is one GEMM, Q·K_Cᵀ);
-- ``"blocks"``: consecutive rows in blocks of ``block_rows`` (default gcd(n, 32)) share one key set;
-- ``"bands"``: diagonal offsets shared by every query, P_i = {(i + o) mod n : o ∈ O} [ours: circular at the
-  edges, so every row keeps exactly k distinct keys];
-- ``"windows"``: no greedy: block-local windows, rows of block b (k rows each) compute the keys of block b;
-- ``"shared_blocks"``: blocks of ``block_rows`` rows share P *and* R (`shared_blocks`): the greedy and eq. 7 run
-  on each block's pooled covariance, and the `tiled` kernel runs it as plain matrix products.
+takes an optional sharing constraint, which is how the pattern families are built (`select_patterns` lists them).
 
 The objective the greedy minimises is `score_metrics.objective_metric` (re-exported here).
 `error_curve` gives Fig. 9's greedy error against its eigenvector reference and the cost model (`..cost`).
@@ -199,9 +189,19 @@ def select_patterns(cov, ks, scope: str = "per_query", *, family: str = "per_que
         cov: `ScoreCovariance` (or a covariance tensor, see `fit_pattern`).
         ks: exact scores per query (per_query) or in total (whole, k̄ = k).
         scope: ``"per_query"`` (each row i its own P_i from Q^i; k̄ = n·k) or ``"whole"`` (one P over n² pairs).
-        family: with scope per_query, a constraint on P that makes its exact part a fast dense computation (see
-            the module docstring): ``"per_query"`` (none), ``"columns"``, ``"blocks"`` (``block_rows``),
-            ``"bands"``, ``"windows"``.
+        family: with scope per_query, a constraint on P that makes its exact part a fast dense computation: rows
+            of a group take the same candidate at every step, and each candidate maps to a key per row
+            (docs/method.md#greedy-choice-of-p):
+
+            - ``"per_query"``: no constraint, each query its own P_i (the paper's setting);
+            - ``"columns"``: one key set shared by every query (the exact part is one GEMM, Q·K_Cᵀ);
+            - ``"blocks"``: consecutive rows in blocks of ``block_rows`` (default gcd(n, 32)) share one key set;
+            - ``"bands"``: diagonal offsets shared by every query, P_i = {(i + o) mod n : o ∈ O} [ours: circular
+              at the edges, so every row keeps exactly k distinct keys];
+            - ``"windows"``: no greedy: block-local windows, rows of block b (k rows each) compute the keys of
+              block b;
+            - ``"shared_blocks"``: blocks of ``block_rows`` rows share P *and* R (`shared_blocks`): the greedy and
+              eq. 7 run on each block's pooled covariance, and the `tiled` kernel runs it as plain matrix products.
         centered, bias, mean, ridge, layer, head: as in `fit_pattern`.
         objective: the error the greedy minimises (`objective_metric`): ``"paper"`` (all scores alike),
             ``"shift"`` (modulo a per-row constant) or ``"fisher"`` (weighted by the attention probabilities).

@@ -1,21 +1,9 @@
 """Build the model a training script asks for (`ModelArguments`): partial or exact, new or converted, for every
 architecture of `architectures.ARCHITECTURES`.
 
-The classes come from the architecture table (`architecture_for`, `partial_class_for`), never by BERT's name. Five
-cases, for any head in `HEADS`:
-
-- ``--attention exact``: the source architecture's own class (``RobertaForMaskedLM``, ...; the baseline), from
-  ``--model_name_or_path`` or from scratch.
-- a partial checkpoint (``partial_roberta``, ...): loaded as is (its own P and R, any granularity, buckets, budget),
-  or with P and R replaced by ``--pattern``.
-- a source checkpoint of a supported type: converted with ``from_source`` (every weight kept), P and R from
-  ``--pattern`` (else the local default pattern).
-- nothing: a new model of ``--config_name`` / ``--model_type`` (+ ``--config_overrides``): the source class is
-  initialised and converted, so the partial model starts from exactly the weights the exact baseline of the same
-  seed starts from, with ``--pattern`` (any file `derive` writes) installed.
-- a partial config without weights (``--config_name`` of a partial folder): a new model of that config.
-
-A type partial attention cannot run in is refused in one line (`UnsupportedModelError`).
+The classes come from the architecture table (`architecture_for`, `partial_class_for`), never by BERT's name.
+`build_model` lists the five cases, for any head in `HEADS`. A type partial attention cannot run in is refused in
+one line (`UnsupportedModelError`).
 """
 
 from __future__ import annotations
@@ -114,6 +102,19 @@ def _source_config(config, arch: Architecture):
 
 def build_model(head: str, model_args, tokenizer=None, max_seq_length: int | None = None, **head_kwargs) -> BuiltModel:
     """The model for `head` (a key of `HEADS`) as `model_args` describe it, of the architecture its config names.
+
+    Five cases:
+
+    - ``--attention exact``: the source architecture's own class (``RobertaForMaskedLM``, ...; the baseline), from
+      ``--model_name_or_path`` or from scratch.
+    - a partial checkpoint (``partial_roberta``, ...): loaded as is (its own P and R, any granularity, buckets,
+      budget), or with P and R replaced by ``--pattern``.
+    - a source checkpoint of a supported type: converted with ``from_source`` (every weight kept), P and R from
+      ``--pattern`` (else the local default pattern).
+    - nothing: a new model of ``--config_name`` / ``--model_type`` (+ ``--config_overrides``): the source class is
+      initialised and converted, so the partial model starts from exactly the weights the exact baseline of the
+      same seed starts from, with ``--pattern`` (any file `derive` writes) installed.
+    - a partial config without weights (``--config_name`` of a partial folder): a new model of that config.
 
     Args:
         head: ``"masked_lm"`` or ``"sequence_classification"``.

@@ -2,15 +2,9 @@
 
 MNLI cannot be downloaded on an offline machine, so the CPU Table-1 study fine-tunes on a task built from
 English prose that ships with Python: the prose paragraphs of ``pydoc_data.topics`` (the language reference)
-and of the standard library's docstrings. From two consecutive sentences (A, B) of one paragraph:
-
-- label 0 ``next``: (A, B), B follows A;
-- label 1 ``previous``: (B, A), the order swapped;
-- label 2 ``unrelated``: (A, C), C a sentence of another document of the same split.
-
-Like MNLI it has three labels and sentence pairs as input; telling ``next`` from ``previous`` needs word order
-and discourse cues, ``unrelated`` mostly topic cues. Documents (topics, source files) are split into train and
-held-out, so no evaluation sentence is seen in pretraining or fine-tuning.
+and of the standard library's docstrings. `sentence_order_examples` describes the labels; like MNLI it has three
+labels and sentence pairs as input. Documents (topics, source files) are split into train and held-out, so no
+evaluation sentence is seen in pretraining or fine-tuning.
 """
 
 from __future__ import annotations
@@ -131,6 +125,14 @@ def next_sentence_examples(documents: list[list[str]], seed: int = 0, all_varian
 def sentence_order_examples(documents: list[list[str]], seed: int = 0, all_variants: bool = False,
                             classes: tuple[int, ...] = (0, 1, 2)) -> list[dict]:
     """Examples ``{"premise", "hypothesis", "label"}`` from every consecutive sentence pair of every paragraph.
+
+    From two consecutive sentences (A, B) of one paragraph:
+
+    - label 0 ``next``: (A, B), B follows A;
+    - label 1 ``previous``: (B, A), the order swapped;
+    - label 2 ``unrelated``: (A, C), C a sentence of another document of the same split.
+
+    Telling ``next`` from ``previous`` needs word order and discourse cues, ``unrelated`` mostly topic cues.
 
     Args:
         documents: paragraphs grouped by document (``unrelated`` sentences come from other documents).

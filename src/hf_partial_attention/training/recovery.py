@@ -1,26 +1,8 @@
 """Recovery objectives: train a converted partial model (any architecture) to behave like the exact model it came from.
 
-The exact model is the teacher: it is free (the weights before conversion), frozen, and run once per batch. Terms
-(`PartialAttentionTrainingArguments.recovery_objective`, comma-separated, summed with ``recovery_weights``):
-
-- ``mlm``: the model's own loss (masked-language modelling with the batch's labels), no teacher.
-- ``attention_transfer``: layer-local. Each partial layer's attention output (the context vectors before the output
-  projection, (B, T, H·D)) on the **teacher's** input to that layer, matched to the teacher's attention output by
-  MSE over the real (unpadded) tokens, averaged over the partial layers. One teacher pass gives every layer's
-  input and target, so all layers train at once and an error in one layer does not reach the next (LoLCATs,
-  Hedgehog). What trains is `attention_transfer_parameters`: R (and bias), also the query/key weights, or what the
-  caller left trainable (LoRA adapters from peft).
-- ``distill_kl``: end to end, KL(teacher ‖ student) of the MLM distributions (temperature τ, scaled by τ²) at every
-  real token; needs MLM heads.
-- ``distill_hidden``: end to end, MSE of every layer's hidden states (embeddings and each layer's output) over the
-  real tokens, averaged over layers.
-- ``distill``: ``distill_kl`` (where the model has an MLM head) plus ``distill_hidden``.
-- ``embedding``: the sentence embedding, mean of the last hidden states over real tokens and L2-normalised (what
-  ``sentence-transformers/all-MiniLM-L6-v2`` computes), matched by squared distance summed over the embedding:
-  ``‖e_s − e_t‖² = 2 (1 − cos)``, so the term is twice the mean cosine distance to the teacher's embedding (the
-  quantity a retrieval user sees; sentence-transformers' ``MSELoss`` on normalised embeddings, times the width).
-
-Every term is a mean over the process's batch; `PartialAttentionTrainer` divides it by the accumulation steps.
+The exact model is the teacher: it is free (the weights before conversion), frozen, and run once per batch. The terms
+(`PartialAttentionTrainingArguments.recovery_objective`, comma-separated, summed with ``recovery_weights``) are
+described in `RecoveryObjective`; each is a mean over the process's batch (`recovery_losses`).
 
 `setup_recovery` prepares a trainer's objective and teacher; the parts live in `recovery_objective` (the terms
 parsed), `recovery_teacher` (the teacher, the attention modules, what trains) and `recovery_losses` (the loss of a

@@ -1,6 +1,6 @@
 """The recovery loss of one batch (`recovery_losses`): one teacher pass capturing each partial layer's attention
 input and output, then each term of the objective (attention transfer, distillation, embedding matching) on the
-student; the terms are described in `recovery`'s module docstring. `recovery` re-exports every name.
+student; the terms are described in `RecoveryObjective`. `recovery` re-exports every name.
 """
 
 from __future__ import annotations
@@ -96,6 +96,8 @@ def _attention_transfer(student: nn.Module, inputs: dict, captured: dict) -> tor
 def recovery_losses(student: nn.Module, teacher: nn.Module | None, inputs: dict, objective: RecoveryObjective,
                     partial_layers, temperature: float = 1.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The weighted recovery loss of one batch and each term's value (detached).
+
+    Every term is a mean over the process's batch; `PartialAttentionTrainer` divides it by the accumulation steps.
 
     Args:
         student: the model being trained (a partial model, possibly wrapped by peft / DDP).

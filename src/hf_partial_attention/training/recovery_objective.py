@@ -1,5 +1,5 @@
 """The terms of a recovery objective and their weights: ``--recovery_objective`` / ``--recovery_weights`` parsed into
-a `RecoveryObjective` (`parse_recovery_objective`); the terms are described in `recovery`'s module docstring.
+a `RecoveryObjective` (`parse_recovery_objective`), whose docstring describes the terms.
 `recovery` re-exports every name.
 """
 
@@ -15,7 +15,28 @@ _ALIASES = {"distill": ("distill_kl", "distill_hidden")}
 
 @dataclass(frozen=True)
 class RecoveryObjective:
-    """Terms of the recovery loss and their weights (`parse_recovery_objective`)."""
+    """Terms of the recovery loss and their weights (`parse_recovery_objective`); the loss is their weighted sum.
+
+    The terms (``--recovery_objective``, comma-separated; the teacher is the frozen exact model):
+
+    - ``mlm``: the model's own loss (masked-language modelling with the batch's labels), no teacher.
+    - ``attention_transfer``: layer-local. Each partial layer's attention output (the context vectors before the
+      output projection, (B, T, H·D)) on the **teacher's** input to that layer, matched to the teacher's attention
+      output by MSE over the real (unpadded) tokens, averaged over the partial layers. One teacher pass gives every
+      layer's input and target, so all layers train at once and an error in one layer does not reach the next
+      (LoLCATs, Hedgehog). What trains is `attention_transfer_parameters`: R (and bias), also the query/key
+      weights, or what the caller left trainable (LoRA adapters from peft).
+    - ``distill_kl``: end to end, KL(teacher ‖ student) of the MLM distributions (temperature τ, scaled by τ²) at
+      every real token; needs MLM heads.
+    - ``distill_hidden``: end to end, MSE of every layer's hidden states (embeddings and each layer's output) over
+      the real tokens, averaged over layers.
+    - ``distill``: ``distill_kl`` (where the model has an MLM head) plus ``distill_hidden``.
+    - ``embedding``: the sentence embedding, mean of the last hidden states over real tokens and L2-normalised (what
+      ``sentence-transformers/all-MiniLM-L6-v2`` computes), matched by squared distance summed over the embedding:
+      ``‖e_s − e_t‖² = 2 (1 − cos)``, so the term is twice the mean cosine distance to the teacher's embedding (the
+      quantity a retrieval user sees; sentence-transformers' ``MSELoss`` on normalised embeddings, times the
+      width).
+    """
 
     weights: dict[str, float]
 
