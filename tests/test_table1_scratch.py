@@ -60,6 +60,8 @@ def test_tiny_study_end_to_end(tiny_run):
     text = open(os.path.join(a.output_dir, "table1.md")).read()  # and the report shows them, point by point
     assert f"| k8_per_layer | {point['step']} | {point['loss']:.4f} | {point['max_abs_r']:.3g} | " \
         f"{point['entropy'][0]:.3f}, {point['entropy'][1]:.3f} |" in text
+    losses = rows["k8_per_layer"]["train_losses"]  # beside them the training loss, each fifth of the steps
+    assert len(losses) == 5 and f"- k8_per_layer: {', '.join(f'{v:.4f}' for v in losses)}" in text
     # trained R moved, fixed R did not
     assert max(rows["k8_per_layer"]["r_drift"].values()) > 0
     assert max(rows["k8_fixed"]["r_drift"].values(), default=0.0) == 0.0

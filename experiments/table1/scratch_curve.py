@@ -91,4 +91,9 @@ def render_diagnostics(rows: dict) -> list[str]:
         lines += [f"| {name} | {p['step']} | {p['loss']:.4f} | "
                   f"{'—' if p['max_abs_r'] is None else format(p['max_abs_r'], '.3g')} | {cell(p['entropy'])} | "
                   f"{cell(p['max_prob'])} |" for p in curve]
+    # beside the held-out loss, the training loss: falling while the held-out one rises is over-fitting
+    trained = {name: rows[name]["train_losses"] for name in arms if rows[name].get("train_losses")}
+    if trained:
+        lines += ["", "Training loss, the Trainer's mean over each fifth of the pretraining steps:", ""]
+        lines += [f"- {name}: {', '.join(f'{v:.4f}' for v in losses)}" for name, losses in trained.items()]
     return lines

@@ -73,7 +73,7 @@ def collect_scratch(a: ScratchArguments, stores, data, command: str) -> dict[str
             "mlm_windows_per_seed": [mlm_loss(j["test"]) for j in jobs], "mlm_vs_exact": list(mlm_diff),
             "accuracy": accuracy_summary(runs[arm.name]), "accuracy_vs_exact": list(acc_diff),
             "curve": job.get("curve"), "train_seconds": job.get("train_seconds"), "steps": job.get("steps"),
-            "r_drift": job.get("r_drift"),
+            "r_drift": job.get("r_drift"), "train_losses": job.get("train_losses"),
             "mlm_validation": sum(validation) / len(validation) if len(validation) == len(jobs) else None}
     # every job's wall time, of every pretraining seed, this run or before
     seconds = sum(s.load(f[:-5]).get("seconds", 0.0) for s in stores for f in os.listdir(s.jobs_dir)
