@@ -1,4 +1,4 @@
-"""Both example scripts on architectures other than BERT: a converted tiny RoBERTa, ModernBERT and DistilBERT
+"""Both example scripts on architectures other than BERT: a converted tiny RoBERTa, ModernBERT, DistilBERT and MPNet
 (P and R fitted by the project's own analysis on each), MLM then MNLI-style fine-tuning, in one process and in two
 CPU processes (one ``accelerate launch`` for every run) giving the same losses; and from scratch, a partial RoBERTa
 of ``--model_type roberta``."""
@@ -19,7 +19,7 @@ from test_encoders import tiny_config
 from test_examples import (COMMON, DATA, ROOT, STEPS, accelerate_two_processes, check_train_loss, load_example,
                            logged_losses, mnli_args)
 
-TYPES = ["roberta", "modernbert", "distilbert"]
+TYPES = ["roberta", "modernbert", "distilbert", "mpnet"]
 N, K = 32, 8
 
 

@@ -3,7 +3,8 @@
 An entry (`Architecture`) says where a model's attention modules are, which module owns the pattern modules, which
 layers are partial by default and which heads exist. Everything else (the attention functions, the pattern modules,
 length buckets, R modes, kernels, loading checks) is shared: `partial_layer`, `partial_pattern`, `modeling_partial`.
-DeBERTa-v2, MPNet and decoders do not qualify (`check_supported` refuses them, naming what is supported).
+An architecture whose attention module computes its scores itself (MPNet) names an adapter (`attention_adapters`) that
+makes it dispatch. DeBERTa-v2 and decoders do not qualify (`check_supported` refuses them, naming what is supported).
 
 Part of the remote-code bundle (imports: transformers and siblings only).
 """
@@ -45,9 +46,9 @@ class Architecture:
     An entry says where a model's attention modules are (`attention_modules`: ``(layer, module)`` in layer order; a
     module that serves several layers, as in ALBERT, appears once per layer), which module owns the pattern modules
     (P, and R when it is common or fixed: ``<owner>.partial_pattern``), which layers are partial by default and which
-    heads exist. Every entry's attention modules call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`` with q
-    and k as the model scores them (after RoPE in ModernBERT, NomicBERT, GTE and EuroBERT), so P and R act on the
-    scores the model uses.
+    heads exist. Every entry's attention modules call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`` (MPNet's
+    once adapted: ``adapter``) with q and k as the model scores them (after RoPE in ModernBERT, NomicBERT, GTE and
+    EuroBERT), so P and R act on the scores the model uses.
 
     Args:
         model_type: the source's ``config.model_type`` (``"roberta"``).
@@ -66,6 +67,9 @@ class Architecture:
         files: the files its partial classes are written under, ``configuration_partial_<files>.py`` and
             ``modeling_partial_<files>.py``: what its checkpoints' ``auto_map`` names (PartialBert's since 0.1).
         display_name: its name in prose (model cards): ``"RoBERTa"``.
+        adapter: for attention modules that score in their own forward instead of calling an attention function
+            (MPNet's, which adds a relative-position bias), the adapter of `attention_adapters.ADAPTERS` that makes
+            them dispatch through ``ALL_ATTENTION_FUNCTIONS``; "" for the rest.
     """
 
     model_type: str
@@ -80,6 +84,7 @@ class Architecture:
     display_name: str = ""
     attention_of: Callable[[Any], list[tuple[int, Any]]] | None = None
     config_methods: tuple[tuple[str, Callable], ...] = ()
+    adapter: str = ""
 
     @property
     def partial_model_type(self) -> str:
@@ -98,8 +103,21 @@ class Architecture:
 
     def eager_attention(self) -> Callable:
         """The architecture's own eager attention function (``eager_attention_forward`` of its modeling file): what
-        an exact bucket runs when the attention map is asked for."""
+        an exact bucket runs when the attention map is asked for (the adapter's, where the source has none)."""
+        if self.adapter:
+            from .attention_adapters import eager_attention_forward
+
+            return eager_attention_forward
         return self.transformers_module().eager_attention_forward
+
+    def dispatching(self, module) -> type:
+        """Make an attention module of this architecture call ``ALL_ATTENTION_FUNCTIONS`` (in place, through the
+        entry's adapter; nothing to do for the rest, which do). Returns the module's previous class."""
+        if not self.adapter:
+            return type(module)
+        from .attention_adapters import adapt
+
+        return adapt(module, self.adapter)
 
     def available(self) -> bool:
         """Whether the installed transformers has this architecture."""
@@ -183,6 +201,9 @@ ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
     Architecture("eurobert", "eurobert", "EuroBert", display_name="EuroBERT", layers="layers", attention="self_attn",
                  owner="", heads=("AutoModel", "AutoModelForMaskedLM", "AutoModelForSequenceClassification",
                         "AutoModelForTokenClassification"), note="rotary positions"),
+    Architecture("mpnet", "mpnet", "MPNet", display_name="MPNet", attention="attention.attn", adapter="mpnet", note=(
+        "a relative-position bias added to every score (computed once per forward, shared by the layers): P and R "
+        "act on the content scores q·k, the bias is added after R, to exact and reconstructed scores alike")),
 )}
 
 # What a run given no model type builds (the training scripts' --model_type): the paper's architecture.
@@ -190,7 +211,7 @@ DEFAULT_MODEL_TYPE = "bert"
 
 # Architectures whose attention transformers does not run through AttentionInterface (their own relative-position
 # attention): named in the refusal so that a user knows it is not an oversight.
-_OWN_ATTENTION = {"deberta", "deberta-v2", "mpnet", "funnel", "xlnet", "longformer", "big_bird", "reformer",
+_OWN_ATTENTION = {"deberta", "deberta-v2", "funnel", "xlnet", "longformer", "big_bird", "reformer",
                   "squeezebert", "convbert", "mobilebert", "layoutlm", "ernie_m"}
 
 
@@ -225,8 +246,10 @@ def check_supported(config_or_type) -> None:
                 f"model type {model_type!r} is configured as a decoder (is_decoder or add_cross_attention): partial "
                 "attention needs bidirectional (encoder) attention; load it as an encoder.")
         return
+    readable = "`analyze` still reads its attention scores."
     if model_type in _OWN_ATTENTION:
         why = "its attention (relative positions of its own) does not run through transformers' AttentionInterface"
+        readable = "`analyze` cannot read its scores either (they are computed outside AttentionInterface)."
     elif model_type in ARCHITECTURES:
         why = "the installed transformers does not have it"
     elif config is not None and _is_decoder_only(config):
@@ -234,7 +257,7 @@ def check_supported(config_or_type) -> None:
     else:
         why = "it is not an encoder whose attention partial attention is known to run in"
     raise UnsupportedModelError(f"cannot make model type {model_type!r} partial: {why}. Supported model types: "
-                                f"{supported}. `analyze` still reads its attention scores.")
+                                f"{supported}. {readable}")
 
 
 def _is_decoder_only(config) -> bool:

@@ -25,7 +25,7 @@ from .attention_layout import (MIN_SHARED_ROWS, PatternLayout, PatternStructure,
 
 __all__ = ["PatternStructure", "MIN_SHARED_ROWS", "TILE_ELEMENTS", "PatternLayout", "PartialTensors", "DerivedState",
            "block_rows", "shared_rows", "reconstruction_matrix", "bias_in_key_order", "check_length", "full_length",
-           "first_keys", "masked_keys", "masked_out",
+           "first_keys", "masked_keys", "masked_out", "sum_to_shape",
            "masked_at_p", "gathered_scores", "structured_scores", "masked_exact_scores", "rows_first", "needs_grad",
            "softmax_in_place", "normalised_in_place", "tile_groups", "broadcast_slice", "tie_rows",
            "STATES"]
@@ -240,6 +240,13 @@ def rows_first(exact: torch.Tensor) -> torch.Tensor:
     """``(B, H, T, k) -> (T, B·H, k)``: the layout in which the product with each row's W is one bmm over rows."""
     b, h, t, k = exact.shape
     return exact.permute(2, 0, 1, 3).reshape(t, b * h, k)  # (T, B·H, k)
+
+
+def sum_to_shape(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``grad`` summed over the dimensions ``shape`` broadcasts (size 1 there): the gradient of a broadcast input
+    (an additive mask ``(B|1, 1|H, T, T)`` from the ``(B, H, T, T)`` scores')."""
+    dims = [i for i, (g, s) in enumerate(zip(grad.shape, shape)) if s == 1 and g != 1]
+    return grad.sum(dims, keepdim=True) if dims else grad
 
 
 def needs_grad(*tensors: torch.Tensor | None) -> bool:

@@ -64,10 +64,16 @@ def auto_kernel(layout: PatternLayout, device: torch.device | str, head_dim: int
 
 
 def kernel_for(implementation: str, partial: PartialTensors, query: torch.Tensor, key: torch.Tensor,
-               value: torch.Tensor, *, need_weights: bool, dropout: float = 0.0) -> str:
-    """The kernel a call runs for the setting ``implementation`` (see the module docstring)."""
+               value: torch.Tensor, *, need_weights: bool, dropout: float = 0.0,
+               attention_mask: torch.Tensor | None = None) -> str:
+    """The kernel a call runs for the setting ``implementation`` (see the module docstring); ``attention_mask``: the
+    call's mask, which may carry a trained position bias (MPNet's), whose gradient Triton does not compute."""
     check_implementation(implementation)
-    grad = needs_grad(query, key, value, partial.reconstruction, partial.bias)
+    grad = needs_grad(query, key, value, partial.reconstruction, partial.bias, attention_mask)
+    if implementation == "triton" and needs_grad(attention_mask):
+        raise ValueError("partial_implementation='triton' computes no gradient of the attention mask, which here "
+                         "carries a trained position bias (MPNet's relative_attention_bias); use "
+                         "partial_implementation='fused' (or 'auto', which does), or freeze the bias.")
     # A dynamic (symbolic) batch or length, as torch.export with dynamic_shapes traces it: the reference, whose
     # shapes follow the input's (the fast kernels' tile sizes would specialise the length to the example's).
     dynamic = torch.compiler.is_exporting() and any(isinstance(size, torch.SymInt) for size in query.shape[:3])
@@ -76,6 +82,7 @@ def kernel_for(implementation: str, partial: PartialTensors, query: torch.Tensor
     name = implementation
     if name == "auto":
         name = auto_kernel(partial.layout, query.device, query.shape[-1], grad, dropout)
+        name = "fused" if name == "triton" and needs_grad(attention_mask) else name
     name = "fused" if name == "tiled" and grad else name
     # Compiled with R frozen: the setting runs as one custom op that reads W and the blocks of rows sharing P and R
     # from the owner's state at run time (the compiled fast path, below); "auto" is resolved there, where they are
@@ -133,7 +140,7 @@ def partial_attention_forward(
     """
     partial = PartialTensors(layout, reconstruction, bias, derived)
     name = kernel_for(implementation, partial, query, key, value, need_weights=need_weights,
-                      dropout=dropout if module.training else 0.0)
+                      dropout=dropout if module.training else 0.0, attention_mask=attention_mask)
     return kernel_function(name)(module, query, key, value, attention_mask, scaling, dropout, partial=partial)
 
 
@@ -222,7 +229,7 @@ def compiled_attention(implementation: str, module: nn.Module, query: torch.Tens
     """Partial attention by the setting ``implementation`` (auto, fused or tiled) as one custom op, in transformers'
     calling convention (arguments as `attention_gather.gather_attention`): ``(output (B, T, H, D), None)``."""
     scaling = module.scaling if scaling is None else scaling
-    if needs_grad(query, key, value, partial.reconstruction, partial.bias):
+    if needs_grad(query, key, value, partial.reconstruction, partial.bias, attention_mask):
         raise ValueError("the compiled fast path runs without autograd only")
     out = _frozen_attention(query, key, value, attention_mask, partial.layout.indices, partial.reconstruction,
                             partial.bias, float(scaling), partial.derived.key, implementation)
@@ -273,7 +280,7 @@ def _partial_function(implementation: str) -> Callable:
 
         def run_kernel(tensors, query, key, value, attention_mask):
             name = kernel_for(implementation, tensors, query, key, value, need_weights=need_weights,
-                              dropout=dropout if module.training else 0.0)
+                              dropout=dropout if module.training else 0.0, attention_mask=attention_mask)
             return kernel_function(name)(module, query, key, value, attention_mask, scaling, dropout,
                                          partial=tensors)
 
@@ -286,9 +293,10 @@ def _partial_function(implementation: str) -> Callable:
             # P and R per head. Where the fused kernel would run under autograd (not for the map, the reference or
             # Triton settings, nor under export): every head in one autograd node with a hand-written backward,
             # where one kernel call per head would pay for H small backward passes (`attention_fused`).
-            if needs_grad(query, key, value, *(t.reconstruction for t in tensors), *(t.bias for t in tensors)) and \
+            if needs_grad(query, key, value, attention_mask, *(t.reconstruction for t in tensors),
+                          *(t.bias for t in tensors)) and \
                     kernel_for(implementation, tensors[0], query, key, value, need_weights=need_weights,
-                               dropout=dropout if module.training else 0.0) == "fused":
+                               dropout=dropout if module.training else 0.0, attention_mask=attention_mask) == "fused":
                 return all_heads_attention(module, query, key, value, attention_mask, scaling,
                                            dropout if module.training else 0.0, tensors)
             # Otherwise each head by the kernel of its own P and R, on its own slice of q, k, v
@@ -310,10 +318,14 @@ def _partial_function(implementation: str) -> Callable:
     return attention
 
 
-def _exact_function(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """An exact layer of a partial model: the model's ``_attn_implementation``; eager when the map is asked for."""
+def _exact_function(module, query, key, value, attention_mask, scaling=None, dropout=0.0, need_weights=None,
+                    **kwargs):
+    """An exact layer of a partial model: the model's ``_attn_implementation``; eager when the map is asked for
+    (``need_weights``, where the caller says so: an adapted module, `attention_adapters`)."""
     chosen = module.config._partial_base._attn_implementation or "sdpa"
-    if chosen == "eager" or attention_weights_requested(module.config, kwargs):
+    if need_weights is None:
+        need_weights = attention_weights_requested(module.config, kwargs)
+    if chosen == "eager" or need_weights:
         return exact_attention(module, query, key, value, attention_mask, scaling, dropout, need_weights=True)
     return ALL_ATTENTION_FUNCTIONS[chosen](module, query, key, value, attention_mask, scaling=scaling,
                                           dropout=dropout, **kwargs)

@@ -17,7 +17,7 @@ from torch import nn
 from .attention_backward import dropped_probabilities, scatter_to_complement, softmax_backward_in_place
 from .attention_common import (PartialTensors, PatternStructure, bias_in_key_order, broadcast_slice, check_length,
                                masked_at_p, masked_exact_scores, masked_keys, needs_grad, normalised_in_place,
-                               rows_first, tile_groups)
+                               rows_first, sum_to_shape, tile_groups)
 
 __all__ = ["fused_attention", "all_heads_attention"]
 
@@ -159,6 +159,7 @@ class _ScoresFused(torch.autograd.Function):
         ctx.save_for_backward(probs_all, keep_all, zero_at, *ws, *saved)
         ctx.layouts, ctx.dtypes = [p.layout for p in partials], [_dtypes(p) for p in partials]
         ctx.scaling, ctx.dropout, ctx.shape = scaling, dropout, (b, h, g, size, t, value.shape[-1])
+        ctx.mask_shape = None if additive is None else additive.shape
         out = outs[0] if g == 1 else torch.stack(outs)  # (G, B·Hg, T, Dv)
         return out.view(g, b, size, t, -1)  # (G, B, Hg, T, Dv)
 
@@ -174,6 +175,8 @@ class _ScoresFused(torch.autograd.Function):
                  (("q", saved[0].shape[-1], need_q), ("k", saved[1].shape[-2], need_k)) if need}  # (G, B, Hg, T, D)
         grads_v = []  # each group's (B·Hg, T, Dv)
         grads_r, grads_bias = [None] * g, [None] * (len(need_trained) - g)
+        # The additive mask's gradient, where it trains (a position bias in it, MPNet's): the scores' own
+        grad_mask = grad_out.new_empty(b, h, t, t) if ctx.needs_input_grad[5] else None  # (B, H, T, T)
         scratch = None if g == 1 else probs_all.new_empty(probs_all.shape[1:])  # (T, B·Hg, T), reused
         for group in range(g):
             q3, k3t, v3, rows, index = saved[5 * group:5 * group + 5]
@@ -184,6 +187,8 @@ class _ScoresFused(torch.autograd.Function):
                 bool(grads_bias) and need_trained[g + group], grad_buffer=scratch)
             if grads_bias:
                 grads_bias[group] = bias_grad
+            if grad_mask is not None:  # before grad_s's memory is reused below
+                grad_mask[:, group * size:(group + 1) * size] = grad_s.view(t, b, size, t).permute(1, 2, 0, 3)
             grads_v.append(grad_v)
             if need_q or need_k:
                 grad_exact = grad_rows.transpose(0, 1).mul_(ctx.scaling)  # (B·Hg, T, k)
@@ -201,7 +206,8 @@ class _ScoresFused(torch.autograd.Function):
         # (B, H, T, D) views of the (G, B, Hg, T, D) buffers
         grad_q, grad_k, grad_v = (grads[name].transpose(0, 1).flatten(1, 2) if name in grads else None
                                   for name in "qkv")
-        return (grad_q, grad_k, grad_v, None, None, None, None, None, None, *grads_r, *grads_bias)
+        grad_mask = None if grad_mask is None else sum_to_shape(grad_mask, ctx.mask_shape)
+        return (grad_q, grad_k, grad_v, None, None, grad_mask, None, None, None, *grads_r, *grads_bias)
 
 
 class _RowsFused(torch.autograd.Function):
@@ -214,6 +220,7 @@ class _RowsFused(torch.autograd.Function):
         out, probs, keep, _, v3 = _rows_forward(rows, value, w, bias_full, additive, dropout)
         ctx.save_for_backward(rows, w, v3, probs, keep)
         ctx.layout, ctx.dtypes, ctx.dropout, ctx.value_shape = partial.layout, _dtypes(partial), dropout, value.shape
+        ctx.mask_shape = None if additive is None else additive.shape
         return out.view(value.shape)  # (B, H, T, Dv)
 
     @staticmethod
@@ -222,12 +229,15 @@ class _RowsFused(torch.autograd.Function):
         rows, w, v3, probs, keep = ctx.saved_tensors
         b, h, t, _ = ctx.value_shape
         need_exact, need_v, need_r, need_bias = ctx.needs_input_grad[:4]
-        _, grad_rows, grad_v, grad_r, grad_bias = _rows_backward(grad_out, rows, w, v3, probs, keep, ctx.dropout,
-                                                                 ctx.layout, ctx.dtypes, need_exact, need_v, need_r,
-                                                                 need_bias)
+        grad_s, grad_rows, grad_v, grad_r, grad_bias = _rows_backward(
+            grad_out, rows, w, v3, probs, keep, ctx.dropout, ctx.layout, ctx.dtypes, need_exact, need_v, need_r,
+            need_bias)
         grad_exact = None if grad_rows is None else grad_rows.view(t, b, h, -1).permute(1, 2, 0, 3)  # (B, H, T, k)
         grad_v = None if grad_v is None else grad_v.view(ctx.value_shape)
-        return grad_exact, grad_v, grad_r, grad_bias, None, None, None
+        grad_mask = None  # the additive mask's, where it trains (a position bias in it): the scores' own
+        if ctx.needs_input_grad[5]:
+            grad_mask = sum_to_shape(grad_s.view(t, b, h, t).permute(1, 2, 0, 3), ctx.mask_shape)  # (B|1, H|1, T, T)
+        return grad_exact, grad_v, grad_r, grad_bias, None, grad_mask, None
 
 
 def _scores_fused(query, key, value, attention_mask, partials: list[PartialTensors], scaling, dropout):
@@ -277,7 +287,7 @@ def fused_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     allocated at once."""
     scaling = module.scaling if scaling is None else scaling
     dropout = dropout if module.training else 0.0
-    if needs_grad(query, key, value, partial.reconstruction, partial.bias):
+    if needs_grad(query, key, value, partial.reconstruction, partial.bias, attention_mask):
         return _with_autograd(query, key, value, attention_mask, partial, scaling, dropout), None
     layout = partial.layout
     w = partial.matrix(query.dtype)  # (n, k, n)

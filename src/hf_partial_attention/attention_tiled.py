@@ -50,7 +50,7 @@ def tiled_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     while they are still in cache, in one reused buffer; the n×n scores are never written."""
     scaling = module.scaling if scaling is None else scaling
     layout = partial.layout
-    if needs_grad(query, key, value, partial.reconstruction, partial.bias):
+    if needs_grad(query, key, value, partial.reconstruction, partial.bias, attention_mask):
         raise ValueError("partial_implementation='tiled' runs without autograd only (inference); under autograd "
                          "use partial_implementation='fused' (or 'auto', which does).")
     exact, additive = masked_exact_scores(query, key, attention_mask, layout, scaling, True)  # (B, H, T, k)

@@ -78,6 +78,7 @@ class PartialModelMixin:
             if id(module) in done:  # a module serving several layers (ALBERT): its group is all partial or exact
                 continue
             done.add(id(module))
+            self._partial_arch.dispatching(module)  # MPNet's: its scores through the attention functions
             if layer_idx in config.partial_layers:
                 make_partial(module, owner, layer_idx, config, pattern)
             else:

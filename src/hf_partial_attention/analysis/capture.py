@@ -4,7 +4,9 @@ attention through transformers' ``AttentionInterface``.
 `capture_scores(model, sink)` switches the model to a registered attention function that computes the
 scores, hands them to ``sink(layer, scores)`` and then runs the model's own eager attention on the same
 inputs, so the model's output is that of ``attn_implementation="eager"``. The matching mask function is
-registered with ``AttentionMaskInterface`` (without it transformers would pass no mask at all).
+registered with ``AttentionMaskInterface`` (without it transformers would pass no mask at all). MPNet's attention
+modules, which score in their own forward, are adapted for the context (`architectures.Architecture.adapter`): their
+captured scores are the content scores ``q kᵀ · scaling``, before the position bias, what R reconstructs.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ import torch
 from torch import nn
 from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
 from transformers.masking_utils import eager_mask
+
+from ..architectures import ARCHITECTURES, Architecture
+from ..partial_layer import config_view
 
 logger = logging.getLogger(__name__)
 
@@ -79,11 +84,17 @@ def _register() -> None:
     AttentionMaskInterface.register(CAPTURE_IMPLEMENTATION, eager_mask)
 
 
+def _adapted(model) -> Architecture | None:
+    """The table entry of ``model`` when its attention modules need an adapter to dispatch (MPNet), else None."""
+    arch = ARCHITECTURES.get(getattr(model.config, "model_type", None))
+    return arch if arch is not None and arch.adapter and arch.available() else None
+
+
 def check_capturable(model) -> None:
     """Raise TypeError/ValueError when scores of ``model`` cannot be captured through the attention interface."""
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}.")
-    if not type(model)._can_set_attn_implementation():
+    if _adapted(model) is None and not type(model)._can_set_attn_implementation():
         raise ValueError(
             f"{type(model).__name__} does not dispatch attention through transformers' AttentionInterface, so its "
             "scores cannot be captured; use a model whose attention calls ALL_ATTENTION_FUNCTIONS "
@@ -101,8 +112,13 @@ def capture_scores(model: PreTrainedModel, sink: ScoreSink) -> Iterator[_Capture
     """
     check_capturable(model)
     _register()
-    original = model.config._attn_implementation
     state = _CaptureState(sink)
+    arch = _adapted(model)
+    if arch is not None:  # MPNet: its attention modules, adapted, run the capture function for the context
+        with _adapted_capture(model, arch, state):
+            yield state
+        return
+    original = model.config._attn_implementation
     ids = [id(m) for m in model.modules()]
     model.set_attn_implementation(CAPTURE_IMPLEMENTATION)
     if model.config._attn_implementation != CAPTURE_IMPLEMENTATION:
@@ -117,6 +133,29 @@ def capture_scores(model: PreTrainedModel, sink: ScoreSink) -> Iterator[_Capture
         for i in ids:
             _ACTIVE.pop(i, None)
         model.set_attn_implementation(original if original is not None else "sdpa")
+
+
+@contextlib.contextmanager
+def _adapted_capture(model, arch: Architecture, state: _CaptureState) -> Iterator[None]:
+    """Within the context, the attention modules of ``model`` (an architecture whose modules score in their own
+    forward) are adapted (`architectures.Architecture.dispatching`) with a config view naming the capture function;
+    the model's own config, and so its masks, are left as they are. Their classes are restored on exit."""
+    modules = {id(m): m for _, m in arch.attention_modules(model.base_model)}
+    restore = []
+    for module in modules.values():
+        restore.append((module, arch.dispatching(module), module.__dict__.get("config")))
+        module.config = config_view(model.config, CAPTURE_IMPLEMENTATION)
+        _ACTIVE[id(module)] = state
+    try:
+        yield
+    finally:
+        for module, cls, config in restore:
+            _ACTIVE.pop(id(module), None)
+            module.__class__ = cls
+            if config is None:
+                del module.config
+            else:
+                module.config = config
 
 
 def require_calls(state: _CaptureState, model) -> None:

@@ -1,0 +1,216 @@
+"""MPNet, whose scores carry a relative-position bias its attention module adds itself (adapted to dispatch:
+`attention_adapters`): the bias is added after R, the bias trains through every kernel, and a tiny MPNet goes the
+user's whole way (analyze → derive in every form → convert → AutoModel → sentence-transformers → peft → compile).
+What the architecture table gives every encoder (k = n equals the source, kernels, remote code, export, the example
+scripts) is tested for MPNet by the table's own tests (tests/test_encoders.py, tests/test_examples_encoders.py)."""
+
+import os
+
+import pytest
+import torch
+from transformers import AutoModel, AutoTokenizer, MPNetConfig, MPNetForMaskedLM
+
+from hf_partial_attention import AttentionPattern, cli, partial_class_for
+from hf_partial_attention.analysis.corpus import default_texts
+from hf_partial_attention.attention_adapters import MPNetDispatchingSelfAttention
+
+N, K = 16, 5
+SIZES = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37,
+             max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def _source(seed=0, vocab_size=99):
+    torch.manual_seed(seed)
+    model = MPNetForMaskedLM(MPNetConfig(vocab_size=vocab_size, pad_token_id=0, **SIZES)).double().eval()
+    with torch.no_grad():  # a bias that matters: the tiny init's (std 0.02) barely moves a score
+        model.mpnet.encoder.relative_attention_bias.weight.normal_(0.0, 1.0)
+    return model
+
+
+def _batch():
+    ids = torch.randint(6, 99, (2, N), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    return ids, mask
+
+
+def test_the_bias_is_added_after_r_to_every_score():
+    """A partial MPNet layer's map is softmax(R-completed q·kᵀ/√d + position bias + mask), computed here by hand from
+    the layer's q, k, the bias and P and R: the bias enters every score, exact and reconstructed, and not R's input."""
+    source = _source()
+    pattern = AttentionPattern.local(N, K, correlation=0.5)
+    model = partial_class_for("mpnet", "AutoModelForMaskedLM").from_source(source, pattern, partial_layers=[0])
+    model = model.double().eval()
+    ids, mask = _batch()
+    attention = model.mpnet.encoder.layer[0].attention.attn
+    assert isinstance(attention, MPNetDispatchingSelfAttention)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, output_attentions=True)
+        hidden = model.mpnet.embeddings(input_ids=ids)  # (B, T, hidden)
+        split = lambda x: x.view(2, N, 4, 8).transpose(1, 2)  # noqa: E731  (B, H, T, D)
+        q, k = split(attention.q(hidden)), split(attention.k(hidden))
+        content = q @ k.transpose(-1, -2) / 8 ** 0.5  # (B, H, T, T)
+        p, r = pattern.indices, pattern.reconstruction.double()  # (n, k), (n, n-k, k)
+        exact = content.gather(-1, p.expand(2, 4, N, K))  # (B, H, T, k)
+        padded = (mask == 0)[:, None, None, :].expand(2, 4, N, N).gather(-1, p.expand(2, 4, N, K))  # (B, H, T, k)
+        exact = exact.masked_fill(padded, 0.0)  # a padded key enters R as a zero score
+        rest = torch.einsum("bhik,ijk->bhij", exact, r)  # (B, H, T, n-k)
+        complement = torch.stack([torch.tensor([j for j in range(N) if j not in set(row.tolist())]) for row in p])
+        scores = torch.zeros_like(content).scatter(-1, p.expand(2, 4, N, K), exact)
+        scores = scores.scatter(-1, complement.expand(2, 4, N, N - K), rest)
+        bias = model.mpnet.encoder.compute_position_bias(hidden)  # (B, H, T, T)
+        masked = torch.zeros(2, 1, 1, N, dtype=torch.float64).masked_fill(mask[:, None, None] == 0, -1e30)
+        expected = torch.softmax(scores + bias + masked, dim=-1)
+    torch.testing.assert_close(out.attentions[0], expected, atol=1e-10, rtol=0)
+    without_bias = torch.softmax(scores + masked, dim=-1)
+    assert (out.attentions[0] - without_bias).abs().max() > 1e-2  # the bias matters here
+
+
+def test_the_position_bias_trains_through_the_partial_layers():
+    """The bias's gradient through partial layers, by the fused kernel (hand-written backward), equals the
+    reference kernel's and is not zero; Triton, which computes none, is refused in one line naming the fix."""
+    grads = {}
+    for kernel in ("gather", "fused"):
+        model = partial_class_for("mpnet", "AutoModelForMaskedLM").from_source(
+            _source(), AttentionPattern.local(N, K, correlation=0.5), partial_layers=[0, 1, 2],
+            partial_implementation=kernel).double().train()
+        ids, mask = _batch()
+        model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+        grads[kernel] = model.mpnet.encoder.relative_attention_bias.weight.grad
+    assert grads["gather"].abs().max() > 1e-6
+    torch.testing.assert_close(grads["fused"], grads["gather"], atol=1e-10, rtol=0)
+    model.set_partial_implementation("triton")
+    with pytest.raises(ValueError, match="relative_attention_bias") as error:
+        model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+    assert "\n" not in str(error.value)
+
+
+@pytest.fixture(scope="module")
+def tiny_mpnet(tmp_path_factory, minilm_path):
+    """A tiny random MPNet masked LM with the MiniLM tokenizer (real text), saved as a source checkpoint."""
+    tok = AutoTokenizer.from_pretrained(minilm_path)
+    model = _source(vocab_size=tok.vocab_size).float()
+    path = tmp_path_factory.mktemp("mpnet") / "source"
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.slow
+def test_analyze_derive_every_form_convert_load(tiny_mpnet, tmp_path, capsys):
+    """One analysis (per head, sentences in length buckets 12 and 16) → derive pooled, per layer, per head, per head at
+    a QKᵀ saving → convert each → AutoModel loads a PartialMPNetModel running the derived P."""
+    text = tmp_path / "text.txt"
+    text.write_text("\n\n".join(default_texts()[:20]), encoding="utf-8")
+    run = str(tmp_path / "run")
+    assert cli.main(["analyze", "--model", tiny_mpnet, "--text-file", str(text), "--inputs", "sentences",
+                     "--max-sequences", "48", "--heldout-every", "0", "--granularity", "head", "--lengths", "12", "16",
+                     "--out", run, "--no-progress"]) == 0
+    forms = {"buckets_k5": ([], "pooled"), "buckets_per_query_layer_k5": (["--granularity", "layer"], "layer"),
+             "buckets_per_query_head_k5": (["--granularity", "head"], "head"),
+             "buckets_per_query_head_saving0.3_budget": (["--granularity", "head", "--saving", "0.3"], "head")}
+    for name, (flags, granularity) in forms.items():
+        assert cli.main(["derive", run, "--k", str(K), "--no-baselines", "--no-evaluate", "--no-progress",
+                         *flags]) == 0, name
+        pattern = os.path.join(run, "patterns", name + ".safetensors")
+        ckpt = str(tmp_path / f"ckpt_{name}")
+        capsys.readouterr()
+        assert cli.main(["convert", pattern, "--out", ckpt, "--model", tiny_mpnet, "--reconstruction", "fixed"]) == 0
+        assert "reloads as PartialMPNetModel" in capsys.readouterr().out, name
+        model = AutoModel.from_pretrained(ckpt).eval()
+        assert type(model).__name__ == "PartialMPNetModel"
+        assert model.config.partial_granularity == granularity and model.config.partial_lengths == [12, 16], name
+        if "budget" in name:
+            assert model.config.partial_layers_k is not None
+        ids, mask = _batch()
+        with torch.no_grad():
+            assert torch.isfinite(model(input_ids=ids, attention_mask=mask).last_hidden_state).all()
+
+
+def test_sentence_transformers_encode_is_mean_pooling_of_the_partial_model(tiny_mpnet, tmp_path):
+    """A converted MPNet in sentence-transformers (Transformer + mean Pooling): encode equals the mean over each
+    sentence's tokens of the partial model's output."""
+    from sentence_transformers import SentenceTransformer, models
+
+    model = partial_class_for("mpnet").from_source(tiny_mpnet, AttentionPattern.local(N, K, correlation=0.5))
+    ckpt = str(tmp_path / "ckpt")
+    model.save_pretrained(ckpt)
+    AutoTokenizer.from_pretrained(tiny_mpnet).save_pretrained(ckpt)
+    word = models.Transformer(ckpt, max_seq_length=N)
+    assert type(word.auto_model).__name__ == "PartialMPNetModel"
+    st = SentenceTransformer(modules=[word, models.Pooling(32, pooling_mode="mean")], device="cpu")
+    sentences = default_texts()[:3]
+    encoded = st.encode(sentences, convert_to_tensor=True)
+    batch = AutoTokenizer.from_pretrained(ckpt)(sentences, truncation=True, max_length=N, padding=True,
+                                                return_tensors="pt")
+    with torch.no_grad():
+        hidden = word.auto_model(**batch).last_hidden_state  # (B, T, hidden)
+    weights = batch["attention_mask"].unsqueeze(-1).float()
+    torch.testing.assert_close(encoded, (hidden * weights).sum(1) / weights.sum(1), atol=1e-5, rtol=0)
+
+
+def test_peft_lora_with_r_under_modules_to_save(tmp_path):
+    """LoRA on MPNet's q and v with the common R trained through modules_to_save: R and the LoRA weights train, and
+    the saved adapter reloads the same model."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    def base():
+        return partial_class_for("mpnet", "AutoModelForMaskedLM").from_source(
+            _source().float(), AttentionPattern.local(N, K, correlation=0.5), reconstruction="common")
+
+    model = get_peft_model(base(), LoraConfig(target_modules=["q", "v"], modules_to_save=["partial_pattern"]))
+    r0 = base().mpnet.encoder.partial_pattern.reconstruction.detach().clone()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids, mask = _batch()
+    for _ in range(3):
+        model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    trained = model.base_model.model.mpnet.encoder.partial_pattern.modules_to_save["default"].reconstruction
+    assert float((trained.detach() - r0).abs().max()) > 1e-3
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    model.save_pretrained(tmp_path)
+    reloaded = PeftModel.from_pretrained(base(), tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids, attention_mask=mask).logits, logits, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_compiled_equals_eager():
+    """torch.compile (fullgraph: no graph break from the adapter) gives the eager model's outputs, R frozen (the
+    compiled fast path) and trained."""
+    for mode in ("fixed", "per_layer"):
+        model = partial_class_for("mpnet").from_source(_source().float(), AttentionPattern.local(N, K, correlation=0.5),
+                                                       reconstruction=mode).eval()
+        ids, mask = _batch()
+        with torch.no_grad():
+            eager = model(input_ids=ids, attention_mask=mask).last_hidden_state
+            compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(input_ids=ids, attention_mask=mask)
+        torch.testing.assert_close(compiled.last_hidden_state, eager, atol=1e-5, rtol=0)
+
+
+def test_analysis_captures_the_content_scores_and_leaves_the_source_as_it_was():
+    """`capture_scores` on a source MPNet reports q·kᵀ/√d of every layer (before the bias: what R reconstructs), the
+    model's output unchanged under capture, and its attention modules back to MPNet's own class afterwards."""
+    from transformers.models.mpnet.modeling_mpnet import MPNetSelfAttention
+
+    from hf_partial_attention.analysis.capture import capture_scores
+
+    source = _source().mpnet
+    ids, mask = _batch()
+    captured = {}
+    with torch.no_grad():
+        reference = source(input_ids=ids, attention_mask=mask).last_hidden_state
+        with capture_scores(source, lambda layer, scores: captured.setdefault(layer, scores)):
+            under_capture = source(input_ids=ids, attention_mask=mask).last_hidden_state
+        hidden = source.embeddings(input_ids=ids)
+        attention = source.encoder.layer[0].attention.attn
+        split = lambda x: x.view(2, N, 4, 8).transpose(1, 2)  # noqa: E731  (B, H, T, D)
+        content = split(attention.q(hidden)) @ split(attention.k(hidden)).transpose(-1, -2) / 8 ** 0.5
+    assert sorted(captured) == [0, 1, 2]
+    torch.testing.assert_close(captured[0], content, atol=1e-10, rtol=0)
+    torch.testing.assert_close(under_capture, reference, atol=1e-10, rtol=0)
+    assert all(type(layer.attention.attn) is MPNetSelfAttention for layer in source.encoder.layer)
+    assert not hasattr(source.encoder.layer[0].attention.attn, "config")
