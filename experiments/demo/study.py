@@ -86,7 +86,7 @@ def _embeddings(model_path: str, out: str, ks, convert_k: int, seq_len: int, bat
                 bucket_k: dict[int, int], checkpoint_form: str = "pooled", paragraphs: int = 64):
     from transformers import AutoModel
 
-    from hf_partial_attention.modeling_partial_bert import PartialBertModel
+    from hf_partial_attention.modeling_partial_encoders import partial_from_source
 
     original, tok = load_model_and_tokenizer(model_path)
     windows = window_batches(load_file(os.path.join(out, HELDOUT_FILE))["input_ids"], batch_size)
@@ -115,7 +115,7 @@ def _embeddings(model_path: str, out: str, ks, convert_k: int, seq_len: int, bat
         own = "".join(f", bucket {b} at k={v}" for b, v in sorted(bucket_k.items()))
     conv = convert(path, checkpoint, model_path)
     rows = []
-    models = {name: PartialBertModel.from_bert(original, p).eval() for name, p in candidates.items()}
+    models = {name: partial_from_source(original, p).eval() for name, p in candidates.items()}
     models[f"checkpoint (AutoModel, length buckets {conv['lengths']}), k={convert_k}{own}"] = (
         AutoModel.from_pretrained(checkpoint).eval())
     for name, model in models.items():

@@ -20,7 +20,7 @@ from hf_partial_attention.analysis.corpus import default_texts, make_windows
 from hf_partial_attention.analysis.covariance import ScoreCovariance
 from hf_partial_attention.analysis.defaults import resolve_model
 from hf_partial_attention.analysis.lengths import bucket_covariance_files
-from hf_partial_attention.modeling_partial_bert import PartialBertModel
+from hf_partial_attention.modeling_partial_encoders import partial_from_source
 from hf_partial_attention.pattern_layers import LayerPatterns
 
 from .lengths import arm_patterns_file
@@ -109,7 +109,7 @@ def run_granularity_layers(lengths_run: str = "runs/granularity_lengths", result
     reference = {name: _embeddings(original, ids, batch_size) for name, ids in windows.items()}
 
     def errors(partial_layers) -> dict:
-        converted = PartialBertModel.from_bert(original, uniform, reconstruction="fixed",
+        converted = partial_from_source(original, uniform, reconstruction="fixed",
                                                partial_layers=list(partial_layers)).eval()
         return {name: _error(reference[name], _embeddings(converted, ids, batch_size)) for name, ids in windows.items()}
 
@@ -131,7 +131,7 @@ def run_granularity_layers(lengths_run: str = "runs/granularity_lengths", result
     # taken out of the budget, the rest spread over the other layers)
     exact_layer = min(layers, key=lambda layer: exact[str(layer)]["calibration"])
     arms, exact_skipped = _arm_files(fit, uniform_file, budget["budget_path"], exact_layer, k, objective)
-    models = {arm: PartialBertModel.from_bert(original, LayerPatterns.load(path), reconstruction="fixed").eval()
+    models = {arm: partial_from_source(original, LayerPatterns.load(path), reconstruction="fixed").eval()
               for arm, path in arms.items()}
     rows = measure(original, models, {**tokens, "windows": held}, sorted(paths), batch_size)
     result = {"command": command or "python -m experiments granularity-layers", "model": model_id, "k": k,

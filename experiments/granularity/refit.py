@@ -16,7 +16,7 @@ import time
 import torch
 
 from hf_partial_attention.analysis.corpus import default_texts, make_windows
-from hf_partial_attention.modeling_partial_bert import PartialBertModel
+from hf_partial_attention.modeling_partial_encoders import partial_from_source
 from hf_partial_attention.pattern import AttentionPattern
 from hf_partial_attention.pattern_buckets import bucket_for
 from hf_partial_attention.pattern_layers import LayerPatterns
@@ -105,7 +105,7 @@ def refit_arm(original, patterns: LayerPatterns, layers, windows: torch.Tensor, 
     """``patterns`` with every layer of ``layers`` refit (`refit_layer`), in order; ``in_context``: each layer on the
     model converted with the layers before it already refit."""
     for layer in layers:
-        context = (PartialBertModel.from_bert(original, patterns, reconstruction="fixed").eval() if in_context
+        context = (partial_from_source(original, patterns, reconstruction="fixed").eval() if in_context
                    else None)
         patterns = _with(patterns, layer, refit_layer(original, patterns, layer, windows, context=context,
                                                       batch_size=batch_size))
@@ -134,7 +134,7 @@ def run_granularity_refit(lengths_run: str = "runs/granularity_lengths", results
     _, fitted, original, tok, model_id = load_per_head_run(lengths_run, model, k, objective)
     n = fitted.seq_len
     # the layers a conversion runs partially (the paper's: all but the last), each with a pattern in bucket n
-    partial = PartialBertModel.from_bert(original, fitted, reconstruction="fixed").config.partial_layers
+    partial = partial_from_source(original, fitted, reconstruction="fixed").config.partial_layers
     layers = [layer for layer in sorted(partial) if fitted.group(layer, 0)[n] is not None]
     demo = make_windows(tok, default_texts(), n, windows)  # (W, n)
     docstrings = make_windows(tok, ["\n\n".join(d) for d in stdlib_docstring_documents()], n, windows)  # (W, n)
@@ -149,7 +149,7 @@ def run_granularity_refit(lengths_run: str = "runs/granularity_lengths", results
     lengths = fitted.lengths
     longest = {kind: tk.subset([i for i, x in enumerate(tk.lengths.tolist()) if bucket_for(lengths, x) == n])
                for kind, tk in tokens.items()}
-    models = {arm: PartialBertModel.from_bert(original, p, reconstruction="fixed").eval() for arm, p in arms.items()}
+    models = {arm: partial_from_source(original, p, reconstruction="fixed").eval() for arm, p in arms.items()}
     rows = [r for r in measure(original, models, {**longest, "windows": held}, lengths, batch_size)
             if r["bucket"] == n]
     steps["held-out measurement"] = time.perf_counter() - t

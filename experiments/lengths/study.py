@@ -27,7 +27,7 @@ from hf_partial_attention.analysis.derive import derive_lengths
 from hf_partial_attention.analysis.lengths import analyze_lengths, bucket_covariance_files, bucket_k_suffix
 from hf_partial_attention.analysis.workflow import COVARIANCE_FILE, analyze, derive
 from hf_partial_attention.cost import bucket_savings, distribution_saving
-from hf_partial_attention.modeling_partial_bert import PartialBertModel
+from hf_partial_attention.modeling_partial_encoders import partial_from_source
 from hf_partial_attention.pattern import AttentionPattern
 from hf_partial_attention.pattern_buckets import PatternBuckets, bucket_for
 
@@ -258,10 +258,10 @@ def _measure_k(k: int, original, cov: ScoreCovariance, windows_dir: str, buckets
     zero = AttentionPattern.load(os.path.join(windows_dir, "patterns", f"per_query_k{k}.safetensors"))
     buckets = PatternBuckets.load(os.path.join(buckets_dir, "patterns",
                                                f"buckets_k{k}{bucket_k_suffix(bucket_k)}.safetensors"))
-    arms = {"zero-fill": PartialBertModel.from_bert(original, zero, reconstruction="fixed").eval(),
-            "buckets": PartialBertModel.from_bert(original, buckets, reconstruction="fixed").eval(),
-            "conditional": PartialBertModel.from_bert(original, zero, reconstruction="fixed").eval(),
-            "bucket-conditional": PartialBertModel.from_bert(original, buckets, reconstruction="fixed").eval()}
+    arms = {"zero-fill": partial_from_source(original, zero, reconstruction="fixed").eval(),
+            "buckets": partial_from_source(original, buckets, reconstruction="fixed").eval(),
+            "conditional": partial_from_source(original, zero, reconstruction="fixed").eval(),
+            "bucket-conditional": partial_from_source(original, buckets, reconstruction="fixed").eval()}
     bucket_covs = bucket_covariance_files(buckets_dir)
     installers = {
         "conditional": _conditional_installer(arms["conditional"], PatternBuckets.single(zero), {

@@ -73,10 +73,11 @@ def run_mpnet(model_dir: str = "runs/all-mpnet-base-v2", parts_dir: str = "runs/
         models[f"{granularity} {choice}"] = partial_class_for(source.config.model_type).from_source(
             source, load_patterns(path), reconstruction="fixed").eval()
     tok = AutoTokenizer.from_pretrained(model_dir)
-    batch = tok(default_texts()[:timing_batch], truncation=True, max_length=n, padding="max_length",
-                return_tensors="pt")  # (B, n): full windows, the length the goal names
-    timing = time_models(models, dict(batch), repeats)
-    summary = {"command": study["command"], "model": study["model"] or display_name(model_dir), "k": k, "n": n, "threads": torch.get_num_threads(),
+    ids = tok(" ".join(default_texts()), add_special_tokens=False)["input_ids"]
+    windows = torch.tensor([ids[i * n:(i + 1) * n] for i in range(timing_batch)])  # (B, n): full windows, no padding
+    timing = time_models(models, {"input_ids": windows, "attention_mask": torch.ones_like(windows)}, repeats)
+    summary = {"command": study["command"], "model": study["model"] or display_name(model_dir), "k": k, "n": n,
+               "threads": torch.get_num_threads(),
                "timing_batch": timing_batch, "repeats": repeats, "timing": timing,
                "goals": {arm: {"windows_one_minus_cos": g["windows_one_minus_cos"],
                                "windows_met": g["windows_one_minus_cos"] <= GOALS["windows_one_minus_cos"],

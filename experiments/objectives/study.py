@@ -50,7 +50,7 @@ def compare_objectives(analysis_dir: str, ks=(8, 16), objectives=OBJECTIVES, *, 
         out: where to write ``objectives.json`` / ``objectives.md`` (nothing written when None).
         max_windows: use at most this many held-out windows.
     """
-    from hf_partial_attention.modeling_partial_bert import PartialBertModel
+    from hf_partial_attention.modeling_partial_encoders import partial_from_source
 
     start = time.perf_counter()
     cov = ScoreCovariance.load(os.path.join(analysis_dir, "covariance.safetensors"))
@@ -65,7 +65,7 @@ def compare_objectives(analysis_dir: str, ks=(8, 16), objectives=OBJECTIVES, *, 
     for k in sorted(set(ks)):
         for objective in objectives:
             pattern = select_pattern(cov, k, objective=objective)
-            model = PartialBertModel.from_bert(original, pattern).eval()
+            model = partial_from_source(original, pattern).eval()
             pooled, layers = model_outputs(model, batches, progress, f"k={k} {objective}")
             cos = summarize_cosines(embedding_cosines(ref_pooled, pooled))
             layer_err = [float((h - r).norm() / r.norm()) for h, r in zip(layers, ref_layers)]

@@ -15,7 +15,7 @@ from .architectures import ARCHITECTURES, HEAD_SUFFIXES, Architecture
 from .configuration_partial_encoders import PARTIAL_CONFIG_CLASSES, file_module
 from .modeling_partial import PartialModelMixin
 
-__all__ = ["PARTIAL_MODEL_CLASSES", "partial_class_for"]
+__all__ = ["PARTIAL_MODEL_CLASSES", "partial_class_for", "partial_from_source"]
 
 
 def _namespace(arch: Architecture, name: str, doc: str, **fields) -> dict:
@@ -79,3 +79,10 @@ def partial_class_for(model_type: str, auto_name: str = "AutoModel"):
         raise ValueError(f"{classes['AutoModel']._partial_arch.model_type!r} has no partial class for {auto_name}; "
                          f"it has {sorted(classes)}.")
     return classes[auto_name]
+
+
+def partial_from_source(source, pattern, **config_overrides):
+    """``source`` (a base model of any supported architecture: ``BertModel``, ``MPNetModel``, ...) converted into its
+    partial class (``PartialBertModel``, ``PartialMPNetModel``, ...) holding ``pattern``: `from_source` of the class the
+    table gives for its ``model_type``. ``config_overrides``: partial fields (``reconstruction="fixed"``, ...)."""
+    return partial_class_for(source.config.model_type).from_source(source, pattern, **config_overrides)
