@@ -128,6 +128,16 @@ def test_text_file_and_dataset_together_is_a_user_error(tiny_bert_dir, tmp_path,
     assert "pass one of them" in _one_line_error(capsys)
 
 
+def test_lengths_without_inputs_is_a_user_error_not_ignored(tiny_bert_dir, tmp_path, capsys):
+    """--lengths (buckets of inputs at their own lengths) without --inputs would run fixed windows and drop the
+    buckets without a word: refused in one line naming the fix, before any work."""
+    for flags in (["--lengths", "8", "16"], ["--max-heldout-inputs", "10"]):
+        assert cli.main(["analyze", "--model", tiny_bert_dir, *flags, "--out", str(tmp_path / "o")]) == 2
+        line = _one_line_error(capsys)
+        assert flags[0] in line and "--inputs sentences" in line
+    assert not (tmp_path / "o").exists()
+
+
 def test_convert_refusals_are_one_line(tiny_bert_dir, tmp_path, capsys):
     import torch
 

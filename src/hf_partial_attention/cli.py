@@ -159,6 +159,10 @@ def _run_analyze(args) -> int:
 
     if args.inputs:
         return _run_analyze_lengths(args)
+    if args.lengths is not None or args.max_heldout_inputs is not None:  # else silently fixed windows of --seq-len
+        flag = "--lengths" if args.lengths is not None else "--max-heldout-inputs"
+        raise ValueError(f"{flag} applies to inputs at their own lengths: pass --inputs sentences (or paragraphs, "
+                         f"pairs) with it, or drop it for fixed windows of --seq-len {args.seq_len}.")
     texts = _texts(args)
     if texts is not None and not isinstance(texts, str):
         from .analysis.corpus import load_texts
