@@ -36,6 +36,11 @@ def tiny_config(model_type: str):
         return cls(**TINY, max_position_embeddings=64, local_attention=8, global_attn_every_n_layers=2,
                    attention_dropout=0.0, embedding_dropout=0.0, mlp_dropout=0.0, cls_token_id=3,
                    sep_token_id=4, mask_token_id=5, **SPECIAL)
+    if model_type == "deberta-v2":  # DeBERTa-v3's attention: both position terms, shared keys, log buckets
+        return cls(**TINY, max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                   relative_attention=True, pos_att_type=["p2c", "c2p"], position_buckets=8,
+                   max_relative_positions=64, share_att_key=True, norm_rel_ebd="layer_norm", type_vocab_size=0,
+                   **SPECIAL)
     if model_type in ("nomic_bert", "gte", "eurobert"):
         config = cls(**TINY, max_position_embeddings=64, **SPECIAL)
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "attention_dropout", "mlp_dropout",

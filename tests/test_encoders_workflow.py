@@ -1,5 +1,5 @@
 """The user's workflow on encoders other than BERT: analyze → derive → convert → load → train, and the refusal of
-models partial attention cannot run in (a decoder, DeBERTa-v2), through the command line."""
+models partial attention cannot run in (a decoder, DeBERTa v1), through the command line."""
 
 import os
 
@@ -87,17 +87,17 @@ def test_analyze_derive_convert_load_train(model_type, encoders, tmp_path, capsy
 
 
 def _tiny(kind, path):
-    from transformers import DebertaV2Config, DebertaV2Model, LlamaConfig, LlamaForCausalLM
+    from transformers import DebertaConfig, DebertaModel, LlamaConfig, LlamaForCausalLM
 
     model = {"llama": lambda: LlamaForCausalLM(LlamaConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2,
                                                             num_attention_heads=4, num_key_value_heads=2,
                                                             intermediate_size=37)),
-             "deberta-v2": lambda: DebertaV2Model(DebertaV2Config(vocab_size=99, **SIZES))}[kind]()
+             "deberta": lambda: DebertaModel(DebertaConfig(vocab_size=99, **SIZES))}[kind]()
     model.save_pretrained(path)
     return str(path)
 
 
-@pytest.mark.parametrize("kind, why", [("llama", "decoder"), ("deberta-v2", "AttentionInterface")])
+@pytest.mark.parametrize("kind, why", [("llama", "decoder"), ("deberta", "AttentionInterface")])
 def test_convert_refuses_a_model_it_cannot_run_in_one_line_writing_nothing(kind, why, tmp_path, capsys):
     source = _tiny(kind, tmp_path / "source")
     capsys.readouterr()  # saving the source may draw progress bars: only convert's output is read below

@@ -3,8 +3,9 @@
 An entry (`Architecture`) says where a model's attention modules are, which module owns the pattern modules, which
 layers are partial by default and which heads exist. Everything else (the attention functions, the pattern modules,
 length buckets, R modes, kernels, loading checks) is shared: `partial_layer`, `partial_pattern`, `modeling_partial`.
-An architecture whose attention module computes its scores itself (MPNet) names an adapter (`attention_adapters`) that
-makes it dispatch. DeBERTa-v2 and decoders do not qualify (`check_supported` refuses them, naming what is supported).
+An architecture whose attention module computes its scores itself (MPNet, DeBERTa-v2) names an adapter
+(`attention_adapters`) that makes it dispatch. Decoders and attention of other kinds do not qualify (`check_supported`
+refuses them, naming what is supported).
 
 Part of the remote-code bundle (imports: transformers and siblings only).
 """
@@ -68,8 +69,9 @@ class Architecture:
             ``modeling_partial_<files>.py``: what its checkpoints' ``auto_map`` names (PartialBert's since 0.1).
         display_name: its name in prose (model cards): ``"RoBERTa"``.
         adapter: for attention modules that score in their own forward instead of calling an attention function
-            (MPNet's, which adds a relative-position bias), the adapter of `attention_adapters.ADAPTERS` that makes
-            them dispatch through ``ALL_ATTENTION_FUNCTIONS``; "" for the rest.
+            (MPNet's, which adds a relative-position bias; DeBERTa-v2's, whose scores have position terms), the
+            adapter of `attention_adapters.ADAPTERS` that makes them dispatch through ``ALL_ATTENTION_FUNCTIONS``; ""
+            for the rest.
     """
 
     model_type: str
@@ -204,6 +206,10 @@ ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
     Architecture("mpnet", "mpnet", "MPNet", display_name="MPNet", attention="attention.attn", adapter="mpnet", note=(
         "a relative-position bias added to every score (computed once per forward, shared by the layers): P and R "
         "act on the content scores q·k, the bias is added after R, to exact and reconstructed scores alike")),
+    Architecture("deberta-v2", "deberta_v2", "DebertaV2", display_name="DeBERTa-v2", adapter="deberta-v2", note=(
+        "disentangled attention: each score is content-to-content plus content-to-position and position-to-content "
+        "terms (relative positions): a partial layer computes every term at P only and R reconstructs the rest from "
+        "their sum")),
 )}
 
 # What a run given no model type builds (the training scripts' --model_type): the paper's architecture.
@@ -211,7 +217,7 @@ DEFAULT_MODEL_TYPE = "bert"
 
 # Architectures whose attention transformers does not run through AttentionInterface (their own relative-position
 # attention): named in the refusal so that a user knows it is not an oversight.
-_OWN_ATTENTION = {"deberta", "deberta-v2", "funnel", "xlnet", "longformer", "big_bird", "reformer",
+_OWN_ATTENTION = {"deberta", "funnel", "xlnet", "longformer", "big_bird", "reformer",
                   "squeezebert", "convbert", "mobilebert", "layoutlm", "ernie_m"}
 
 

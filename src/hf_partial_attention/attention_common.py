@@ -221,9 +221,11 @@ def structured_scores(query: torch.Tensor, key: torch.Tensor, layout: PatternLay
     return exact.view(b, h, n, k)[:, :, :t]  # (B, H, T, k)
 
 
-def masked_exact_scores(query, key, attention_mask, layout: PatternLayout, scaling: float, structured: bool):
+def masked_exact_scores(query, key, attention_mask, layout: PatternLayout, scaling: float, structured: bool,
+                        extra: torch.Tensor | None = None):
     """Exact scores at P with masked keys set to zero, and the additive mask: ``(B, H, T, k)``,
-    ``(B|1, 1|H, T, T)`` or None. ``structured``: by `structured_scores`, else `gathered_scores`."""
+    ``(B|1, 1|H, T, T)`` or None. ``structured``: by `structured_scores`, else `gathered_scores`. ``extra``: the
+    score's other terms at P, ``(B|1, H, T, k)`` (DeBERTa's position terms: `attention_adapters`), added to q·k."""
     t = query.shape[2]
     check_length(t, layout.indices.shape[0])
     additive, masked = masked_keys(attention_mask, t, query.dtype)
@@ -231,6 +233,8 @@ def masked_exact_scores(query, key, attention_mask, layout: PatternLayout, scali
         exact = structured_scores(query, key, layout, scaling)
     else:
         exact = gathered_scores(query, key, layout.indices, scaling)  # (B, H, T, k)
+    if extra is not None:
+        exact = exact + extra
     if masked is not None:
         exact = exact.masked_fill(masked_at_p(masked, layout.indices, t), 0.0)  # masked keys enter R with score zero
     return exact, additive

@@ -21,6 +21,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .attention_adapters import with_position_bias
 from .attention_common import STATES, DerivedState, PartialTensors, PatternLayout, PatternStructure, needs_grad
 from .attention_fused import all_heads_attention, fused_attention
 from .attention_gather import gather_attention
@@ -65,11 +66,12 @@ def auto_kernel(layout: PatternLayout, device: torch.device | str, head_dim: int
 
 def kernel_for(implementation: str, partial: PartialTensors, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, *, need_weights: bool, dropout: float = 0.0,
-               attention_mask: torch.Tensor | None = None) -> str:
+               attention_mask: torch.Tensor | None = None, extra: torch.Tensor | None = None) -> str:
     """The kernel a call runs for the setting ``implementation`` (see the module docstring); ``attention_mask``: the
-    call's mask, which may carry a trained position bias (MPNet's), whose gradient Triton does not compute."""
+    call's mask, which may carry a trained position bias (MPNet's), whose gradient Triton does not compute;
+    ``extra``: the score's terms other than q·k at P (DeBERTa's), which Triton does not take."""
     check_implementation(implementation)
-    grad = needs_grad(query, key, value, partial.reconstruction, partial.bias, attention_mask)
+    grad = needs_grad(query, key, value, partial.reconstruction, partial.bias, attention_mask, extra)
     if implementation == "triton" and needs_grad(attention_mask):
         raise ValueError("partial_implementation='triton' computes no gradient of the attention mask, which here "
                          "carries a trained position bias (MPNet's relative_attention_bias); use "
@@ -82,12 +84,12 @@ def kernel_for(implementation: str, partial: PartialTensors, query: torch.Tensor
     name = implementation
     if name == "auto":
         name = auto_kernel(partial.layout, query.device, query.shape[-1], grad, dropout)
-        name = "fused" if name == "triton" and needs_grad(attention_mask) else name
+        name = "fused" if name == "triton" and (needs_grad(attention_mask) or extra is not None) else name
     name = "fused" if name == "tiled" and grad else name
     # Compiled with R frozen: the setting runs as one custom op that reads W and the blocks of rows sharing P and R
     # from the owner's state at run time (the compiled fast path, below); "auto" is resolved there, where they are
     # known.
-    if name in ("fused", "tiled") and applies_compiled(partial, grad, need_weights, dropout):
+    if name in ("fused", "tiled") and extra is None and applies_compiled(partial, grad, need_weights, dropout):
         return COMPILED_PREFIX + implementation
     return name
 
@@ -266,9 +268,11 @@ def attention_weights_requested(config, kwargs: dict) -> bool:
 
 def _partial_function(implementation: str) -> Callable:
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, need_weights=None,
-                  partial: PartialTensors | None = None, **kwargs):
+                  partial: PartialTensors | None = None, score_terms=None, **kwargs):
         """Partial attention of one layer: q, k, v ``(B, H, T, D)`` -> ``(output (B, T, H, D), maps or None)``; each
-        sequence in its length bucket, a bucket with k_b = b exactly."""
+        sequence in its length bucket, a bucket with k_b = b exactly. ``score_terms``: the score's terms beyond
+        q·k (DeBERTa-v2's position terms, `attention_adapters.DisentangledTerms`): computed at P only, and R
+        reconstructs the rest from their sum."""
         if partial is None and not is_partial(module):
             raise TypeError(
                 f"attention {attention_function_name(implementation)!r} runs only in the partial layers of a "
@@ -278,14 +282,17 @@ def _partial_function(implementation: str) -> Callable:
         if need_weights is None:
             need_weights = attention_weights_requested(config, kwargs)
 
-        def run_kernel(tensors, query, key, value, attention_mask):
+        def run_kernel(tensors, query, key, value, attention_mask, heads=slice(None)):
+            extra = None if score_terms is None else score_terms.at(query, key, tensors.layout.indices, heads)
             name = kernel_for(implementation, tensors, query, key, value, need_weights=need_weights,
-                              dropout=dropout if module.training else 0.0, attention_mask=attention_mask)
+                              dropout=dropout if module.training else 0.0, attention_mask=attention_mask, extra=extra)
             return kernel_function(name)(module, query, key, value, attention_mask, scaling, dropout,
-                                         partial=tensors)
+                                         partial=tensors, **({} if extra is None else {"extra": extra}))
 
         def run_bucket(length, query, key, value, attention_mask, tensors=partial):
             if length in config.exact_lengths:  # b <= k: every score is exact
+                if score_terms is not None:  # every term of every score, in the additive mask
+                    attention_mask = with_position_bias(attention_mask, score_terms.full(query, key), query.dtype)
                 return exact_attention(module, query, key, value, attention_mask, scaling, dropout, need_weights)
             tensors = layer_tensors(module, length) if tensors is None else tensors  # P, R: read once, passed down
             if not isinstance(tensors, list):
@@ -293,18 +300,23 @@ def _partial_function(implementation: str) -> Callable:
             # P and R per head. Where the fused kernel would run under autograd (not for the map, the reference or
             # Triton settings, nor under export): every head in one autograd node with a hand-written backward,
             # where one kernel call per head would pay for H small backward passes (`attention_fused`).
-            if needs_grad(query, key, value, attention_mask, *(t.reconstruction for t in tensors),
+            extra = None if score_terms is None else torch.cat(  # (B, H, T, k): each head's terms at its own P
+                [score_terms.at(query[:, h:h + 1], key[:, h:h + 1], t.layout.indices, slice(h, h + 1))
+                 for h, t in enumerate(tensors)], dim=1)
+            if needs_grad(query, key, value, attention_mask, extra, *(t.reconstruction for t in tensors),
                           *(t.bias for t in tensors)) and \
                     kernel_for(implementation, tensors[0], query, key, value, need_weights=need_weights,
-                               dropout=dropout if module.training else 0.0, attention_mask=attention_mask) == "fused":
+                               dropout=dropout if module.training else 0.0, attention_mask=attention_mask,
+                               extra=extra) == "fused":
                 return all_heads_attention(module, query, key, value, attention_mask, scaling,
-                                           dropout if module.training else 0.0, tensors)
+                                           dropout if module.training else 0.0, tensors, extra)
             # Otherwise each head by the kernel of its own P and R, on its own slice of q, k, v
             outs, maps = [], []
             for h, head_tensors in enumerate(tensors):
                 mask = (attention_mask if attention_mask is None or attention_mask.shape[1] == 1
                         else attention_mask[:, h:h + 1])  # (B|1, 1, T, T)
-                out, probs = run_kernel(head_tensors, query[:, h:h + 1], key[:, h:h + 1], value[:, h:h + 1], mask)
+                out, probs = run_kernel(head_tensors, query[:, h:h + 1], key[:, h:h + 1], value[:, h:h + 1], mask,
+                                        slice(h, h + 1))
                 outs.append(out)  # (B, T, 1, D)
                 maps.append(probs)  # (B, 1, T, T) or None
             return torch.cat(outs, dim=2), None if maps[0] is None else torch.cat(maps, dim=1)  # (B, T, H, D)
@@ -319,10 +331,13 @@ def _partial_function(implementation: str) -> Callable:
 
 
 def _exact_function(module, query, key, value, attention_mask, scaling=None, dropout=0.0, need_weights=None,
-                    **kwargs):
+                    score_terms=None, **kwargs):
     """An exact layer of a partial model: the model's ``_attn_implementation``; eager when the map is asked for
-    (``need_weights``, where the caller says so: an adapted module, `attention_adapters`)."""
+    (``need_weights``, where the caller says so: an adapted module, `attention_adapters`). ``score_terms``: the
+    score's terms beyond q·k (DeBERTa-v2's), added in full through the mask."""
     chosen = module.config._partial_base._attn_implementation or "sdpa"
+    if score_terms is not None:
+        attention_mask = with_position_bias(attention_mask, score_terms.full(query, key), query.dtype)
     if need_weights is None:
         need_weights = attention_weights_requested(module.config, kwargs)
     if chosen == "eager" or need_weights:

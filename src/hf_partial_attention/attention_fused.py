@@ -22,9 +22,10 @@ from .attention_common import (PartialTensors, PatternStructure, bias_in_key_ord
 __all__ = ["fused_attention", "all_heads_attention"]
 
 
-def _dense_exact_rows(query, key, indices, scaling, zero_at, dense_out=None):
-    """Exact scores by QKᵀ then select P, rows first: ``(T, B·H, k)``, the QKᵀ buffer ``(B·H, T, T)`` (free for
-    reuse; ``dense_out`` when given) and what the backward needs."""
+def _dense_exact_rows(query, key, indices, scaling, zero_at, dense_out=None, extra=None):
+    """Exact scores by QKᵀ then select P (plus ``extra``, the score's other terms at P, ``(B|1, H, T, k)``), rows
+    first: ``(T, B·H, k)``, the QKᵀ buffer ``(B·H, T, T)`` (free for reuse; ``dense_out`` when given) and what the
+    backward needs."""
     b, h, t, d = query.shape
     k = indices.shape[1]
     bh = b * h
@@ -35,6 +36,8 @@ def _dense_exact_rows(query, key, indices, scaling, zero_at, dense_out=None):
     q3, k3t = query.reshape(bh, t, d), key.transpose(2, 3).reshape(bh, d, t)  # (B·H, T, D), (B·H, D, T)
     dense = torch.bmm(q3, k3t, out=dense_out)  # (B·H, T, T): the one n×n buffer of the forward
     exact = dense.gather(-1, index).mul_(scaling)  # (B·H, T, k)
+    if extra is not None:
+        exact.view(b, h, t, k).add_(extra)
     if zero_at is not None:
         exact.view(b, h, t, k).masked_fill_(zero_at, 0.0)  # masked keys enter R with score zero
     return exact.transpose(0, 1).contiguous(), dense, (q3, k3t, index)  # rows (T, B·H, k): one bmm over rows
@@ -102,7 +105,7 @@ def _dtypes(partial: PartialTensors) -> tuple:
     return partial.reconstruction.dtype, None if partial.bias is None else partial.bias.dtype
 
 
-def _no_grad_attention(query, key, value, attention_mask, layout, w, bias_full, scaling, dropout=0.0):
+def _no_grad_attention(query, key, value, attention_mask, layout, w, bias_full, scaling, dropout=0.0, extra=None):
     """The forward without autograd on one group of (batch, head) pairs, in one n×n buffer worked in place:
     ``(B, H, T, D)`` -> output ``(B, T, H, Dv)``. Exact scores by QKᵀ then select P (per-query patterns), or by
     block GEMMs where blocks of rows share keys."""
@@ -112,9 +115,10 @@ def _no_grad_attention(query, key, value, attention_mask, layout, w, bias_full, 
     if layout.structure is PatternStructure.PER_QUERY:
         additive, masked = masked_keys(attention_mask, t, query.dtype)
         zero_at = masked_at_p(masked, layout.indices, t)  # (B|1, 1|H, T, k) or None
-        rows, dense, _ = _dense_exact_rows(query, key, layout.indices, scaling, zero_at)
+        rows, dense, _ = _dense_exact_rows(query, key, layout.indices, scaling, zero_at, extra=extra)
     else:
-        exact, additive = masked_exact_scores(query, key, attention_mask, layout, scaling, True)  # (B, H, T, k)
+        exact, additive = masked_exact_scores(query, key, attention_mask, layout, scaling, True,
+                                              extra=extra)  # (B, H, T, k)
         rows, dense = rows_first(exact), None  # (T, B·H, k)
     out = _rows_forward(rows, value, w, bias_full, additive, dropout, scores_out=dense)[0]  # (B·H, T, Dv)
     return out.view(b, h, t, -1).transpose(1, 2)  # (B, T, H, Dv) view
@@ -134,7 +138,7 @@ class _ScoresFused(torch.autograd.Function):
     head each step's tensors stay in cache."""
 
     @staticmethod
-    def forward(ctx, query, key, value, partials, indices, additive, zero_at, scaling, dropout, *trained):
+    def forward(ctx, query, key, value, partials, indices, additive, zero_at, extra, scaling, dropout, *trained):
         b, h, t, _ = query.shape
         g = len(partials)
         size = h // g  # heads per group
@@ -146,7 +150,7 @@ class _ScoresFused(torch.autograd.Function):
             heads = slice(group * size, (group + 1) * size)
             rows, dense, (q3, k3t, index) = _dense_exact_rows(
                 query[:, heads], key[:, heads], indices[group], scaling, _heads_of(zero_at, group, size),
-                dense_out=probs_all[group].view(bh, t, t))
+                dense_out=probs_all[group].view(bh, t, t), extra=_heads_of(extra, group, size))
             out, probs, keep, _, v3 = _rows_forward(rows, value[:, heads], w, bias_full,
                                                     _heads_of(additive, group, size), dropout, scores_out=dense)
             if probs.device.type != "cpu":  # the softmax wrote a new tensor (in place on CPU only): keep it saved
@@ -160,6 +164,7 @@ class _ScoresFused(torch.autograd.Function):
         ctx.layouts, ctx.dtypes = [p.layout for p in partials], [_dtypes(p) for p in partials]
         ctx.scaling, ctx.dropout, ctx.shape = scaling, dropout, (b, h, g, size, t, value.shape[-1])
         ctx.mask_shape = None if additive is None else additive.shape
+        ctx.extra_shape = None if extra is None else extra.shape
         out = outs[0] if g == 1 else torch.stack(outs)  # (G, B·Hg, T, Dv)
         return out.view(g, b, size, t, -1)  # (G, B, Hg, T, Dv)
 
@@ -170,29 +175,38 @@ class _ScoresFused(torch.autograd.Function):
         b, h, g, size, t, dv = ctx.shape
         ws, saved = rest[:g], rest[g:]
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
-        need_trained = ctx.needs_input_grad[9:]
+        need_extra = ctx.needs_input_grad[7]
+        need_trained = ctx.needs_input_grad[10:]
         grads = {name: grad_out.new_empty(g, b, size, t, d) for name, d, need in
                  (("q", saved[0].shape[-1], need_q), ("k", saved[1].shape[-2], need_k)) if need}  # (G, B, Hg, T, D)
         grads_v = []  # each group's (B·Hg, T, Dv)
         grads_r, grads_bias = [None] * g, [None] * (len(need_trained) - g)
         # The additive mask's gradient, where it trains (a position bias in it, MPNet's): the scores' own
         grad_mask = grad_out.new_empty(b, h, t, t) if ctx.needs_input_grad[5] else None  # (B, H, T, T)
+        grad_extra = None  # (B, H, T, k): the rows' own gradient, zero where a masked key entered R as zero
         scratch = None if g == 1 else probs_all.new_empty(probs_all.shape[1:])  # (T, B·Hg, T), reused
         for group in range(g):
             q3, k3t, v3, rows, index = saved[5 * group:5 * group + 5]
             keep = None if keep_all is None else keep_all[group]
             grad_s, grad_rows, grad_v, grads_r[group], bias_grad = _rows_backward(
                 grad_out[group], rows, ws[group], v3, probs_all[group], keep, ctx.dropout, ctx.layouts[group],
-                ctx.dtypes[group], need_q or need_k, need_v, need_trained[group],
+                ctx.dtypes[group], need_q or need_k or need_extra, need_v, need_trained[group],
                 bool(grads_bias) and need_trained[g + group], grad_buffer=scratch)
             if grads_bias:
                 grads_bias[group] = bias_grad
             if grad_mask is not None:  # before grad_s's memory is reused below
                 grad_mask[:, group * size:(group + 1) * size] = grad_s.view(t, b, size, t).permute(1, 2, 0, 3)
             grads_v.append(grad_v)
+            zero = _heads_of(zero_at, group, size)
+            if need_extra:
+                g_extra = grad_rows.transpose(0, 1).reshape(b, size, t, -1)  # (B, Hg, T, k), a copy
+                if zero is not None:
+                    g_extra.masked_fill_(zero, 0.0)
+                if grad_extra is None:
+                    grad_extra = g_extra.new_empty(b, h, t, g_extra.shape[-1])
+                grad_extra[:, group * size:(group + 1) * size] = g_extra
             if need_q or need_k:
                 grad_exact = grad_rows.transpose(0, 1).mul_(ctx.scaling)  # (B·Hg, T, k)
-                zero = _heads_of(zero_at, group, size)
                 if zero is not None:
                     grad_exact.view(b, size, t, -1).masked_fill_(zero, 0.0)
                 # The gradient of QKᵀ, (B·Hg, T, T), in the memory of grad_s (read for the last time above).
@@ -207,7 +221,8 @@ class _ScoresFused(torch.autograd.Function):
         grad_q, grad_k, grad_v = (grads[name].transpose(0, 1).flatten(1, 2) if name in grads else None
                                   for name in "qkv")
         grad_mask = None if grad_mask is None else sum_to_shape(grad_mask, ctx.mask_shape)
-        return (grad_q, grad_k, grad_v, None, None, grad_mask, None, None, None, *grads_r, *grads_bias)
+        grad_extra = None if grad_extra is None else sum_to_shape(grad_extra, ctx.extra_shape)
+        return (grad_q, grad_k, grad_v, None, None, grad_mask, None, grad_extra, None, None, *grads_r, *grads_bias)
 
 
 class _RowsFused(torch.autograd.Function):
@@ -240,7 +255,7 @@ class _RowsFused(torch.autograd.Function):
         return grad_exact, grad_v, grad_r, grad_bias, None, grad_mask, None
 
 
-def _scores_fused(query, key, value, attention_mask, partials: list[PartialTensors], scaling, dropout):
+def _scores_fused(query, key, value, attention_mask, partials: list[PartialTensors], scaling, dropout, extra=None):
     """``(B, H, T, D)`` -> ``(B, T, H, Dv)`` by `_ScoresFused`, one group of heads per entry of ``partials``."""
     t = query.shape[2]
     check_length(t, partials[0].layout.indices.shape[0])
@@ -249,36 +264,39 @@ def _scores_fused(query, key, value, attention_mask, partials: list[PartialTenso
     # (B|1, 1|H, T, k) or None: one P, or each head's (G = H)
     zero_at = masked_at_p(masked, indices[0] if len(partials) == 1 else indices, t)
     trained = [p.reconstruction for p in partials] + ([] if partials[0].bias is None else [p.bias for p in partials])
-    out = _ScoresFused.apply(query, key, value, partials, indices, additive, zero_at, scaling, dropout, *trained)
+    out = _ScoresFused.apply(query, key, value, partials, indices, additive, zero_at, extra, scaling, dropout,
+                             *trained)
     return out.transpose(0, 1).flatten(1, 2).transpose(1, 2).contiguous()  # (B, T, H, Dv)
 
 
-def _with_autograd(query, key, value, attention_mask, partial: PartialTensors, scaling, dropout):
+def _with_autograd(query, key, value, attention_mask, partial: PartialTensors, scaling, dropout, extra=None):
     """``(B, H, T, D)`` -> ``(B, T, H, D)`` under autograd, by the hand-written backward: `_ScoresFused` for
     per-query patterns; patterns whose blocks of rows share keys get their exact scores from block GEMMs under
     autograd, then `_RowsFused`."""
     layout = partial.layout
     if layout.structure is PatternStructure.PER_QUERY:
-        return _scores_fused(query, key, value, attention_mask, [partial], scaling, dropout)
+        return _scores_fused(query, key, value, attention_mask, [partial], scaling, dropout, extra)
     check_length(query.shape[2], layout.indices.shape[0])
-    exact, additive = masked_exact_scores(query, key, attention_mask, layout, scaling, True)  # (B, H, T, k)
+    exact, additive = masked_exact_scores(query, key, attention_mask, layout, scaling, True,
+                                          extra=extra)  # (B, H, T, k)
     out = _RowsFused.apply(exact, value, partial.reconstruction, partial.bias, partial, additive, dropout)
     return out.transpose(1, 2).contiguous()  # (B, T, H, D)
 
 
 def all_heads_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         attention_mask: torch.Tensor | None, scaling: float, dropout: float,
-                        heads: list[PartialTensors]) -> tuple[torch.Tensor, None]:
+                        heads: list[PartialTensors], extra: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
     """P and R per head (``partial_granularity="head"``) under autograd: ``(B, H, T, D)`` q, k, v and one
     `PartialTensors` per head -> ``(output (B, T, H, D), None)``, the reference kernel's numbers head by head, every
     head in one autograd node (`_ScoresFused`, a group per head) rather than H nodes with their own small products
     and allocations. Without autograd a model runs each head by its own kernel, which tiles the batch."""
-    return _scores_fused(query, key, value, attention_mask, heads, scaling, dropout), None
+    return _scores_fused(query, key, value, attention_mask, heads, scaling, dropout, extra), None
 
 
 def fused_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0, *,
-                    partial: PartialTensors, **kwargs) -> tuple[torch.Tensor, None]:
+                    partial: PartialTensors, extra: torch.Tensor | None = None, **kwargs
+                    ) -> tuple[torch.Tensor, None]:
     """Partial attention by the fused kernel, in transformers' calling convention (arguments as
     `attention_gather.gather_attention`): ``(output (B, T, H, D), None)``, the reference kernel's numbers.
 
@@ -287,8 +305,8 @@ def fused_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     allocated at once."""
     scaling = module.scaling if scaling is None else scaling
     dropout = dropout if module.training else 0.0
-    if needs_grad(query, key, value, partial.reconstruction, partial.bias, attention_mask):
-        return _with_autograd(query, key, value, attention_mask, partial, scaling, dropout), None
+    if needs_grad(query, key, value, partial.reconstruction, partial.bias, attention_mask, extra):
+        return _with_autograd(query, key, value, attention_mask, partial, scaling, dropout, extra), None
     layout = partial.layout
     w = partial.matrix(query.dtype)  # (n, k, n)
     bias_full = bias_in_key_order(layout, partial.bias, query.dtype, query.device)
@@ -301,6 +319,7 @@ def fused_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     for group in tile_groups(b, h, t, t, pairs):
         # (B|1, 1|H, T, T): slice the dimensions that do not broadcast
         mask = None if attention_mask is None else attention_mask[broadcast_slice(group, attention_mask)]
+        part = None if extra is None else extra[broadcast_slice(group, extra)]  # (B|1, H, T, k) sliced as the mask
         out[group[0], :, group[1]] = _no_grad_attention(query[group], key[group], value[group], mask, layout, w,
-                                                        bias_full, scaling, dropout)
+                                                        bias_full, scaling, dropout, part)
     return out, None

@@ -33,7 +33,8 @@ def reconstruct_scores(exact: torch.Tensor, reconstruction: torch.Tensor, bias: 
 
 def gather_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0, *,
-                     partial: PartialTensors, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+                     partial: PartialTensors, extra: torch.Tensor | None = None, **kwargs
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Partial attention by the reference kernel, in transformers' calling convention.
 
     Args:
@@ -42,13 +43,16 @@ def gather_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         scaling: the scores' scale (``module.scaling`` when None); dropout: the probability of dropping an
             attention probability (applied in training mode only).
         partial: P's layout, R and the bias (`attention_dispatch.layer_tensors`), a required keyword.
+        extra: the score's terms other than q·k at P, ``(B|1, H, T, k)``, scaled (DeBERTa's position terms), or
+            None; R reconstructs the rest from the sum.
 
     Returns:
         ``(output (B, T, H, D), probabilities (B, H, T, T))`` like ``eager_attention_forward``.
     """
     scaling = module.scaling if scaling is None else scaling
     layout, reconstruction, bias = partial.layout, partial.reconstruction, partial.bias
-    exact, additive = masked_exact_scores(query, key, attention_mask, layout, scaling, structured=False)
+    exact, additive = masked_exact_scores(query, key, attention_mask, layout, scaling, structured=False,
+                                          extra=extra)
     scores = reconstruct_scores(exact, reconstruction.to(exact.dtype), None if bias is None else bias.to(exact.dtype),
                                 layout.inverse_permutation)
     # (B, H, T, T): reconstructed scores of keys beyond the input are dropped

@@ -38,7 +38,8 @@ def _buffer(flat: torch.Tensor, lead: torch.Size, last: int) -> torch.Tensor:
 
 def tiled_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0, *,
-                    partial: PartialTensors, **kwargs) -> tuple[torch.Tensor, None]:
+                    partial: PartialTensors, extra: torch.Tensor | None = None, **kwargs
+                    ) -> tuple[torch.Tensor, None]:
     """Partial attention by the tiled kernel, in transformers' calling convention (arguments as
     `attention_gather.gather_attention`), without autograd: ``(output (B, T, H, D), None)``.
 
@@ -50,10 +51,11 @@ def tiled_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     while they are still in cache, in one reused buffer; the n×n scores are never written."""
     scaling = module.scaling if scaling is None else scaling
     layout = partial.layout
-    if needs_grad(query, key, value, partial.reconstruction, partial.bias, attention_mask):
+    if needs_grad(query, key, value, partial.reconstruction, partial.bias, attention_mask, extra):
         raise ValueError("partial_implementation='tiled' runs without autograd only (inference); under autograd "
                          "use partial_implementation='fused' (or 'auto', which does).")
-    exact, additive = masked_exact_scores(query, key, attention_mask, layout, scaling, True)  # (B, H, T, k)
+    exact, additive = masked_exact_scores(query, key, attention_mask, layout, scaling, True,
+                                          extra=extra)  # (B, H, T, k)
     b, h, t, d = query.shape
     rows = layout.shared_rows
     nb = -(-t // rows)  # blocks of rows covering the input

@@ -275,9 +275,14 @@ def triton_partial_attention(query, key, value, w, bias_full, additive_mask, mas
 
 def triton_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0, *,
-                     partial: PartialTensors, **kwargs) -> tuple[torch.Tensor, None]:
+                     partial: PartialTensors, extra: torch.Tensor | None = None, **kwargs
+                     ) -> tuple[torch.Tensor, None]:
     """Partial attention by the Triton kernel, in transformers' calling convention (arguments as
-    `attention_gather.gather_attention`): ``(output (B, T, H, D), None)``; no attention dropout."""
+    `attention_gather.gather_attention`): ``(output (B, T, H, D), None)``; no attention dropout, and no score terms
+    beyond q·k (``extra``: DeBERTa's position terms)."""
+    if extra is not None:
+        raise ValueError("partial_implementation='triton' scores q·k only; this model's scores have other terms at P "
+                         "(DeBERTa-v2's position terms): use partial_implementation='fused' (or 'auto', which does).")
     scaling = module.scaling if scaling is None else scaling
     layout = partial.layout
     if module.training and dropout > 0:

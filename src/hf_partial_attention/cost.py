@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ScoreCost", "score_cost", "dense_cost", "nystrom_cost", "forward_ratio", "saving_warning", "SCOPES",
-           "bucket_savings", "distribution_saving", "reconstruction_bytes", "memory_warning"]
+__all__ = ["ScoreCost", "score_cost", "score_terms", "score_dim", "dense_cost", "nystrom_cost", "forward_ratio",
+           "saving_warning", "SCOPES", "bucket_savings", "distribution_saving", "reconstruction_bytes",
+           "memory_warning"]
 
 SCOPES = ("per_query", "whole")
 
@@ -41,6 +42,25 @@ class ScoreCost:
     def per_query(self, n: int) -> "ScoreCost":
         """The same cost for one query row (divides every count by n; exact for the per-query setting)."""
         return ScoreCost(self.exact // n, self.reconstruction // n, self.dense // n)
+
+
+def score_terms(config) -> int:
+    """Dot products of d_h in one attention score: 1 (q·k) but in DeBERTa-v2 with relative attention, 1 plus its
+    position terms (content-to-position, position-to-content), each computed at P in a partial layer."""
+    model_type = str(getattr(config, "model_type", ""))
+    if model_type.replace("partial_", "").replace("_", "-") == "deberta-v2" and getattr(config, "relative_attention",
+                                                                                         False):
+        return 1 + sum(kind in (getattr(config, "pos_att_type", None) or []) for kind in ("c2p", "p2c"))
+    return 1
+
+
+def score_dim(config) -> int | None:
+    """Multiply-adds of one exact score, the cost model's ``d_h``: the head dimension (``head_dim``, else hidden size
+    over heads) times `score_terms` (DeBERTa-v2's three terms cost three dot products)."""
+    explicit = getattr(config, "head_dim", None)
+    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    d_head = int(explicit) if explicit else (hidden // heads if hidden and heads else None)
+    return None if d_head is None else d_head * score_terms(config)
 
 
 def dense_cost(n: int, d_head: int) -> int:

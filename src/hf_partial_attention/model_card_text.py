@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .cost import bucket_savings, score_cost
+from .cost import bucket_savings, score_cost, score_dim, score_terms
 from .partial_places import head_count, own_patterns, r_trainable, tensor_names
 
 __all__ = ["partial_section", "provenance_section", "training_section", "loading_section", "PLACEHOLDER",
@@ -89,13 +89,21 @@ where the greedy's
 """
 
 
+def _d_phrase(config, d_head: int) -> str:
+    terms = score_terms(config)
+    if terms == 1:
+        return str(d_head)
+    return (f"{d_head} ({d_head // terms} per head times the score's {terms} terms: content and position, each "
+            "computed at P)")
+
+
 def partial_section(config, prefix: str, paths: tuple[str, str] | None = None) -> str:
     """P and R (names, shapes, R mode) and the attention cost of a partial config; ``paths``: where the model holds
     the pattern modules and layer l's attention (`_names`; BERT's layout by default)."""
     owner, layer_path = _names(prefix, paths)
     n, k = config.partial_seq_len, config.partial_k
     layers, total = list(config.partial_layers), config.num_hidden_layers
-    d_head = config.hidden_size // config.num_attention_heads
+    d_head = score_dim(config)  # d_h, times the score's terms where it has several (DeBERTa-v2)
     cost = score_cost(n, k, d_head).per_query(n)  # one query row: k·d_h exact, (n−k)·k reconstructed
     layers_k = getattr(config, "partial_layers_k", None)
     # a k per layer: each layer's own saving (their mean in the partial layers)
@@ -143,7 +151,7 @@ Multiply-adds of the scores QKᵀ per query and head: exact part `k·d_h`, recon
 
     saving = 1 − (k·d_h + (n − k)·k) / (n·d_h)
 
-Here n = {n}, k = {k}, d_h = {d_head}: {cost.total} instead of {cost.dense}
+Here n = {n}, k = {k}, d_h = {_d_phrase(config, d_head)}: {cost.total} instead of {cost.dense}
 multiply-adds, {_saving_phrase(cost.saving, layers_k, partial_saving)}, {100 * model_saving:.1f} % of
 the model's QKᵀ over all {total} layers. Softmax and the product with V are unchanged; wall-clock gains depend
 on the kernel.

@@ -6,7 +6,8 @@ scores, hands them to ``sink(layer, scores)`` and then runs the model's own eage
 inputs, so the model's output is that of ``attn_implementation="eager"``. The matching mask function is
 registered with ``AttentionMaskInterface`` (without it transformers would pass no mask at all). MPNet's attention
 modules, which score in their own forward, are adapted for the context (`architectures.Architecture.adapter`): their
-captured scores are the content scores ``q kᵀ · scaling``, before the position bias, what R reconstructs.
+captured scores are the content scores ``q kᵀ · scaling``, before the position bias, what R reconstructs; DeBERTa-v2's
+are adapted the same way, and theirs are the whole score, content and position terms (R reconstructs their sum).
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ def _capture_attention(module, query, key, value, attention_mask, *args, **kwarg
             k = k.repeat_interleave(query.shape[1] // k.shape[1], dim=1)
         with torch.no_grad():
             scores = torch.matmul(query, k.transpose(2, 3)) * scaling  # (B, H, Tq, Tk), pre-mask
+            terms = kwargs.get("score_terms")  # DeBERTa-v2's position terms: the score R reconstructs is the sum
+            if terms is not None:
+                scores = scores + terms.full(query, k)
         state.calls += 1
         state.sink(state.layer(module), scores.detach())
     return _model_eager(module)(module, query, key, value, attention_mask, *args, **kwargs)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from ..cost import score_terms
 from .capture import ScoreSink, capture_scores, require_calls
 from .corpus import load_texts, make_windows, windows_fingerprint
 from .covariance import ScoreCovariance
@@ -116,7 +117,8 @@ def model_shape(model) -> tuple[int | None, int | None, int | None]:
     heads = first("num_attention_heads", "n_heads", "n_head")
     hidden = first("hidden_size", "dim", "n_embd")
     head_dim = first("head_dim") or (hidden // heads if hidden and heads else None)
-    return layers, heads, head_dim
+    # the cost model's d_h: multiply-adds of one exact score (DeBERTa-v2's has a content and position terms)
+    return layers, heads, None if head_dim is None else head_dim * score_terms(config)
 
 
 def prepare_windows(texts: Any, tokenizer, seq_len: int, max_sequences: int | None) -> torch.Tensor:

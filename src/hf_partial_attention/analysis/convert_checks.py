@@ -8,7 +8,7 @@ import logging
 import os
 from typing import Any
 
-from ..cost import saving_warning
+from ..cost import saving_warning, score_dim
 from ..pattern import AttentionPattern
 from .collect import display_name, hub_id
 
@@ -28,12 +28,9 @@ def source_config(source: Any):
 
 
 def head_dim(config) -> int | None:
-    """d_h of a BERT-family config (``head_dim``, else hidden size over heads)."""
-    explicit = getattr(config, "head_dim", None)
-    if explicit:
-        return int(explicit)
-    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
-    return hidden // heads if hidden and heads else None
+    """The cost model's d_h of a config: multiply-adds of one exact score (`cost.score_dim`: the head dimension,
+    times DeBERTa-v2's score terms)."""
+    return score_dim(config)
 
 
 def check_convertible(pattern: AttentionPattern, pattern_path: str, config, name: str) -> list[str]:
