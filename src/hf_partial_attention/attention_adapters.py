@@ -6,7 +6,9 @@ module's weights and names and differs in one place: the scores go through
 ``ALL_ATTENTION_FUNCTIONS[module.config._attn_implementation]`` with the position bias added to the additive mask. Every
 attention function adds the mask to every score, exact or reconstructed, so a partial layer computes ``q kᵀ`` at P,
 reconstructs the rest with R and then adds the bias, as the bias is a lookup (docs/method.md, "Relative-position
-bias"). An architecture's table entry names its adapter (`architectures.Architecture.adapter`).
+bias"). DeBERTa-v2's ``DisentangledSelfAttention`` (`DebertaV2DispatchingSelfAttention`) passes its position terms as
+``score_terms`` (`DisentangledTerms`): computed at P in a partial layer, in full in an exact one (docs/method.md,
+"Disentangled scores"). An architecture's table entry names its adapter (`architectures.Architecture.adapter`).
 
 Part of the remote-code bundle (imports: torch, transformers and siblings only).
 """
