@@ -1,14 +1,13 @@
 """Attention modules that compute their scores themselves, made to dispatch through transformers' AttentionInterface.
 
-MPNet's ``MPNetSelfAttention`` scores ``q kᵀ / √d + position_bias`` in its own forward and calls no attention function,
-so neither partial attention nor score capture could reach it. Its adapter (`MPNetDispatchingSelfAttention`) keeps the
-module's weights and names and differs in one place: the scores go through
-``ALL_ATTENTION_FUNCTIONS[module.config._attn_implementation]`` with the position bias added to the additive mask. Every
-attention function adds the mask to every score, exact or reconstructed, so a partial layer computes ``q kᵀ`` at P,
-reconstructs the rest with R and then adds the bias, as the bias is a lookup (docs/method.md, "Relative-position
-bias"). DeBERTa-v2's ``DisentangledSelfAttention`` (`DebertaV2DispatchingSelfAttention`) passes its position terms as
-``score_terms`` (`DisentangledTerms`): computed at P in a partial layer, in full in an exact one (docs/method.md,
-"Disentangled scores"). An architecture's table entry names its adapter (`architectures.Architecture.adapter`).
+MPNet's ``MPNetSelfAttention`` scores ``q kᵀ / √d + position_bias`` in its own forward and calls no attention function.
+Its adapter (`MPNetDispatchingSelfAttention`: the module's weights and names) sends the scores through
+``ALL_ATTENTION_FUNCTIONS[module.config._attn_implementation]`` with the bias in the additive mask, which every
+attention function adds to every score: a partial layer computes ``q kᵀ`` at P, reconstructs the rest with R and then
+adds the bias, a lookup (docs/method.md, "Relative-position bias"). DeBERTa-v2's ``DisentangledSelfAttention``
+(`DebertaV2DispatchingSelfAttention`) passes its position terms as ``score_terms`` (`DisentangledTerms`): computed at P
+in a partial layer, in full in an exact one (docs/method.md, "Disentangled scores"). An architecture's table entry
+names its adapter (`architectures.Architecture.adapter`).
 
 Part of the remote-code bundle (imports: torch, transformers and siblings only).
 """
