@@ -1,8 +1,8 @@
 """The model card names P and R by the tensors the checkpoint holds: for every form `convert` can write (one P and
-R, length buckets, per layer, per head, a k per layer) × every R mode × bias or not, on four architectures whose
-tensors live in different places (BERT's masked LM, DistilBERT's bare model, ALBERT's shared layer, MPNet's adapted
-attention module), every name the card prints exists in ``model.safetensors`` and every P, R and bias tensor of the
-file is named by the card."""
+R, length buckets, per layer, per head, a k per layer) × every R mode × bias or not, on five architectures whose
+tensors live in different places (BERT's masked LM, DistilBERT's bare model, ALBERT's shared layer, MPNet's and
+DeBERTa-v2's adapted attention modules), every name the card prints exists in ``model.safetensors`` and every P, R
+and bias tensor of the file is named by the card."""
 
 import itertools
 import re
@@ -23,10 +23,10 @@ from test_encoders import installed, tiny_config
 
 N, HEADS, LAYERS = 16, 4, [0, 1]  # the tiny configs: 3 layers of 4 heads; every layer but the last partial
 MODELS = {"bert": "AutoModelForMaskedLM", "distilbert": "AutoModel", "albert": "AutoModelForMaskedLM",
-          "mpnet": "AutoModelForMaskedLM"}
+          "mpnet": "AutoModelForMaskedLM", "deberta-v2": "AutoModelForSequenceClassification"}
 # The forms × modes × bias each architecture runs: all but R common with P per layer (one R cannot map every layer's
 # own P), and ALBERT's one shared layer only one P and R for every layer (pooled, R fixed or common).
-RUNS = {"bert": 24, "distilbert": 24, "albert": 8, "mpnet": 24}
+RUNS = {"bert": 24, "distilbert": 24, "albert": 8, "mpnet": 24, "deberta-v2": 24}
 FORMS = ("single", "buckets", "layer", "head", "budget")
 MODES = ("fixed", "common", "per_layer")
 _NAME = re.compile(r"`([\w.{}]+)`")
