@@ -280,4 +280,13 @@ def test_mpnet_study_small(tmp_path, minilm_path, capsys):
         assert goal["time_ratio"] == summary["timing"][arm]["ratio_to_source"] > 0
     text = (results / "mpnet.md").read_text()
     assert "`tiny-mpnet`" in text and str(model_dir) not in text
+    # timed again alone (the measurement read back, not redone): the same 1 − cos, a new timing, both commands named
+    measured = (results / "granularity_lengths.json").read_text()
+    assert studies_cli.main(["mpnet", "--model-dir", str(model_dir), "--out", str(tmp_path / "run"), "--results",
+                             str(results), "--k", "4", "--repeats", "2", "--timing-only", "--no-progress"]) == 0
+    again = json.loads((results / "mpnet.json").read_text())
+    assert (results / "granularity_lengths.json").read_text() == measured
+    assert {a: g["windows_one_minus_cos"] for a, g in again["goals"].items()} == \
+        {a: g["windows_one_minus_cos"] for a, g in summary["goals"].items()}
+    assert "--timing-only" in again["timing_command"] and "--timing-only" in (results / "mpnet.md").read_text()
     assert text.count("**met**") + text.count("**not met**") == 4  # two goals of two arms, each stated

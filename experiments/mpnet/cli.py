@@ -22,6 +22,8 @@ def _mpnet_args(p):
     p.add_argument("--max-heldout", type=int, default=600, help="held-out inputs of each kind")
     p.add_argument("--heldout-windows", type=int, default=64, help="held-out windows of n tokens")
     p.add_argument("--repeats", type=int, default=20, help="paired timing repeats")
+    p.add_argument("--timing-only", action="store_true",
+                   help="time again from an earlier run's results and patterns (the measurement is read back)")
 
 
 def _run_mpnet(args) -> int:
@@ -30,7 +32,7 @@ def _run_mpnet(args) -> int:
     summary = run_mpnet(args.model_dir, args.parts_dir, args.out, args.results, k=args.k, arms=tuple(args.arms),
                         lengths=tuple(args.lengths), fit_inputs=args.fit_inputs, fit_windows=args.fit_windows,
                         max_heldout=args.max_heldout, heldout_windows=args.heldout_windows, repeats=args.repeats,
-                        progress=not args.no_progress, command=command_line(args))
+                        progress=not args.no_progress, command=command_line(args), timing_only=args.timing_only)
     print(f"Wrote {os.path.join(args.results, 'mpnet.md')} in {summary['seconds']:.0f} s")
     return 0
 
