@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModel, AutoTokenizer, MPNetConfig, MPNetForMaskedLM
 
 from hf_partial_attention import AttentionPattern, cli, partial_class_for
+from hf_partial_attention.architectures import architecture_for
 from hf_partial_attention.analysis.corpus import default_texts
 from hf_partial_attention.attention_adapters import MPNetDispatchingSelfAttention
 
@@ -290,3 +291,33 @@ def test_mpnet_study_small(tmp_path, minilm_path, capsys):
         {a: g["windows_one_minus_cos"] for a, g in summary["goals"].items()}
     assert "--timing-only" in again["timing_command"] and "--timing-only" in (results / "mpnet.md").read_text()
     assert text.count("**met**") + text.count("**not met**") == 4  # two goals of two arms, each stated
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["mpnet", "deberta-v2"])
+def test_every_key_exact_equals_the_source_in_each_head_with_and_without_the_plugin(model_type, tmp_path):
+    """Issue 55's first goal, for the two architectures whose scores carry position terms: k = n (every layer partial,
+    R empty) equals the source in float32 on a padded batch (≤ 1e-5) for the base model, the masked LM and the
+    classifier, with the plugin and by remote code in a process that cannot import it."""
+    from test_encoders import N as TABLE_N, batch, tiny_config
+    from test_hub import remote_load_results
+
+    arch = architecture_for(model_type)
+    ids, mask = batch()
+    jobs = []
+    for auto in ("AutoModel", "AutoModelForMaskedLM", "AutoModelForSequenceClassification"):
+        torch.manual_seed(0)
+        source = arch.source_class(auto)(tiny_config(model_type)).eval()
+        model = partial_class_for(model_type, auto).from_source(source, AttentionPattern.exact(TABLE_N),
+                                                                partial_layers=[0, 1, 2]).eval()
+        with torch.no_grad():
+            want, got = source(input_ids=ids, attention_mask=mask)[0], model(input_ids=ids, attention_mask=mask)[0]
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=f"{model_type} {auto}")
+        folder = tmp_path / auto
+        model.save_pretrained(folder)
+        partial = {k: v for k, v in model.state_dict().items() if "partial_pattern" in k or "reconstruction" in k}
+        torch.save({"ids": ids, "mask": mask.long(), "out": want, "partial": partial}, folder / "reference.pt")
+        jobs.append(f"{folder} {auto}")
+    for folder, result in remote_load_results(jobs, tmp_path).items():  # against the source's outputs
+        module, diff, same_r = result.split()
+        assert module == "transformers_modules" and float(diff) <= 1e-5 and same_r == "True", (folder, result)
