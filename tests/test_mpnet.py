@@ -267,7 +267,8 @@ def test_mpnet_study_small(tmp_path, minilm_path, capsys):
     tok.save_pretrained(model_dir)
     results = tmp_path / "results"
     assert studies_cli.main(["mpnet", "--model-dir", str(model_dir), "--parts-dir", str(tmp_path / "unused"),
-                             "--out", str(tmp_path / "run"), "--results", str(results), "--k", "4", "--lengths", "8",
+                             "--out", str(tmp_path / "run"), "--results", str(results), "--k", "4",
+                             "--arms", "head_uniform", "head_budget", "--lengths", "8",
                              "16", "--fit-inputs", "40", "--fit-windows", "8", "--max-heldout", "8",
                              "--heldout-windows", "4", "--repeats", "2", "--no-progress"]) == 0
     assert capsys.readouterr().out.startswith(f"Wrote {results / 'mpnet.md'} in ")
@@ -284,7 +285,8 @@ def test_mpnet_study_small(tmp_path, minilm_path, capsys):
     # timed again alone (the measurement read back, not redone): the same 1 − cos, a new timing, both commands named
     measured = (results / "granularity_lengths.json").read_text()
     assert studies_cli.main(["mpnet", "--model-dir", str(model_dir), "--out", str(tmp_path / "run"), "--results",
-                             str(results), "--k", "4", "--repeats", "2", "--timing-only", "--no-progress"]) == 0
+                             str(results), "--k", "4", "--arms", "head_uniform", "head_budget", "--repeats", "2",
+                             "--timing-only", "--no-progress"]) == 0
     again = json.loads((results / "mpnet.json").read_text())
     assert (results / "granularity_lengths.json").read_text() == measured
     assert {a: g["windows_one_minus_cos"] for a, g in again["goals"].items()} == \

@@ -15,7 +15,8 @@ def _mpnet_args(p):
     p.add_argument("--out", default="runs/mpnet_lengths", help="run folder (covariances, patterns; reused)")
     p.add_argument("--results", default="results/mpnet", help="where mpnet.json/.md and granularity_lengths.* go")
     p.add_argument("--k", type=int, default=32, help="the uniform k; the budget arm spends its saving")
-    p.add_argument("--arms", nargs="+", default=["head_uniform", "head_budget"], help="granularity-lengths arms")
+    p.add_argument("--arms", nargs="+", default=["head_uniform", "head_budget", "head_exact10"],
+                   help="granularity-lengths arms (head_exact10: the last partial layer exact within the saving)")
     p.add_argument("--lengths", type=int, nargs="+", default=[16, 32, 64, 128], help="length buckets (the last is n)")
     p.add_argument("--fit-inputs", type=int, default=None, help="sentences and paragraphs to fit on (default: all)")
     p.add_argument("--fit-windows", type=int, default=320, help="windows of n tokens added to the longest bucket")

@@ -52,8 +52,8 @@ def time_models(models: dict, batch: dict, repeats: int) -> dict:
 
 def run_mpnet(model_dir: str = "runs/all-mpnet-base-v2", parts_dir: str = "runs/mpnet_parts",
               out: str = "runs/mpnet_lengths", results: str = "results/mpnet", *, k: int = 32,
-              arms=("head_uniform", "head_budget"), lengths=(16, 32, 64, 128), fit_inputs: int | None = None,
-              fit_windows: int = 320, max_heldout: int = 600,
+              arms=("head_uniform", "head_budget", "head_exact10"), lengths=(16, 32, 64, 128),
+              fit_inputs: int | None = None, fit_windows: int = 320, max_heldout: int = 600,
               heldout_windows: int = 64, batch_size: int = 8, timing_batch: int = 4, repeats: int = 20,
               progress: bool = True, command: str | None = None, timing_only: bool = False) -> dict:
     """Fetch, fit, convert, measure and time (see the module docstring); returns the summary written to
