@@ -271,9 +271,9 @@ def test_maps_of_exact_layers_without_changing_the_config():
 def test_transformers_output_recorder_is_found():
     # The kernels skip writing attention maps unless transformers' output recorder (a private symbol) asks for
     # them; if it moves, every forward would silently take the slow, map-writing path: fail here instead.
-    from hf_partial_attention import attention_dispatch
+    from hf_partial_attention import attention_layer
 
-    assert attention_dispatch._active_collector is not None
+    assert attention_layer._active_collector is not None
     from transformers.utils.output_capturing import _active_collector
 
-    assert attention_dispatch._active_collector is _active_collector
+    assert attention_layer._active_collector is _active_collector

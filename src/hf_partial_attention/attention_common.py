@@ -114,7 +114,7 @@ class DerivedState:
 
 
 class PartialTensors(NamedTuple):
-    """What a partial layer reconstructs with (`attention_dispatch.layer_tensors`), passed to every kernel as
+    """What a partial layer reconstructs with (`attention_layer.layer_tensors`), passed to every kernel as
     ``partial=``."""
 
     layout: PatternLayout

@@ -28,12 +28,8 @@ from .attention_gather import gather_attention
 from .attention_lengths import bucketed_attention, exact_attention
 from .attention_tiled import tiled_attention
 from .configuration_partial import KERNEL_NAMES, PARTIAL_IMPLEMENTATIONS, check_implementation
-from .partial_places import place
+from .attention_layer import attention_weights_requested, is_partial, layer_tensors
 
-try:  # transformers' recorder of `output_*` (private), read by `attention_weights_requested` at every forward
-    from transformers.utils.output_capturing import _active_collector
-except ImportError:
-    _active_collector = None
 
 __all__ = ["TILED_MIN_LENGTH", "COMPILED_PREFIX", "auto_kernel", "kernel_for", "kernel_function",
            "check_implementation", "applies_compiled", "compiled_attention", "partial_attention_forward",
@@ -170,8 +166,6 @@ def attention_function_name(implementation: str) -> str:
 # dropout in effect, and a pattern module that passed its state (`partial_pattern.PartialPattern.compiled_fast_path`).
 # Under autograd (a trained R, or training other weights with R fixed) W stays built in the graph, differentiable.
 
-
-
 # `attention_dispatch.kernel_for` names the compiled path "compiled_<setting>": the setting (auto, fused, tiled) is
 # resolved at run time, where the blocks of rows sharing P and R are known ("auto" may then pick tiled).
 COMPILED_PREFIX = "compiled_"
@@ -239,33 +233,6 @@ def compiled_attention(implementation: str, module: nn.Module, query: torch.Tens
 
 
 # ------------------------------------------------------------------ the attention functions transformers calls
-def is_partial(module: nn.Module) -> bool:
-    """Whether ``module`` is an attention module made partial by `make_partial`."""
-    return getattr(module, "_partial_owner", None) is not None
-
-
-def layer_tensors(module: nn.Module, length: int | None = None) -> PartialTensors:
-    """P's layout, R, its bias and their derived state in bucket ``length`` (default n), as the partial ``module``
-    reconstructs with them. The owner's pattern module of the bucket is called (not held), so that a wrapper installed
-    in its place (peft's modules_to_save) is the one that runs."""
-    where = place(module.config, module._partial_layer, length)
-    pattern_module = getattr(module._partial_owner, where.pattern)
-    if where.on_attention:  # per_layer with a pooled P: this layer's own R
-        return pattern_module(getattr(module, where.r_name), getattr(module, where.bias_name), where.layer)
-    return pattern_module()
-
-
-def attention_weights_requested(config, kwargs: dict) -> bool:
-    """Whether this forward returns attention maps (``output_attentions`` in the call or the config, or an active
-    transformers output recorder that collects them): only then must a kernel write the n×n probabilities."""
-    if kwargs.get("output_attentions") or getattr(config, "output_attentions", False):
-        return True
-    if _active_collector is None:  # the recorder moved: keep returning the maps
-        return True
-    collected = _active_collector.get()
-    return bool(collected) and "attentions" in collected
-
-
 def _partial_function(implementation: str) -> Callable:
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, need_weights=None,
                   partial: PartialTensors | None = None, score_terms=None, **kwargs):

@@ -42,7 +42,7 @@ def gather_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         attention_mask: ``None``, bool ``(B|1, 1|H, T, T)`` (True = attend) or additive float of that shape.
         scaling: the scores' scale (``module.scaling`` when None); dropout: the probability of dropping an
             attention probability (applied in training mode only).
-        partial: P's layout, R and the bias (`attention_dispatch.layer_tensors`), a required keyword.
+        partial: P's layout, R and the bias (`attention_layer.layer_tensors`), a required keyword.
         extra: the score's terms other than q·k at P, ``(B|1, H, T, k)``, scaled (DeBERTa's position terms), or
             None; R reconstructs the rest from the sum.
 
