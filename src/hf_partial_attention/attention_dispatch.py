@@ -233,6 +233,14 @@ def compiled_attention(implementation: str, module: nn.Module, query: torch.Tens
 
 
 # ------------------------------------------------------------------ the attention functions transformers calls
+def _terms_per_head(score_terms, query, key, tensors: list[PartialTensors]) -> torch.Tensor | None:
+    """The score's terms beyond q·k (DeBERTa-v2's) at each head's own P, ``(B, H, T, k)``; None without them."""
+    if score_terms is None:
+        return None
+    return torch.cat([score_terms.at(query[:, h:h + 1], key[:, h:h + 1], t.layout.indices, slice(h, h + 1))
+                      for h, t in enumerate(tensors)], dim=1)
+
+
 def _partial_function(implementation: str) -> Callable:
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, need_weights=None,
                   partial: PartialTensors | None = None, score_terms=None, **kwargs):
@@ -267,9 +275,7 @@ def _partial_function(implementation: str) -> Callable:
             # P and R per head. Where the fused kernel would run under autograd (not for the map, the reference or
             # Triton settings, nor under export): every head in one autograd node with a hand-written backward,
             # where one kernel call per head would pay for H small backward passes (`attention_fused`).
-            extra = None if score_terms is None else torch.cat(  # (B, H, T, k): each head's terms at its own P
-                [score_terms.at(query[:, h:h + 1], key[:, h:h + 1], t.layout.indices, slice(h, h + 1))
-                 for h, t in enumerate(tensors)], dim=1)
+            extra = _terms_per_head(score_terms, query, key, tensors)
             if needs_grad(query, key, value, attention_mask, extra, *(t.reconstruction for t in tensors),
                           *(t.bias for t in tensors)) and \
                     kernel_for(implementation, tensors[0], query, key, value, need_weights=need_weights,
