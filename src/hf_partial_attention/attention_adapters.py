@@ -6,10 +6,8 @@ Its adapter (`MPNetDispatchingSelfAttention`: the module's weights and names) se
 attention function adds to every score: a partial layer computes ``q kᵀ`` at P, reconstructs the rest with R and then
 adds the bias, a lookup (docs/method.md, "Relative-position bias"). DeBERTa-v2's ``DisentangledSelfAttention``
 (`DebertaV2DispatchingSelfAttention`) passes its position terms as ``score_terms`` (`DisentangledTerms`): computed at P
-in a partial layer, in full in an exact one (docs/method.md, "Disentangled scores"). An architecture's table entry
-names its adapter (`architectures.Architecture.adapter`).
-
-Part of the remote-code bundle (imports: torch, transformers and siblings only).
+in a partial layer, in full in an exact one (docs/method.md, "Disentangled scores"). A table entry names its adapter
+(`architectures.Architecture.adapter`). Part of the remote-code bundle (imports: torch, transformers, siblings).
 """
 
 from __future__ import annotations
