@@ -12,7 +12,7 @@ COMPAT_NEW := 5.25.0
 COMPAT_TESTS := tests/test_encoders.py tests/test_encoders_workflow.py tests/test_modeling.py \
 	tests/test_configuration.py tests/test_checkpoints.py tests/test_layer_patterns.py tests/test_heads_kernel.py \
 	tests/test_hub.py tests/test_hub_push.py tests/test_sentence_transformers.py tests/test_peft.py \
-	tests/test_length_buckets_clients.py tests/test_mpnet.py tests/test_deberta.py
+	tests/test_length_buckets_clients.py tests/test_mpnet.py tests/test_deberta.py tests/test_position_encoders.py
 # `make test-portable`: the goldens and the checkpoint tests under each ATen CPU capability (issue 52): the portable
 # kernels an older CPU runs, AVX2, and this CPU's own (`native`: the variable unset).
 PORTABLE_TESTS := tests/test_derive_golden.py tests/test_conversion_golden.py tests/test_checkpoints.py \

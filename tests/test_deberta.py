@@ -1,40 +1,22 @@
 """DeBERTa-v2, whose scores are a content term and position terms (content-to-position, position-to-content) that its
 attention module computes itself (adapted to dispatch: `attention_adapters.DisentangledTerms`): a partial layer
 computes every term at P only and R reconstructs the rest from their sum; the analysis captures the whole score; the
-position projections train through every kernel; the cost model counts the three terms; and a tiny DeBERTa-v2 goes
-the user's whole way. What the architecture table gives every encoder (k = n equals the source, kernels, remote code,
-export, dropout, the MLM loss) is tested by the table's own tests (tests/test_encoders.py)."""
+position projections train through every kernel; the cost model counts the three terms. What DeBERTa-v2 shares with
+MPNet (every derive form, peft, compile, k = n = source in every head by remote code) is in
+tests/test_position_encoders.py; what the table gives every encoder in tests/test_encoders.py."""
 
-import os
 
 import pytest
 import torch
-from transformers import AutoModel, AutoTokenizer
 
-from hf_partial_attention import AttentionPattern, cli, partial_class_for
-from hf_partial_attention.analysis.corpus import default_texts
-from hf_partial_attention.architectures import architecture_for
+from hf_partial_attention import AttentionPattern, partial_class_for
 
 from test_encoders import tiny_config
-
-N, K = 16, 5
-
-
-def _source(auto="AutoModelForMaskedLM", vocab_size=99):
-    torch.manual_seed(0)
-    config = tiny_config("deberta-v2")
-    config.vocab_size = vocab_size
-    model = architecture_for("deberta-v2").source_class(auto)(config).double().eval()
-    with torch.no_grad():  # position embeddings that matter: the tiny init's (std 0.02) barely moves a score
-        model.base_model.encoder.rel_embeddings.weight.normal_(0.0, 1.0)
-    return model
+from test_position_encoders import N, K, batch as _batch, source
 
 
-def _batch():
-    ids = torch.randint(6, 99, (2, N), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[1, 9:] = 0
-    return ids, mask
+def _source(auto="AutoModelForMaskedLM"):
+    return source("deberta-v2", auto)
 
 
 def _deberta_scores(module, hidden, encoder):
@@ -135,85 +117,3 @@ def test_the_cost_model_counts_the_three_terms():
     card = partial_section(model.config, "deberta.")
     cost = score_cost(N, K, 24).per_query(N)
     assert f"{cost.total} instead of {cost.dense}" in card and "score's 3 terms" in card
-
-
-@pytest.fixture(scope="module")
-def tiny_deberta(tmp_path_factory, minilm_path):
-    tok = AutoTokenizer.from_pretrained(minilm_path)
-    model = _source(vocab_size=tok.vocab_size).float()
-    path = tmp_path_factory.mktemp("deberta") / "source"
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
-
-
-@pytest.mark.slow
-def test_analyze_derive_every_form_convert_load(tiny_deberta, tmp_path, capsys):
-    """One analysis (per head, sentences in buckets 12 and 16) → derive pooled, per layer, per head, per head at a
-    QKᵀ saving → convert each → AutoModel loads a PartialDebertaV2Model running the derived P."""
-    text = tmp_path / "text.txt"
-    text.write_text("\n\n".join(default_texts()[:20]), encoding="utf-8")
-    run = str(tmp_path / "run")
-    assert cli.main(["analyze", "--model", tiny_deberta, "--text-file", str(text), "--inputs", "sentences",
-                     "--max-sequences", "48", "--heldout-every", "0", "--granularity", "head", "--lengths", "12", "16",
-                     "--out", run, "--no-progress"]) == 0
-    forms = {"buckets_k5": ([], "pooled"), "buckets_per_query_layer_k5": (["--granularity", "layer"], "layer"),
-             "buckets_per_query_head_k5": (["--granularity", "head"], "head"),
-             "buckets_per_query_head_saving0.3_budget": (["--granularity", "head", "--saving", "0.3"], "head")}
-    ids, mask = _batch()
-    for name, (flags, granularity) in forms.items():
-        assert cli.main(["derive", run, "--k", str(K), "--no-baselines", "--no-evaluate", "--no-progress",
-                         *flags]) == 0, name
-        ckpt = str(tmp_path / f"ckpt_{name}")
-        capsys.readouterr()
-        assert cli.main(["convert", os.path.join(run, "patterns", name + ".safetensors"), "--out", ckpt, "--model",
-                         tiny_deberta, "--reconstruction", "fixed"]) == 0
-        assert "reloads as PartialDebertaV2Model" in capsys.readouterr().out, name
-        model = AutoModel.from_pretrained(ckpt).eval()
-        assert type(model).__name__ == "PartialDebertaV2Model"
-        assert model.config.partial_granularity == granularity and model.config.partial_lengths == [12, 16], name
-        with torch.no_grad():
-            assert torch.isfinite(model(input_ids=ids, attention_mask=mask).last_hidden_state).all()
-
-
-def test_peft_lora_with_r_under_modules_to_save(tmp_path):
-    """LoRA on DeBERTa's query and value projections with the common R trained through modules_to_save; the saved
-    adapter reloads the same model."""
-    from peft import LoraConfig, PeftModel, get_peft_model
-
-    def base():
-        return partial_class_for("deberta-v2", "AutoModelForMaskedLM").from_source(
-            _source().float(), AttentionPattern.local(N, K, correlation=0.5), reconstruction="common")
-
-    model = get_peft_model(base(), LoraConfig(target_modules=["query_proj", "value_proj"],
-                                              modules_to_save=["partial_pattern"]))
-    r0 = base().deberta.encoder.partial_pattern.reconstruction.detach().clone()
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    ids, mask = _batch()
-    for _ in range(3):
-        model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    trained = model.base_model.model.deberta.encoder.partial_pattern.modules_to_save["default"].reconstruction
-    assert float((trained.detach() - r0).abs().max()) > 1e-3
-    model.eval()
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask).logits
-    model.save_pretrained(tmp_path)
-    reloaded = PeftModel.from_pretrained(base(), tmp_path).eval()
-    with torch.no_grad():
-        torch.testing.assert_close(reloaded(input_ids=ids, attention_mask=mask).logits, logits, rtol=0, atol=0)
-
-
-@pytest.mark.slow
-def test_compiled_equals_eager():
-    """torch.compile (fullgraph) gives the eager model's outputs, R frozen and trained."""
-    for mode in ("fixed", "per_layer"):
-        model = partial_class_for("deberta-v2").from_source(_source("AutoModel").float(),
-                                                            AttentionPattern.local(N, K, correlation=0.5),
-                                                            reconstruction=mode).eval()
-        ids, mask = _batch()
-        with torch.no_grad():
-            eager = model(input_ids=ids, attention_mask=mask).last_hidden_state
-            compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(input_ids=ids, attention_mask=mask)
-        torch.testing.assert_close(compiled.last_hidden_state, eager, atol=1e-5, rtol=0)

@@ -1,38 +1,29 @@
 """MPNet, whose scores carry a relative-position bias its attention module adds itself (adapted to dispatch:
 `attention_adapters`): the bias is added after R, the bias trains through every kernel, and a tiny MPNet goes the
-user's whole way (analyze → derive in every form → convert → AutoModel → sentence-transformers → peft → compile).
-What the architecture table gives every encoder (k = n equals the source, kernels, remote code, export, the example
-scripts) is tested for MPNet by the table's own tests (tests/test_encoders.py, tests/test_examples_encoders.py)."""
+user's way to sentence-transformers; `make mpnet`'s fetch and tiny study. What MPNet shares with DeBERTa-v2 (every
+derive form, peft, compile, k = n = source in every head by remote code) is in tests/test_position_encoders.py; what
+the table gives every encoder in tests/test_encoders.py and tests/test_examples_encoders.py."""
 
 import os
 
 import pytest
 import torch
-from transformers import AutoModel, AutoTokenizer, MPNetConfig, MPNetForMaskedLM
+from transformers import AutoTokenizer
 
-from hf_partial_attention import AttentionPattern, cli, partial_class_for
-from hf_partial_attention.architectures import architecture_for
+from hf_partial_attention import AttentionPattern, partial_class_for
 from hf_partial_attention.analysis.corpus import default_texts
 from hf_partial_attention.attention_adapters import MPNetDispatchingSelfAttention
 
-N, K = 16, 5
-SIZES = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37,
-             max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+from test_position_encoders import N, K, batch as _batch, source, tiny_folder
 
 
-def _source(seed=0, vocab_size=99):
-    torch.manual_seed(seed)
-    model = MPNetForMaskedLM(MPNetConfig(vocab_size=vocab_size, pad_token_id=0, **SIZES)).double().eval()
-    with torch.no_grad():  # a bias that matters: the tiny init's (std 0.02) barely moves a score
-        model.mpnet.encoder.relative_attention_bias.weight.normal_(0.0, 1.0)
-    return model
+def _source():
+    return source("mpnet")
 
 
-def _batch():
-    ids = torch.randint(6, 99, (2, N), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[1, 9:] = 0
-    return ids, mask
+@pytest.fixture(scope="module")
+def tiny_mpnet(tmp_path_factory, minilm_path):
+    return tiny_folder("mpnet", tmp_path_factory.mktemp("mpnet") / "source", minilm_path)
 
 
 def test_the_bias_is_added_after_r_to_every_score():
@@ -86,48 +77,6 @@ def test_the_position_bias_trains_through_the_partial_layers():
     assert "\n" not in str(error.value)
 
 
-@pytest.fixture(scope="module")
-def tiny_mpnet(tmp_path_factory, minilm_path):
-    """A tiny random MPNet masked LM with the MiniLM tokenizer (real text), saved as a source checkpoint."""
-    tok = AutoTokenizer.from_pretrained(minilm_path)
-    model = _source(vocab_size=tok.vocab_size).float()
-    path = tmp_path_factory.mktemp("mpnet") / "source"
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
-
-
-@pytest.mark.slow
-def test_analyze_derive_every_form_convert_load(tiny_mpnet, tmp_path, capsys):
-    """One analysis (per head, sentences in length buckets 12 and 16) → derive pooled, per layer, per head, per head at
-    a QKᵀ saving → convert each → AutoModel loads a PartialMPNetModel running the derived P."""
-    text = tmp_path / "text.txt"
-    text.write_text("\n\n".join(default_texts()[:20]), encoding="utf-8")
-    run = str(tmp_path / "run")
-    assert cli.main(["analyze", "--model", tiny_mpnet, "--text-file", str(text), "--inputs", "sentences",
-                     "--max-sequences", "48", "--heldout-every", "0", "--granularity", "head", "--lengths", "12", "16",
-                     "--out", run, "--no-progress"]) == 0
-    forms = {"buckets_k5": ([], "pooled"), "buckets_per_query_layer_k5": (["--granularity", "layer"], "layer"),
-             "buckets_per_query_head_k5": (["--granularity", "head"], "head"),
-             "buckets_per_query_head_saving0.3_budget": (["--granularity", "head", "--saving", "0.3"], "head")}
-    for name, (flags, granularity) in forms.items():
-        assert cli.main(["derive", run, "--k", str(K), "--no-baselines", "--no-evaluate", "--no-progress",
-                         *flags]) == 0, name
-        pattern = os.path.join(run, "patterns", name + ".safetensors")
-        ckpt = str(tmp_path / f"ckpt_{name}")
-        capsys.readouterr()
-        assert cli.main(["convert", pattern, "--out", ckpt, "--model", tiny_mpnet, "--reconstruction", "fixed"]) == 0
-        assert "reloads as PartialMPNetModel" in capsys.readouterr().out, name
-        model = AutoModel.from_pretrained(ckpt).eval()
-        assert type(model).__name__ == "PartialMPNetModel"
-        assert model.config.partial_granularity == granularity and model.config.partial_lengths == [12, 16], name
-        if "budget" in name:
-            assert model.config.partial_layers_k is not None
-        ids, mask = _batch()
-        with torch.no_grad():
-            assert torch.isfinite(model(input_ids=ids, attention_mask=mask).last_hidden_state).all()
-
-
 def test_sentence_transformers_encode_is_mean_pooling_of_the_partial_model(tiny_mpnet, tmp_path):
     """A converted MPNet in sentence-transformers (Transformer + mean Pooling): encode equals the mean over each
     sentence's tokens of the partial model's output."""
@@ -148,48 +97,6 @@ def test_sentence_transformers_encode_is_mean_pooling_of_the_partial_model(tiny_
         hidden = word.auto_model(**batch).last_hidden_state  # (B, T, hidden)
     weights = batch["attention_mask"].unsqueeze(-1).float()
     torch.testing.assert_close(encoded, (hidden * weights).sum(1) / weights.sum(1), atol=1e-5, rtol=0)
-
-
-def test_peft_lora_with_r_under_modules_to_save(tmp_path):
-    """LoRA on MPNet's q and v with the common R trained through modules_to_save: R and the LoRA weights train, and
-    the saved adapter reloads the same model."""
-    from peft import LoraConfig, PeftModel, get_peft_model
-
-    def base():
-        return partial_class_for("mpnet", "AutoModelForMaskedLM").from_source(
-            _source().float(), AttentionPattern.local(N, K, correlation=0.5), reconstruction="common")
-
-    model = get_peft_model(base(), LoraConfig(target_modules=["q", "v"], modules_to_save=["partial_pattern"]))
-    r0 = base().mpnet.encoder.partial_pattern.reconstruction.detach().clone()
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    ids, mask = _batch()
-    for _ in range(3):
-        model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    trained = model.base_model.model.mpnet.encoder.partial_pattern.modules_to_save["default"].reconstruction
-    assert float((trained.detach() - r0).abs().max()) > 1e-3
-    model.eval()
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask).logits
-    model.save_pretrained(tmp_path)
-    reloaded = PeftModel.from_pretrained(base(), tmp_path).eval()
-    with torch.no_grad():
-        torch.testing.assert_close(reloaded(input_ids=ids, attention_mask=mask).logits, logits, rtol=0, atol=0)
-
-
-@pytest.mark.slow
-def test_compiled_equals_eager():
-    """torch.compile (fullgraph: no graph break from the adapter) gives the eager model's outputs, R frozen (the
-    compiled fast path) and trained."""
-    for mode in ("fixed", "per_layer"):
-        model = partial_class_for("mpnet").from_source(_source().float(), AttentionPattern.local(N, K, correlation=0.5),
-                                                       reconstruction=mode).eval()
-        ids, mask = _batch()
-        with torch.no_grad():
-            eager = model(input_ids=ids, attention_mask=mask).last_hidden_state
-            compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(input_ids=ids, attention_mask=mask)
-        torch.testing.assert_close(compiled.last_hidden_state, eager, atol=1e-5, rtol=0)
 
 
 def test_analysis_captures_the_content_scores_and_leaves_the_source_as_it_was():
@@ -262,7 +169,7 @@ def test_mpnet_study_small(tmp_path, minilm_path, capsys):
 
     tok = AutoTokenizer.from_pretrained(minilm_path)
     model_dir = tmp_path / "tiny-mpnet"
-    model = _source(vocab_size=tok.vocab_size).float()
+    model = source("mpnet", vocab_size=tok.vocab_size).float()
     model.mpnet.save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
     results = tmp_path / "results"
@@ -293,33 +200,3 @@ def test_mpnet_study_small(tmp_path, minilm_path, capsys):
         {a: g["windows_one_minus_cos"] for a, g in summary["goals"].items()}
     assert "--timing-only" in again["timing_command"] and "--timing-only" in (results / "mpnet.md").read_text()
     assert text.count("**met**") + text.count("**not met**") == 4  # two goals of two arms, each stated
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["mpnet", "deberta-v2"])
-def test_every_key_exact_equals_the_source_in_each_head_with_and_without_the_plugin(model_type, tmp_path):
-    """Issue 55's first goal, for the two architectures whose scores carry position terms: k = n (every layer partial,
-    R empty) equals the source in float32 on a padded batch (≤ 1e-5) for the base model, the masked LM and the
-    classifier, with the plugin and by remote code in a process that cannot import it."""
-    from test_encoders import N as TABLE_N, batch, tiny_config
-    from test_hub import remote_load_results
-
-    arch = architecture_for(model_type)
-    ids, mask = batch()
-    jobs = []
-    for auto in ("AutoModel", "AutoModelForMaskedLM", "AutoModelForSequenceClassification"):
-        torch.manual_seed(0)
-        source = arch.source_class(auto)(tiny_config(model_type)).eval()
-        model = partial_class_for(model_type, auto).from_source(source, AttentionPattern.exact(TABLE_N),
-                                                                partial_layers=[0, 1, 2]).eval()
-        with torch.no_grad():
-            want, got = source(input_ids=ids, attention_mask=mask)[0], model(input_ids=ids, attention_mask=mask)[0]
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=f"{model_type} {auto}")
-        folder = tmp_path / auto
-        model.save_pretrained(folder)
-        partial = {k: v for k, v in model.state_dict().items() if "partial_pattern" in k or "reconstruction" in k}
-        torch.save({"ids": ids, "mask": mask.long(), "out": want, "partial": partial}, folder / "reference.pt")
-        jobs.append(f"{folder} {auto}")
-    for folder, result in remote_load_results(jobs, tmp_path).items():  # against the source's outputs
-        module, diff, same_r = result.split()
-        assert module == "transformers_modules" and float(diff) <= 1e-5 and same_r == "True", (folder, result)
