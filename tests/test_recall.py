@@ -71,6 +71,8 @@ def test_arms_parse_and_arguments_refuse_what_cannot_run(tmp_path):
         RecallArguments(run_dir=str(tmp_path), steps="mqar=10")
     with pytest.raises(ValueError, match="start with 'exact'"):
         RecallArguments(run_dir=str(tmp_path), arms="k8_trained,exact")
+    with pytest.raises(ValueError, match="majority at n=64 needs symbols >= 9"):
+        RecallTask("majority", n=64, symbols=8)  # 7 others x 7 = 49 < 54 positions: no window exists
     with pytest.raises(ValueError, match="mqar with pairs=9"):
         RecallTask("mqar", n=64, pairs=9)
     a = RecallArguments(run_dir=str(tmp_path), learning_rates="1e-3,3e-3", r_lr_ratios="1,0.1")
