@@ -158,3 +158,45 @@ def test_frozen_w_comes_from_each_heads_cache(monkeypatch, attention_mask):
     again = _all_heads(leaves, mask, heads, states)
     assert len(built) == 1
     torch.testing.assert_close(again, _reference(leaves, mask, heads), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("t", [8, 5])
+@pytest.mark.parametrize("mask_kind", [None, "bool", "per_head"])
+@pytest.mark.parametrize("with_extra", [False, True])
+def test_without_autograd_every_head_in_one_pass(t, mask_kind, with_extra, monkeypatch, attention_mask):
+    """Without autograd, per-query P per head runs every head in one pass (`attention_heads`), in groups of heads
+    (two here), with the reference's numbers head by head: each head's P, R, bias and mask, and
+    the score's other terms at P (DeBERTa-v2's) added before R."""
+    from hf_partial_attention import attention_heads
+    from hf_partial_attention.attention_gather import gather_attention
+
+    calls = []
+    monkeypatch.setattr(attention_heads, "_group", lambda *a, f=attention_heads._group: calls.append(1) or f(*a))
+    # a group of 3 sequences (8·k is more than B) and 2 heads: H = 3 heads in two groups
+    monkeypatch.setattr(attention_heads, "TILE_ELEMENTS", 2 * 3 * t * t)
+    heads, states = _heads(6, derived=True)
+    leaves = [x.detach() for x in _inputs(t)]
+    mask = attention_mask(mask_kind, t, heads=H)
+    extra = torch.randn(3, H, t, K, dtype=DT, generator=torch.Generator().manual_seed(9)) if with_extra else None
+    q, k, v = (x.transpose(1, 2) for x in leaves)
+    with torch.no_grad():
+        got = heads_kernel.all_heads_attention(nn.Module().eval(), q, k, v, mask, 0.4, 0.0, _tensors(heads, states),
+                                               extra)[0]
+        want = torch.cat([gather_attention(
+            nn.Module().eval(), q[:, h:h + 1], k[:, h:h + 1], v[:, h:h + 1],
+            mask if mask is None or mask.shape[1] == 1 else mask[:, h:h + 1], 0.4, 0.0,
+            partial=_tensors([heads[h]], [None])[0], extra=None if extra is None else extra[:, h:h + 1])[0]
+            for h in range(H)], dim=2)  # (B, T, H, D)
+    assert calls == [1, 1]  # the one-pass path ran, in two groups of heads
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_blocks_and_dropout_keep_each_heads_own_kernel(monkeypatch):
+    """The one-pass path takes per-query P without dropout only: blocks of rows sharing keys (scored by block GEMMs)
+    and dropout in effect go elsewhere."""
+    from hf_partial_attention import attention_heads
+
+    per_query, blocks = (_tensors(_heads(family=f)[0], [None] * H) for f in ("per_query", "blocks"))
+    assert attention_heads.heads_in_one_pass(per_query, 0.0)
+    assert not attention_heads.heads_in_one_pass(blocks, 0.0)
+    assert not attention_heads.heads_in_one_pass(per_query, 0.1)

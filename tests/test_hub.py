@@ -40,7 +40,8 @@ def test_save_pretrained_writes_auto_map_and_code(tmp_path):
                       "configuration_partial.py", "modeling_partial.py", "architectures.py", "partial_layer.py",
                       "configuration_partial_encoders.py",
                       "modeling_partial_encoders.py", "partial_places.py", "attention_backward.py",
-                      "attention_layout.py", "attention_adapters.py", "attention_layer.py"}, bundle
+                      "attention_layout.py", "attention_adapters.py", "attention_layer.py",
+                      "attention_heads.py"}, bundle
     assert "partial_implementation" not in json.loads((tmp_path / "config.json").read_text())
 
 

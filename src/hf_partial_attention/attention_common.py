@@ -235,8 +235,10 @@ def masked_exact_scores(query, key, attention_mask, layout: PatternLayout, scali
         exact = gathered_scores(query, key, layout.indices, scaling)  # (B, H, T, k)
     if extra is not None:
         exact = exact + extra
-    if masked is not None:
-        exact = exact.masked_fill(masked_at_p(masked, layout.indices, t), 0.0)  # masked keys enter R with score zero
+    # Masked keys, and keys at or beyond T, enter R with score zero (q·k is zero beyond T already; extra is not)
+    zero_at = masked_at_p(masked, layout.indices, t)  # (B|1, 1|H, T, k) or None
+    if zero_at is not None:
+        exact = exact.masked_fill(zero_at, 0.0)
     return exact, additive
 
 

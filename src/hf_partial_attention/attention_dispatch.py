@@ -25,6 +25,7 @@ from .attention_adapters import with_position_bias
 from .attention_common import STATES, DerivedState, PartialTensors, PatternLayout, PatternStructure, needs_grad
 from .attention_fused import all_heads_attention, fused_attention
 from .attention_gather import gather_attention
+from .attention_heads import heads_in_one_pass
 from .attention_lengths import bucketed_attention, exact_attention
 from .attention_tiled import tiled_attention
 from .configuration_partial import KERNEL_NAMES, PARTIAL_IMPLEMENTATIONS, check_implementation
@@ -241,6 +242,32 @@ def _terms_per_head(score_terms, query, key, tensors: list[PartialTensors]) -> t
                       for h, t in enumerate(tensors)], dim=1)
 
 
+def _per_head(implementation, module, query, key, value, attention_mask, scaling, dropout, need_weights,
+              tensors: list[PartialTensors], score_terms, run_kernel):
+    """A bucket with P and R per head (``tensors``, one per head). Where the fused kernel would run (not for the map,
+    the reference, tiled or Triton settings, the compiled fast path, nor under export): every head at once, in one
+    autograd node with a hand-written backward, or without autograd in one pass (per-query P), where one kernel call
+    per head would pay H times for every step (`attention_fused.all_heads_attention`). Otherwise each head by
+    ``run_kernel`` on its own slice of q, k, v."""
+    extra = _terms_per_head(score_terms, query, key, tensors)
+    in_effect = dropout if module.training else 0.0
+    grad = needs_grad(query, key, value, attention_mask, extra, *(t.reconstruction for t in tensors),
+                      *(t.bias for t in tensors))
+    if (grad or heads_in_one_pass(tensors, in_effect)) and \
+            kernel_for(implementation, tensors[0], query, key, value, need_weights=need_weights, dropout=in_effect,
+                       attention_mask=attention_mask, extra=extra) == "fused":
+        return all_heads_attention(module, query, key, value, attention_mask, scaling, in_effect, tensors, extra)
+    outs, maps = [], []
+    for h, head_tensors in enumerate(tensors):
+        mask = (attention_mask if attention_mask is None or attention_mask.shape[1] == 1
+                else attention_mask[:, h:h + 1])  # (B|1, 1, T, T)
+        out, probs = run_kernel(head_tensors, query[:, h:h + 1], key[:, h:h + 1], value[:, h:h + 1], mask,
+                                slice(h, h + 1))
+        outs.append(out)  # (B, T, 1, D)
+        maps.append(probs)  # (B, 1, T, T) or None
+    return torch.cat(outs, dim=2), None if maps[0] is None else torch.cat(maps, dim=1)  # (B, T, H, D)
+
+
 def _partial_function(implementation: str) -> Callable:
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, need_weights=None,
                   partial: PartialTensors | None = None, score_terms=None, **kwargs):
@@ -272,27 +299,8 @@ def _partial_function(implementation: str) -> Callable:
             tensors = layer_tensors(module, length) if tensors is None else tensors  # P, R: read once, passed down
             if not isinstance(tensors, list):
                 return run_kernel(tensors, query, key, value, attention_mask)
-            # P and R per head. Where the fused kernel would run under autograd (not for the map, the reference or
-            # Triton settings, nor under export): every head in one autograd node with a hand-written backward,
-            # where one kernel call per head would pay for H small backward passes (`attention_fused`).
-            extra = _terms_per_head(score_terms, query, key, tensors)
-            if needs_grad(query, key, value, attention_mask, extra, *(t.reconstruction for t in tensors),
-                          *(t.bias for t in tensors)) and \
-                    kernel_for(implementation, tensors[0], query, key, value, need_weights=need_weights,
-                               dropout=dropout if module.training else 0.0, attention_mask=attention_mask,
-                               extra=extra) == "fused":
-                return all_heads_attention(module, query, key, value, attention_mask, scaling,
-                                           dropout if module.training else 0.0, tensors, extra)
-            # Otherwise each head by the kernel of its own P and R, on its own slice of q, k, v
-            outs, maps = [], []
-            for h, head_tensors in enumerate(tensors):
-                mask = (attention_mask if attention_mask is None or attention_mask.shape[1] == 1
-                        else attention_mask[:, h:h + 1])  # (B|1, 1, T, T)
-                out, probs = run_kernel(head_tensors, query[:, h:h + 1], key[:, h:h + 1], value[:, h:h + 1], mask,
-                                        slice(h, h + 1))
-                outs.append(out)  # (B, T, 1, D)
-                maps.append(probs)  # (B, 1, T, T) or None
-            return torch.cat(outs, dim=2), None if maps[0] is None else torch.cat(maps, dim=1)  # (B, T, H, D)
+            return _per_head(implementation, module, query, key, value, attention_mask, scaling, dropout,
+                             need_weights, tensors, score_terms, run_kernel)
 
         if partial is not None or len(config.partial_lengths) == 1:  # one bucket: n's P and R for every input
             return run_bucket(config.partial_seq_len, query, key, value, attention_mask)

@@ -3,7 +3,7 @@ scatter), then mask, softmax, dropout and ·V, with a backward written out by ha
 n×n buffer per group of (batch, head) pairs, worked in place. Returns no attention map (like SDPA): the dispatcher
 runs the reference kernel when the map is asked for. Per-query patterns run `_ScoresFused`; blocks of rows sharing
 keys get their exact scores from block GEMMs, then `_RowsFused`; P and R per head run `_ScoresFused` head by head
-(`all_heads_attention`). Why by hand, and why head by head: docs/method.md, "The fused kernel". Its numbers and
+(`all_heads_attention`; without autograd `attention_heads`). Why by hand, and why head by head: docs/method.md, "The fused kernel". Its numbers and
 gradients are the reference's (tested in float64 against ``gather``).
 
 Part of the remote-code bundle (imports: torch and siblings only).
@@ -18,6 +18,7 @@ from .attention_backward import dropped_probabilities, scatter_to_complement, so
 from .attention_common import (PartialTensors, PatternStructure, bias_in_key_order, broadcast_slice, check_length,
                                masked_at_p, masked_exact_scores, masked_keys, needs_grad, normalised_in_place,
                                rows_first, sum_to_shape, tile_groups)
+from .attention_heads import heads_in_one_pass, heads_no_grad_attention
 
 __all__ = ["fused_attention", "all_heads_attention"]
 
@@ -286,10 +287,14 @@ def _with_autograd(query, key, value, attention_mask, partial: PartialTensors, s
 def all_heads_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         attention_mask: torch.Tensor | None, scaling: float, dropout: float,
                         heads: list[PartialTensors], extra: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
-    """P and R per head (``partial_granularity="head"``) under autograd: ``(B, H, T, D)`` q, k, v and one
-    `PartialTensors` per head -> ``(output (B, T, H, D), None)``, the reference kernel's numbers head by head, every
-    head in one autograd node (`_ScoresFused`, a group per head) rather than H nodes with their own small products
-    and allocations. Without autograd a model runs each head by its own kernel, which tiles the batch."""
+    """P and R per head (``partial_granularity="head"``): ``(B, H, T, D)`` q, k, v and one `PartialTensors` per
+    head -> ``(output (B, T, H, D), None)``, the reference kernel's numbers head by head. Under autograd every head
+    in one autograd node (`_ScoresFused`, a group per head) rather than H nodes with their own small products and
+    allocations; without, every head in one pass where `attention_heads.heads_in_one_pass` allows (else
+    `_ScoresFused`'s forward, which keeps what a backward would read)."""
+    if not needs_grad(query, key, value, attention_mask, extra, *(p.reconstruction for p in heads),
+                      *(p.bias for p in heads)) and heads_in_one_pass(heads, dropout):
+        return heads_no_grad_attention(query, key, value, attention_mask, heads, scaling, extra), None
     return _scores_fused(query, key, value, attention_mask, heads, scaling, dropout, extra), None
 
 
