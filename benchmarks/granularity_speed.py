@@ -8,7 +8,10 @@ the question is what that costs. The models: `BertModel` (eager and SDPA) of Min
 pooled, and per head, with the local pattern of k keys around each query shifted by h positions for head h (a
 different P per head; speed does not depend on R's values). BERT-base shape at n = 512 with ``--spec n512``
 (``--modes inference``: a training step there takes minutes a round);
-MiniLM's shape at n = 512, B = 4, k = 16 with ``--spec n512_minilm`` (both modes).
+MiniLM's shape at n = 512, B = 4, k = 16 with ``--spec n512_minilm`` (both modes); MPNet-base's shape
+(`MPNetModel`, its relative-position bias in every layer) at n = 128, B = 4, k = 32 with ``--spec mpnet_b4``
+(inference), beside the same per-head model run head by head (``attention_heads``' one pass turned off: the path
+before it), the setting of all-mpnet-base-v2's timing in results/mpnet/.
 Each round runs every model once, in an order rotated round by round; ratios are medians of per-round ratios with
 a distribution-free interval (`timing.median_interval`). Writes granularity_speed_<spec>.json / .md.
 """
@@ -36,7 +39,9 @@ SPECS = {"n128": dict(layers=6, hidden=384, heads=12, b=32, n=128, k=16),
          "n512": dict(layers=12, hidden=768, heads=12, b=8, n=512, k=32),
          # MiniLM's shape at n = 512 (k = 16 < d_h = 32 saves work): a training step in seconds, not minutes
          "n512_minilm": dict(layers=6, hidden=384, heads=12, b=4, n=512, k=16),
-         "tiny": dict(layers=2, hidden=64, heads=4, b=2, n=16, k=4)}  # the test's
+         "mpnet_b4": dict(layers=12, hidden=768, heads=12, b=4, n=128, k=32, arch="mpnet"),
+         "tiny": dict(layers=2, hidden=64, heads=4, b=2, n=16, k=4),  # the tests'
+         "mpnet_tiny": dict(layers=2, hidden=64, heads=4, b=2, n=16, k=4, arch="mpnet")}
 MODES = ("inference", "training step")
 # ratio key -> the model each model is divided by, round by round
 BASELINES = {"vs_pooled": "PartialBert pooled", "vs_eager": "BertModel eager", "vs_sdpa": "BertModel sdpa"}
@@ -54,7 +59,42 @@ def shifted_local(n: int, k: int, shift: int) -> AttentionPattern:
     return AttentionPattern(indices, base.reconstruction)
 
 
+def mpnet_models(spec: dict) -> dict:
+    """MPNet (eager: its attention has no SDPA form), partial pooled and per head, and per head head by head."""
+    from transformers import MPNetConfig, MPNetModel
+
+    import hf_partial_attention.attention_dispatch as dispatch
+    from hf_partial_attention.modeling_partial_encoders import partial_from_source
+
+    torch.manual_seed(0)
+    source = MPNetModel(MPNetConfig(num_hidden_layers=spec["layers"], hidden_size=spec["hidden"],
+                                    num_attention_heads=spec["heads"], intermediate_size=4 * spec["hidden"],
+                                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    n, k, heads = spec["n"], spec["k"], spec["heads"]
+    layers = range(spec["layers"] - 1)  # the paper's: the last layer exact
+    per_head = LayerPatterns({layer: [shifted_local(n, k, h) for h in range(heads)] for layer in layers})
+    pooled = LayerPatterns({layer: AttentionPattern.local(n, k) for layer in layers})
+    one_pass = partial_from_source(source, per_head, reconstruction="fixed")
+
+    class HeadByHead(torch.nn.Module):  # the same model, its per-head layers run each head by its own kernel
+        def __init__(self):
+            super().__init__()
+            self.model = one_pass
+
+        def forward(self, **batch):
+            saved, dispatch.heads_in_one_pass = dispatch.heads_in_one_pass, lambda *a: False
+            try:
+                return self.model(**batch)
+            finally:
+                dispatch.heads_in_one_pass = saved
+
+    return {"MPNetModel eager": source, "partial pooled": partial_from_source(source, pooled, reconstruction="fixed"),
+            "partial per head": one_pass, "partial per head, head by head": HeadByHead()}
+
+
 def models(spec: dict) -> dict:
+    if spec.get("arch") == "mpnet":
+        return mpnet_models(spec)
     torch.manual_seed(0)
     cfg = dict(num_hidden_layers=spec["layers"], hidden_size=spec["hidden"], num_attention_heads=spec["heads"],
                intermediate_size=4 * spec["hidden"], hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
@@ -101,7 +141,7 @@ def run(spec: dict, rounds: int, modes=MODES) -> dict:
         rows = {}
         for name in named:
             row = {"median_s": statistics.median(times[name]), "round_s": times[name]}
-            for key, base in BASELINES.items():
+            for key, base in baselines(spec).items():
                 ratios = [a / b for a, b in zip(times[name], times[base])]
                 ci = median_interval(ratios)
                 row[key] = {"median": statistics.median(ratios), "interval": [ci["low"], ci["high"]],
@@ -111,19 +151,29 @@ def run(spec: dict, rounds: int, modes=MODES) -> dict:
     return results
 
 
+def baselines(spec: dict) -> dict:
+    """Ratio key -> the model each model is divided by (MPNet: pooled and eager, it has no SDPA)."""
+    if spec.get("arch") == "mpnet":
+        return {"vs_pooled": "partial pooled", "vs_eager": "MPNetModel eager"}
+    return BASELINES
+
+
 def markdown(result: dict) -> str:
     spec = result["spec"]
-    lines = [f"# P and R per head beside pooled, BERT eager and SDPA ({result['spec_name']})", "",
+    keys = baselines(spec)
+    lines = [f"# P and R per head beside pooled, {spec.get('arch', 'BERT')} eager"
+             f"{'' if 'vs_sdpa' not in keys else ' and SDPA'} ({result['spec_name']})", "",
              f"Command: `{result['command']}`; {spec['layers']} layers, hidden {spec['hidden']}, "
              f"{spec['heads']} heads, B = {spec['b']}, n = {spec['n']}, k = {spec['k']}; {result['rounds']} rounds, "
              f"order rotated; {result['machine'].get('cpu', '')}, {result['machine'].get('torch_threads', '')} "
              "threads.", "",
-             "| mode | model | median s | / pooled | interval | / eager | interval | / SDPA | interval |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| mode | model | median s | " + " | ".join(f"/ {key[3:].replace('sdpa', 'SDPA')} | interval"
+                                                      for key in keys) + " |",
+             "|---|---|---|" + "---|---|" * len(keys)]
     for mode, rows in result["results"].items():
         for name, row in rows.items():
             cells = [mode, name, f"{row['median_s']:.3f}"]
-            for key in BASELINES:
+            for key in keys:
                 r = row[key]
                 cells += [f"{r['median']:.3f}", f"{r['interval'][0]:.3f}–{r['interval'][1]:.3f}"]
             lines.append("| " + " | ".join(cells) + " |")

@@ -345,3 +345,31 @@ def test_granularity_speed_times_a_per_head_model(tmp_path):
         assert set(rows) == set(models)
         assert rows["PartialBert pooled"]["vs_pooled"]["median"] == 1.0
     assert "| inference | PartialBert per head |" in (tmp_path / "granularity_speed_tiny.md").read_text()
+
+
+@pytest.mark.slow
+def test_granularity_speed_times_mpnet_per_head_in_one_pass_and_head_by_head(tmp_path, monkeypatch):
+    """The MPNet spec (tiny): the per-head model runs its layers in one pass, the head-by-head entry the same model
+    each head by its own kernel (no one-pass call), with the same output; ratios to pooled and eager."""
+    import torch
+
+    import hf_partial_attention.attention_heads as heads
+
+    granularity_speed = _import("granularity_speed")
+    models = granularity_speed.models(granularity_speed.SPECS["mpnet_tiny"])
+    calls = []
+    monkeypatch.setattr(heads, "_group", lambda *a, f=heads._group: calls.append(1) or f(*a))
+    ids = torch.randint(5, 99, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        one = models["partial per head"].eval()(input_ids=ids).last_hidden_state
+        assert len(calls) == 1  # layer 0 partial (the last exact), every head in one group
+        by_head = models["partial per head, head by head"].eval()(input_ids=ids).last_hidden_state
+        assert len(calls) == 1
+    torch.testing.assert_close(by_head, one, rtol=1e-5, atol=1e-6)
+    result = granularity_speed.main(["--spec", "mpnet_tiny", "--rounds", "3", "--modes", "inference",
+                                     "--out", str(tmp_path)])
+    rows = result["results"]["inference"]
+    assert set(rows) == set(models) and rows["MPNetModel eager"]["vs_eager"]["median"] == 1.0
+    assert set(rows["partial pooled"]) == {"median_s", "round_s", "vs_pooled", "vs_eager"}
+    text = (tmp_path / "granularity_speed_mpnet_tiny.md").read_text()
+    assert "| inference | partial per head, head by head |" in text
