@@ -22,6 +22,8 @@ TYPES = ["mpnet", "deberta-v2"]
 # projections LoRA targets
 POSITIONS = {"mpnet": "encoder.relative_attention_bias.weight", "deberta-v2": "encoder.rel_embeddings.weight"}
 LORA_TARGETS = {"mpnet": ["q", "v"], "deberta-v2": ["query_proj", "value_proj"]}
+# what convert prints of an exact score's cost (tiny configs: d_h = 8; DeBERTa-v2's score has three terms)
+DIM_PHRASE = {"mpnet": "d_h = 8", "deberta-v2": "d = 24 (d_h = 8 times 3 score terms)"}
 
 
 def source(model_type: str, auto: str = "AutoModelForMaskedLM", vocab_size: int = 99):
@@ -105,7 +107,9 @@ def test_analyze_derive_every_form_convert_load(model_type, tmp_path, capsys, mi
         capsys.readouterr()
         assert cli.main(["convert", os.path.join(run, "patterns", name + ".safetensors"), "--out", ckpt, "--model",
                          folder, "--reconstruction", "fixed"]) == 0, name
-        assert f"reloads as {cls_name}" in capsys.readouterr().out, name
+        printed = capsys.readouterr().out
+        assert f"reloads as {cls_name}" in printed, name
+        assert f"at n = 16, {DIM_PHRASE[model_type]}: a saving of" in printed, name
         model = AutoModel.from_pretrained(ckpt).eval()
         assert type(model).__name__ == cls_name
         assert model.config.partial_granularity == granularity and model.config.partial_lengths == [12, 16], name

@@ -3,8 +3,8 @@ scatter), then mask, softmax, dropout and ·V, with a backward written out by ha
 n×n buffer per group of (batch, head) pairs, worked in place. Returns no attention map (like SDPA): the dispatcher
 runs the reference kernel when the map is asked for. Per-query patterns run `_ScoresFused`; blocks of rows sharing
 keys get their exact scores from block GEMMs, then `_RowsFused`; P and R per head run `_ScoresFused` head by head
-(`all_heads_attention`; without autograd `attention_heads`). Why by hand, and why head by head: docs/method.md, "The fused kernel". Its numbers and
-gradients are the reference's (tested in float64 against ``gather``).
+(`all_heads_attention`; without autograd `attention_heads`). Why by hand, and why head by head: docs/method.md,
+"The fused kernel". Its numbers and gradients are the reference's (tested in float64 against ``gather``).
 
 Part of the remote-code bundle (imports: torch and siblings only).
 """

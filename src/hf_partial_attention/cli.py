@@ -209,7 +209,9 @@ def _run_convert(args) -> int:
     if exact := result.get("exact_layers"):  # derive --exact-layers: dense layers of the same budget save nothing
         saving *= len(result["partial_layers"]) / (len(result["partial_layers"]) + len(exact))
         what += f" (layers {exact} exact within the budget)"
-    print(f"Wrote checkpoint {args.out}: {what} exact scores per query at n = {n}, d_h = {d_head}: a saving of "
+    terms = result.get("score_terms", 1)  # DeBERTa-v2: three dot products of d_h per exact score
+    dim = f"d_h = {d_head}" if terms == 1 else f"d = {d_head} (d_h = {d_head // terms} times {terms} score terms)"
+    print(f"Wrote checkpoint {args.out}: {what} exact scores per query at n = {n}, {dim}: a saving of "
           f"{100 * saving:.1f} % of QKᵀ multiply-adds; reloads as {result.get('reloaded_class', '(not checked)')}")
     if len(result["lengths"]) > 1:
         savings = bucket_savings(result["lengths"], result["lengths_k"], d_head)

@@ -106,13 +106,14 @@ def _source_config(source: Any, name: str):
 def _result(partial, config, out_dir: str, pattern_path: str, source: Any, name: str, base_id: str | None,
             layers: LayerPatterns | None, buckets: PatternBuckets, warnings: list[str]) -> dict[str, Any]:
     """What `convert` returns about the checkpoint written (the tokenizer, card and reload check add theirs)."""
+    from ..cost import score_terms
     from .convert_checks import head_dim
 
     return {"checkpoint": out_dir, "pattern": pattern_path, "source_model": str(source),
             "source_model_id": name, "base_model": base_id, "k": partial.config.partial_k,
             "seq_len": buckets.seq_len, "lengths": buckets.lengths, "lengths_k": buckets.lengths_k,
             "partial_layers": list(partial.config.partial_layers), "head_dim": head_dim(partial.config),
-            "layers_k": partial.config.partial_layers_k,
+            "score_terms": score_terms(partial.config), "layers_k": partial.config.partial_layers_k,
             "exact_layers": list(layers.metadata.get("exact_layers") or []) if layers is not None else [],
             "model_type": config.model_type, "partial_class": type(partial).__name__, "warnings": warnings}
 
