@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from .attention_common import (TILE_ELEMENTS, PartialTensors, PatternStructure, bias_in_key_order, check_length,
-                               masked_at_p, masked_keys, softmax_in_place)
+from .attention_common import (TILE_ELEMENTS, PartialTensors, PatternStructure, bias_in_key_order, broadcast_slice,
+                               check_length, masked_at_p, masked_keys, softmax_in_place)
 
 __all__ = ["heads_in_one_pass", "heads_no_grad_attention"]
 
@@ -42,8 +42,7 @@ def heads_no_grad_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     out = value.new_empty(b, t, h, value.shape[-1])  # (B, T, H, Dv)
     for rows, heads_of in _groups(b, h, t, indices.shape[-1]):
         def part(x):  # a (B|1, H|1, ...) tensor's part of this group: whole where a dimension broadcasts
-            return x if x is None else x[rows if x.shape[0] > 1 else slice(None), heads_of if x.shape[1] > 1 else
-                                         slice(None)]
+            return x if x is None else x[broadcast_slice((rows, heads_of), x)]
 
         out[rows, :, heads_of] = _group(query[rows, heads_of], key[rows, heads_of], value[rows, heads_of],
                                         part(additive), part(zero_at), indices[heads_of], ws[heads_of],
